@@ -1,0 +1,306 @@
+"""Encoding and decoding of storages: the CPU reference path and the dispatch to the GPU path.
+
+Unit of compression: one *storage* (the memory behind one or more tensor views, as in
+``torch.save``), cut into *segments* of ``segment_elems`` elements; each segment is split into
+``w`` byte planes (or one plane of bytes) and every plane of every segment is one *chunk*, coded
+with the codec that measured best for it (never larger than raw: raw is always a candidate).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from s4w_core import checksum as ck
+from s4w_core.codecs import DEFLATE, RAW, ZSTD, get_codec
+from s4w_core.errors import (
+    BaseMismatchError,
+    ChecksumMismatchError,
+    UnsupportedTypeError,
+)
+from s4w_core.format.container import ContainerReader, ContainerWriter
+from s4w_core.planes import PLANE_DTYPES, merge_planes, plane_width, split_planes
+
+__all__ = [
+    "SEGMENT_ELEMS",
+    "StorageJob",
+    "Collector",
+    "encode_storage_cpu",
+    "decode_storage_cpu",
+    "dtype_from_name",
+    "dtype_name",
+]
+
+#: elements per segment written by the CPU path (1 MiB per plane chunk).
+SEGMENT_ELEMS = 1 << 20
+#: a plane other than the first is entropy-coded only if a sample says it saves at least this much.
+MIN_GAIN = 0.02
+_SAMPLE = 1 << 16
+
+BaseLookup = Callable[[str, int, str], "tuple[torch.Tensor, dict[str, Any]] | None"]
+BaseResolver = Callable[[dict[str, Any], int], torch.Tensor]
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype):
+        from s4w_core.errors import ManifestError
+
+        raise ManifestError(f"manifest names unknown dtype {name!r}")
+    return dt
+
+
+@dataclass
+class StorageJob:
+    """One storage to encode: its bytes as a 1-D uint8 tensor and how to interpret them."""
+
+    raw: torch.Tensor  # 1-D uint8, contiguous, on its device
+    dtype: torch.dtype
+    path: str
+    device: str
+    base: torch.Tensor | None = None  # same shape as raw, same device
+    base_ref: dict[str, Any] | None = None
+
+
+@dataclass
+class Collector:
+    """Gathers tensors while the tree is encoded; shares storages the way torch.save does."""
+
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+    jobs: list[StorageJob] = field(default_factory=list)
+    _by_id: dict[int, int] = field(default_factory=dict)
+    _storage_idx: dict[tuple[str, int], int] = field(default_factory=dict)
+    _keep: list[Any] = field(default_factory=list)
+
+    def add(self, t: torch.Tensor, path: str) -> int:
+        if id(t) in self._by_id:
+            return self._by_id[id(t)]
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedTypeError(
+                f"{path}: tensor subclass {type(t).__qualname__} is not supported by s4w_core.save "
+                "(for DTensor/sharded state use the torch.distributed.checkpoint integration)"
+            )
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise UnsupportedTypeError(
+                f"{path}: {t.layout} / quantized / meta tensors are not supported; only dense tensors"
+            )
+        src = t
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        key = (str(t.device), st.data_ptr()) if nbytes else ("empty", id(st))
+        sidx = self._storage_idx.get(key)
+        if sidx is None:
+            sidx = len(self.jobs)
+            self._storage_idx[key] = sidx
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (nbytes,), (1,))
+            self.jobs.append(StorageJob(raw, t.dtype, path, str(t.device)))
+            self._keep.append(st)
+        entry = {
+            "path": path,
+            "storage": sidx,
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "offset": t.storage_offset(),
+            "requires_grad": bool(src.requires_grad),
+            "param": isinstance(src, torch.nn.Parameter),
+        }
+        self._by_id[id(src)] = len(self.tensors)
+        self._keep.append(src)
+        self.tensors.append(entry)
+        return len(self.tensors) - 1
+
+
+# ----------------------------------------------------------------------------- helpers
+def transform_for(dtype: torch.dtype, nbytes: int) -> tuple[str, int]:
+    if dtype in PLANE_DTYPES:
+        w = plane_width(dtype)
+        if nbytes % w == 0:
+            return "planes-rotl1", w
+    return "bytes", 1
+
+
+def _entropy_ratio(plane: np.ndarray) -> float:
+    """Estimated order-0 compression ratio of a uint8 array, from a strided sample."""
+    n = plane.size
+    if n == 0:
+        return 1.0
+    sample = plane[:: max(1, n // _SAMPLE)]
+    counts = np.bincount(sample, minlength=256)
+    p = counts[counts > 0] / sample.size
+    h = float(-(p * np.log2(p)).sum())
+    return 8.0 / max(h, 1e-3)
+
+
+def _estimate_bytes(planes: torch.Tensor) -> float:
+    arr = planes.numpy()
+    return sum(arr.shape[1] / _entropy_ratio(arr[j]) for j in range(arr.shape[0]))
+
+
+def _choose_codec(transform: str, j: int, plane: np.ndarray) -> Any:
+    if transform == "bytes":
+        return ZSTD
+    if j == 0:
+        return DEFLATE
+    return DEFLATE if _entropy_ratio(plane) > 1.0 + MIN_GAIN else RAW
+
+
+def _encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes]:
+    codec = _choose_codec(transform, j, plane)
+    data = memoryview(plane)
+    if codec is not RAW:
+        assert codec.encode_cpu is not None
+        out = codec.encode_cpu(data)
+        if len(out) < plane.size:
+            return codec.id, out
+    return RAW.id, bytes(data)
+
+
+def _segments(n: int, seg: int) -> Iterator[tuple[int, int]]:
+    for s in range(0, n, seg):
+        yield s, min(n, s + seg)
+
+
+def _executor(threads: int | None) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1))
+
+
+# ----------------------------------------------------------------------------- CPU encode
+def encode_storage_cpu(
+    job: StorageJob,
+    writer: ContainerWriter,
+    pool: ThreadPoolExecutor,
+    segment_elems: int = SEGMENT_ELEMS,
+) -> dict[str, Any]:
+    """Encode one storage on the CPU and append its chunks; returns its manifest entry."""
+    raw = job.raw.cpu() if job.raw.device.type != "cpu" else job.raw
+    nbytes = raw.numel()
+    transform, w = transform_for(job.dtype, nbytes)
+    n = nbytes // w
+    entry: dict[str, Any] = {
+        "path": job.path,
+        "device": job.device,
+        "dtype": dtype_name(job.dtype),
+        "nbytes": nbytes,
+        "transform": transform,
+        "segment_elems": segment_elems,
+        "checksum": ck.tensor_checksum(raw),
+        "delta": None,
+        "chunks": [],
+    }
+    base = None
+    if job.base is not None:
+        base = job.base.cpu()
+        if base.numel() != nbytes:
+            raise BaseMismatchError(f"{job.path}: base has {base.numel()} bytes, tensor {nbytes}")
+        # choose plain vs delta per storage from a sample of both
+        s0, s1 = 0, min(n, segment_elems)
+        plain = _planes(raw[s0 * w : s1 * w], job.dtype, transform, None)
+        delta = _planes(raw[s0 * w : s1 * w], job.dtype, transform, base[s0 * w : s1 * w])
+        if _estimate_bytes(delta) < 0.97 * _estimate_bytes(plain):
+            entry["delta"] = {"op": "xor", "base": job.base_ref}
+        else:
+            base = None
+
+    # encode segments in windows so memory stays bounded while all threads are busy
+    window = max(2, pool._max_workers)  # noqa: SLF001 - sized to the pool
+    segs = list(_segments(n, segment_elems))
+    for i in range(0, len(segs), window):
+        futs = []
+        for s0, s1 in segs[i : i + window]:
+            b = base[s0 * w : s1 * w] if base is not None else None
+            planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b).numpy()
+            futs.extend(pool.submit(_encode_chunk, transform, j, planes[j]) for j in range(planes.shape[0]))
+        for f in futs:
+            codec_id, data = f.result()
+            off, length, h = writer.add_chunk(data)
+            entry["chunks"].append([codec_id, off, length, h])
+    return entry
+
+
+def _planes(
+    raw: torch.Tensor, dtype: torch.dtype, transform: str, base: torch.Tensor | None
+) -> torch.Tensor:
+    if transform == "planes-rotl1":
+        return split_planes(raw, dtype, base)
+    x = raw if base is None else raw ^ base
+    return x.view(1, -1)
+
+
+# ----------------------------------------------------------------------------- CPU decode
+def chunk_layout(entry: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(segment_start_elem, segment_end_elem, plane)`` for each chunk, in manifest order."""
+    w = entry["_width"]
+    n = entry["nbytes"] // w
+    return [(s0, s1, j) for s0, s1 in _segments(n, entry["segment_elems"]) for j in range(w)]
+
+
+def decode_storage_cpu(
+    reader: ContainerReader,
+    entry: dict[str, Any],
+    pool: ThreadPoolExecutor,
+    resolve_base: BaseResolver | None,
+    name: str,
+) -> torch.Tensor:
+    """Decode one (validated) storage entry to a 1-D uint8 CPU tensor, verifying every checksum."""
+    nbytes = entry["nbytes"]
+    w = entry["_width"]
+    dtype = dtype_from_name(entry["dtype"])
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    base = _resolve(entry, resolve_base, name)
+    layout = chunk_layout(entry)
+
+    def fetch_decode(i: int) -> bytes:
+        codec_id, off, length, h = entry["chunks"][i]
+        s0, s1, _ = layout[i]
+        data = reader.read_chunk(off, length)
+        if ck.xxh3_hex(data) != h:
+            raise ChecksumMismatchError(
+                f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: "
+                "checksum mismatch"
+            )
+        return get_codec(codec_id).decode(data, s1 - s0)
+
+    futs = [pool.submit(fetch_decode, i) for i in range(len(layout))]
+    for k in range(0, len(layout), w):
+        s0, s1, _ = layout[k]
+        parts = [np.frombuffer(futs[k + j].result(), dtype=np.uint8) for j in range(w)]
+        planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
+        b = base[s0 * w : s1 * w] if base is not None else None
+        if entry["transform"] == "planes-rotl1":
+            seg = merge_planes(planes, dtype, b)
+        else:
+            seg = planes.view(-1) if b is None else planes.view(-1) ^ b
+        out[s0 * w : s1 * w] = seg
+    if not ck.verify_tensor_checksum(entry["checksum"], out):
+        raise ChecksumMismatchError(
+            f"{name}: tensor {entry['path']!r} decoded to bytes that do not match its recorded "
+            f"checksum {entry['checksum']}" + (" (is the delta base the right one?)" if base is not None else "")
+        )
+    return out
+
+
+def _resolve(entry: dict[str, Any], resolve_base: BaseResolver | None, name: str) -> torch.Tensor | None:
+    delta = entry.get("delta")
+    if not delta:
+        return None
+    if resolve_base is None:
+        raise BaseMismatchError(
+            f"{name}: tensor {entry['path']!r} is stored as a delta against {delta.get('base')!r}; load it "
+            "through its CheckpointStore (or pass `bases=`) so the base can be found"
+        )
+    base = resolve_base(delta.get("base") or {}, entry["nbytes"]).cpu()
+    if base.dtype != torch.uint8 or base.numel() != entry["nbytes"]:
+        raise BaseMismatchError(f"{name}: base for {entry['path']!r} has the wrong size")
+    return base

@@ -1,0 +1,93 @@
+"""Error hierarchy of s4weights.
+
+Every error raised on purpose by the library subclasses :class:`S4WError` and, where one fits, the
+matching builtin (``ValueError``, ``FileNotFoundError``, ``OSError``, ``ImportError``), so callers can
+catch either.  All errors are picklable (they only carry a message), so they cross process
+boundaries (DataLoader workers, ``multiprocessing``, DCP ranks) intact.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "S4WError",
+    "FormatError",
+    "TruncatedError",
+    "BadMagicError",
+    "UnsupportedVersionError",
+    "ManifestError",
+    "ChecksumMismatchError",
+    "UnknownCodecError",
+    "DecodeError",
+    "UnsupportedTypeError",
+    "CheckpointNotFoundError",
+    "BaseMismatchError",
+    "StoreError",
+    "ConflictError",
+    "BackendUnavailableError",
+    "DeviceUnavailableError",
+]
+
+
+class S4WError(Exception):
+    """Root of every error s4weights raises on purpose."""
+
+
+class FormatError(S4WError, ValueError):
+    """The bytes are not a well-formed s4weights container (corrupt, truncated or forged)."""
+
+
+class TruncatedError(FormatError):
+    """The container is shorter than its own header, trailer or manifest says it is."""
+
+
+class BadMagicError(FormatError):
+    """The file does not start/end with the s4weights magic: not an s4weights container."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The container was written in a format version this reader does not know."""
+
+
+class ManifestError(FormatError):
+    """The JSON manifest is malformed, inconsistent or names impossible sizes/offsets."""
+
+
+class ChecksumMismatchError(FormatError):
+    """Stored bytes or decoded bytes do not match the checksum recorded when they were written."""
+
+
+class DecodeError(FormatError):
+    """A codec failed to decode a chunk whose checksum matched (a codec bug or a forged chunk)."""
+
+
+class UnknownCodecError(S4WError, ValueError):
+    """The container names a codec id this installation does not know."""
+
+
+class UnsupportedTypeError(S4WError, TypeError):
+    """``save`` met a Python object it cannot store without pickling it."""
+
+
+class CheckpointNotFoundError(S4WError, FileNotFoundError):
+    """The checkpoint (file, step or object) does not exist."""
+
+
+class BaseMismatchError(S4WError, ValueError):
+    """A delta's base is missing, or is not the exact bytes the delta was computed against."""
+
+
+class StoreError(S4WError, OSError):
+    """A storage backend failed (I/O error, S3 error, unreachable endpoint, bad credentials)."""
+
+
+class ConflictError(StoreError):
+    """Another writer holds or changed the same checkpoint location."""
+
+
+class BackendUnavailableError(S4WError, ImportError):
+    """A codec or device backend is needed but not installed/usable here (e.g. a GPU-only codec
+    on a CPU-only machine)."""
+
+
+class DeviceUnavailableError(S4WError, RuntimeError):
+    """A tensor's recorded device does not exist here; pass ``map_location``."""

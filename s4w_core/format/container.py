@@ -1,0 +1,189 @@
+"""Byte layout of one s4weights file (trailer-last; see docs/FORMAT.md)::
+
+    offset 0        header   16 B   MAGIC(8) | u16 version | u16 flags(0) | u32 reserved(0)
+    offset 16       data     chunks back to back, no gaps, in manifest order
+    offset M        manifest UTF-8 JSON, M = manifest_offset
+    offset size-32  trailer  32 B   u64 manifest_offset | u64 manifest_length |
+                                    u64 xxh3-64(manifest) | TRAILER_MAGIC(8)
+
+All integers little-endian.  The manifest comes last so a writer can stream chunks out (to a
+file, a pipe or a multipart S3 upload) as they are encoded, without knowing sizes in advance and
+without seeking back.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import struct
+from typing import IO, Any, Callable
+
+import xxhash
+
+from s4w_core.errors import (
+    BadMagicError,
+    ChecksumMismatchError,
+    ManifestError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+
+__all__ = [
+    "MAGIC",
+    "TRAILER_MAGIC",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "TRAILER_SIZE",
+    "MAX_MANIFEST_BYTES",
+    "ContainerWriter",
+    "ContainerReader",
+]
+
+MAGIC = b"S4WCKPT\x00"
+TRAILER_MAGIC = b"S4WEND\x00\x00"
+FORMAT_VERSION = 1
+HEADER_SIZE = 16
+TRAILER_SIZE = 32
+#: A reader refuses a manifest larger than this (a forged length must not size an allocation).
+MAX_MANIFEST_BYTES = 1 << 30
+
+_HEADER = struct.Struct("<8sHHI")
+_TRAILER = struct.Struct("<QQQ8s")
+
+ReadRange = Callable[[int, int], bytes]
+
+
+class ContainerWriter:
+    """Streams a container to a binary file object: ``add_chunk`` in order, then ``finish``."""
+
+    def __init__(self, fp: IO[bytes]) -> None:
+        self._fp = fp
+        self._fp.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
+        self._pos = HEADER_SIZE
+        self.data_bytes = 0
+
+    def add_chunk(self, data: bytes | bytearray | memoryview) -> tuple[int, int, str]:
+        """Append one chunk; returns ``(offset, length, xxh3-64 hex)`` for the manifest."""
+        off = self._pos
+        n = len(data)
+        self._fp.write(data)
+        self._pos += n
+        self.data_bytes += n
+        return off, n, xxhash.xxh3_64_hexdigest(data)
+
+    def finish(self, manifest: dict[str, Any]) -> int:
+        """Write manifest and trailer; returns the container's total size."""
+        body = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        off = self._pos
+        self._fp.write(body)
+        self._fp.write(_TRAILER.pack(off, len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC))
+        self._pos += len(body) + TRAILER_SIZE
+        return self._pos
+
+
+class ContainerReader:
+    """Random-access reader over a container of known ``size``.
+
+    ``read_range(offset, length)`` returns exactly those bytes (a file, an mmap, an S3 ranged GET).
+    The constructor reads and checks header, trailer and manifest checksum; it does not read data.
+    """
+
+    def __init__(self, read_range: ReadRange, size: int, name: str = "<container>") -> None:
+        self.name = name
+        self.size = size
+        self._read = read_range
+        self._fp: IO[bytes] | None = None
+        if size < HEADER_SIZE + TRAILER_SIZE:
+            raise TruncatedError(
+                f"{name}: {size} bytes is shorter than an s4weights header and trailer "
+                f"({HEADER_SIZE + TRAILER_SIZE} bytes): truncated or not an s4weights file"
+            )
+        magic, version, _flags, _res = _HEADER.unpack(self._exact(0, HEADER_SIZE))
+        if magic != MAGIC:
+            raise BadMagicError(f"{name}: not an s4weights file (bad magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise UnsupportedVersionError(
+                f"{name}: format version {version}; this s4weights reads version {FORMAT_VERSION}"
+                + (": upgrade s4weights" if version > FORMAT_VERSION else "")
+            )
+        self.version = version
+        moff, mlen, mhash, tmagic = _TRAILER.unpack(self._exact(size - TRAILER_SIZE, TRAILER_SIZE))
+        if tmagic != TRAILER_MAGIC:
+            raise TruncatedError(
+                f"{name}: no s4weights trailer at the end of the file: it is truncated or was not "
+                "completely written"
+            )
+        if moff < HEADER_SIZE or mlen > MAX_MANIFEST_BYTES or moff + mlen != size - TRAILER_SIZE:
+            raise ManifestError(
+                f"{name}: trailer gives manifest offset {moff} and length {mlen}, which do not fit a "
+                f"{size}-byte file"
+            )
+        body = self._exact(moff, mlen)
+        if xxhash.xxh3_64_intdigest(body) != mhash:
+            raise ChecksumMismatchError(f"{name}: manifest checksum mismatch: the manifest is corrupt")
+        try:
+            manifest = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ManifestError(f"{name}: manifest is not valid JSON: {e}") from e
+        if not isinstance(manifest, dict):
+            raise ManifestError(f"{name}: manifest is not a JSON object")
+        self.manifest: dict[str, Any] = manifest
+        self.data_start = HEADER_SIZE
+        self.data_end = moff
+
+    def _exact(self, offset: int, length: int) -> bytes:
+        data = self._read(offset, length)
+        if len(data) != length:
+            raise TruncatedError(
+                f"{self.name}: wanted {length} bytes at offset {offset}, got {len(data)}: truncated"
+            )
+        return data
+
+    def read_chunk(self, offset: int, length: int) -> bytes:
+        if offset < self.data_start or offset + length > self.data_end:
+            raise ManifestError(f"{self.name}: chunk [{offset}, +{length}) lies outside the data section")
+        return self._exact(offset, length)
+
+    # -- constructors -------------------------------------------------------------------------
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, name: str = "<bytes>") -> "ContainerReader":
+        mv = memoryview(data)
+        return cls(lambda o, n: bytes(mv[o : o + n]), len(mv), name)
+
+    @classmethod
+    def from_file(cls, fp: IO[bytes], name: str | None = None) -> "ContainerReader":
+        fp.seek(0, os.SEEK_END)
+        size = fp.tell()
+        try:
+            fd = fp.fileno()
+        except (AttributeError, OSError, io.UnsupportedOperation):
+            fd = -1
+        if fd >= 0:
+
+            def read_range(o: int, n: int) -> bytes:  # pread: safe from many threads at once
+                return os.pread(fd, n, o)
+
+        else:
+            lock = threading.Lock()
+
+            def read_range(o: int, n: int) -> bytes:
+                with lock:
+                    fp.seek(o)
+                    return fp.read(n)
+
+        reader = cls(read_range, size, name or getattr(fp, "name", "<file>"))
+        reader._fp = fp  # keeps the file (and its descriptor) open as long as the reader lives
+        return reader
+
+    def close(self) -> None:
+        fp = getattr(self, "_fp", None)
+        if fp is not None:
+            fp.close()
+
+    def __enter__(self) -> "ContainerReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

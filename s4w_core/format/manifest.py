@@ -1,0 +1,111 @@
+"""Validation of a parsed manifest before anything is allocated or decoded.
+
+Everything numeric in a manifest is untrusted: sizes, offsets, shapes and strides are checked
+against the container and each other here, so that decoding never indexes out of bounds and never
+allocates more than the bound stated in docs/FORMAT.md ("Resource bounds").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from s4w_core.errors import ManifestError, UnsupportedVersionError
+from s4w_core.format.container import FORMAT_VERSION
+
+__all__ = ["validate_manifest", "MAX_EXPANSION", "MAX_SEGMENT_BYTES", "MAX_STORAGE_BYTES"]
+
+#: largest decoded/stored ratio a chunk of each codec may claim (deflate's format limit is
+#: ~1032:1; zstd and ANS can go further on constant data, capped here).
+MAX_EXPANSION = {"raw": 1, "deflate": 1040, "zstd": 1 << 16, "nvcomp-ans": 1 << 16}
+MAX_SEGMENT_BYTES = 1 << 26
+MAX_STORAGE_BYTES = 1 << 48
+_WIDTH = {"planes-rotl1": None, "bytes": 1}
+_PLANE_WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise ManifestError(f"manifest: {what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_codecs: set[str]) -> None:
+    """Check ``m`` in place; adds ``_width`` to each storage entry. Raises ManifestError."""
+    if m.get("format") != "s4weights":
+        raise ManifestError("manifest: 'format' is not 's4weights'")
+    if m.get("version") != FORMAT_VERSION:
+        raise UnsupportedVersionError(f"manifest version {m.get('version')!r}; this reader knows {FORMAT_VERSION}")
+    storages = m.get("storages")
+    tensors = m.get("tensors")
+    if not isinstance(storages, list) or not isinstance(tensors, list):
+        raise ManifestError("manifest: 'storages' and 'tensors' must be lists")
+    for i, s in enumerate(storages):
+        where = f"storage {i}"
+        if not isinstance(s, dict):
+            raise ManifestError(f"manifest: {where} is not an object")
+        if not isinstance(s.get("path"), str) or not isinstance(s.get("device"), str):
+            raise ManifestError(f"manifest: {where} lacks path/device")
+        nbytes = _int(s.get("nbytes"), f"{where} nbytes", 0, MAX_STORAGE_BYTES)
+        tr = s.get("transform")
+        if tr not in _WIDTH:
+            raise ManifestError(f"manifest: {where} has unknown transform {tr!r}")
+        if not isinstance(s.get("dtype"), str):
+            raise ManifestError(f"manifest: {where} dtype must be a string")
+        w = _PLANE_WIDTH.get(s["dtype"]) if tr == "planes-rotl1" else 1
+        if w is None or nbytes % w:
+            raise ManifestError(f"manifest: {where}: transform {tr} does not apply to {s['dtype']} x {nbytes} bytes")
+        seg = _int(s.get("segment_elems"), f"{where} segment_elems", 1, MAX_SEGMENT_BYTES // w)
+        ck = s.get("checksum")
+        if not isinstance(ck, str) or ck.split(":", 1)[0] not in ("xxh3-64", "fold64"):
+            raise ManifestError(f"manifest: {where} has no valid checksum")
+        delta = s.get("delta")
+        if delta is not None and (not isinstance(delta, dict) or delta.get("op") != "xor"):
+            raise ManifestError(f"manifest: {where} has an unknown delta {delta!r}")
+        n = nbytes // w
+        nseg = -(-n // seg)
+        chunks = s.get("chunks")
+        if not isinstance(chunks, list) or len(chunks) != nseg * w:
+            raise ManifestError(
+                f"manifest: {where} must have {nseg * w} chunks ({nseg} segments x {w} planes), "
+                f"has {len(chunks) if isinstance(chunks, list) else chunks!r}"
+            )
+        for k, c in enumerate(chunks):
+            if not (isinstance(c, list) and len(c) == 4 and isinstance(c[0], str) and isinstance(c[3], str)):
+                raise ManifestError(f"manifest: {where} chunk {k} is malformed")
+            codec, off, length = c[0], c[1], c[2]
+            if codec not in known_codecs:
+                from s4w_core.codecs import get_codec
+
+                get_codec(codec)  # raises UnknownCodecError with the install hint
+            _int(off, f"{where} chunk {k} offset", data_start, data_end)
+            _int(length, f"{where} chunk {k} length", 0, data_end - off)
+            seg_i = k // w
+            raw_len = min(seg, n - seg_i * seg)
+            if codec == "raw" and length != raw_len:
+                raise ManifestError(f"manifest: {where} chunk {k}: raw chunk of {length} bytes, expected {raw_len}")
+            if raw_len > max(1, length) * MAX_EXPANSION.get(codec, 1 << 16) + 64:
+                raise ManifestError(
+                    f"manifest: {where} chunk {k} claims {raw_len} bytes from {length} stored bytes of {codec}: "
+                    "beyond that codec's possible expansion"
+                )
+        s["_width"] = w
+    for i, t in enumerate(tensors):
+        where = f"tensor {i}"
+        if not isinstance(t, dict):
+            raise ManifestError(f"manifest: {where} is not an object")
+        sidx = _int(t.get("storage"), f"{where} storage", 0, len(storages) - 1)
+        if not isinstance(t.get("dtype"), str) or not isinstance(t.get("path"), str):
+            raise ManifestError(f"manifest: {where} lacks dtype/path")
+        shape, stride = t.get("shape"), t.get("stride")
+        if not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride) or len(shape) > 64:
+            raise ManifestError(f"manifest: {where} has malformed shape/stride")
+        for d in shape:
+            _int(d, f"{where} shape entry", 0, MAX_STORAGE_BYTES)
+        for d in stride:
+            _int(d, f"{where} stride entry", 0, MAX_STORAGE_BYTES)
+        off = _int(t.get("offset"), f"{where} offset", 0, MAX_STORAGE_BYTES)
+        t["_itemsize"] = None  # filled by the loader, which knows dtypes
+        t["_extent"] = (
+            0 if 0 in shape else off + 1 + sum((d - 1) * st for d, st in zip(shape, stride))
+        )  # elements of the storage the view reaches
+        _ = storages[sidx]
