@@ -168,10 +168,11 @@ def _encode(
             if found is not None:
                 job.base, job.base_ref = found
     writer = ContainerWriter(fp)
-    gpu = _gpu() if prof == "fast" else None
+    on_gpu = any(j.raw.device.type == "cuda" for j in col.jobs)
+    gpu = _gpu() if prof == "fast" or on_gpu else None
     with engine._executor(threads) as pool:
-        if gpu is not None:
-            storages = gpu.encode_storages(col.jobs, writer, pool)
+        if gpu is not None:  # fast profile, or portable with CUDA tensors: planes split on the GPU
+            storages = gpu.encode_storages(col.jobs, writer, pool, profile=prof)
         else:
             storages = [engine.encode_storage_cpu(job, writer, pool) for job in col.jobs]
     manifest: dict[str, Any] = {
@@ -285,6 +286,10 @@ def open_reader(src: PathLike | IO[bytes] | bytes | bytearray | memoryview | Con
 
 
 def _target_device(orig: str, map_location: MapLocation) -> torch.device:
+    try:
+        torch.device(orig)
+    except (RuntimeError, TypeError):
+        raise ManifestError(f"manifest names an invalid device {orig!r}") from None
     if map_location is None:
         dev = torch.device(orig)
     elif isinstance(map_location, (str, torch.device)):
@@ -389,9 +394,13 @@ def load(
         [0, 1, 2, 3]
     """
     reader = open_reader(path)
-    m = reader.manifest
-    raws = _decode_storages(reader, map_location, threads, _resolve_base)
-    return decode_tree(m["tree"], _build_tensors(m, raws))
+    try:
+        m = reader.manifest
+        raws = _decode_storages(reader, map_location, threads, _resolve_base)
+        return decode_tree(m["tree"], _build_tensors(m, raws))
+    finally:
+        if reader is not path:
+            reader.close()
 
 
 # ----------------------------------------------------------------------------- info / verify
@@ -411,6 +420,7 @@ def info(path: PathLike | IO[bytes] | bytes) -> dict[str, Any]:
         1
     """
     reader = open_reader(path)
+    reader.close()
     m = reader.manifest
     groups, dtypes, kinds, raw, stored, deltas = summarize(m)
     planes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -481,4 +491,7 @@ def verify(
         decode_tree(m["tree"], _build_tensors(m, raws))
     except S4WError as e:
         problems.append(f"{type(e).__name__}: {e}")
+    finally:
+        if reader is not path:
+            reader.close()
     return VerifyReport(reader.name, not problems, len(m["storages"]), raw, problems)

@@ -32,6 +32,7 @@ __all__ = [
     "Collector",
     "encode_storage_cpu",
     "decode_storage_cpu",
+    "delta_pays",
     "dtype_from_name",
     "dtype_name",
 ]
@@ -51,11 +52,17 @@ def dtype_name(dt: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dt, torch.dtype):
-        from s4w_core.errors import ManifestError
+    """The torch dtype named ``name`` (as written by :func:`dtype_name`); ManifestError otherwise."""
+    from s4w_core.errors import ManifestError
 
+    ok = isinstance(name, str) and not name.startswith(("_", "q"))  # no quantized dtypes (qint8, ...)
+    dt = getattr(torch, name, None) if ok else None
+    if not isinstance(dt, torch.dtype):
         raise ManifestError(f"manifest names unknown dtype {name!r}")
+    try:
+        torch.empty((), dtype=dt)
+    except (RuntimeError, TypeError):
+        raise ManifestError(f"manifest names dtype {name!r}, which has no dense tensors") from None
     return dt
 
 
@@ -181,9 +188,10 @@ def encode_storage_cpu(
     job: StorageJob,
     writer: ContainerWriter,
     pool: ThreadPoolExecutor,
-    segment_elems: int = SEGMENT_ELEMS,
+    segment_elems: int | None = None,
 ) -> dict[str, Any]:
     """Encode one storage on the CPU and append its chunks; returns its manifest entry."""
+    segment_elems = segment_elems or SEGMENT_ELEMS
     raw = job.raw.cpu() if job.raw.device.type != "cpu" else job.raw
     nbytes = raw.numel()
     transform, w = transform_for(job.dtype, nbytes)
@@ -200,18 +208,9 @@ def encode_storage_cpu(
         "chunks": [],
     }
     base = None
-    if job.base is not None:
+    if job.base is not None and delta_pays(job, transform):
         base = job.base.cpu()
-        if base.numel() != nbytes:
-            raise BaseMismatchError(f"{job.path}: base has {base.numel()} bytes, tensor {nbytes}")
-        # choose plain vs delta per storage from a sample of both
-        s0, s1 = 0, min(n, segment_elems)
-        plain = _planes(raw[s0 * w : s1 * w], job.dtype, transform, None)
-        delta = _planes(raw[s0 * w : s1 * w], job.dtype, transform, base[s0 * w : s1 * w])
-        if _estimate_bytes(delta) < 0.97 * _estimate_bytes(plain):
-            entry["delta"] = {"op": "xor", "base": job.base_ref}
-        else:
-            base = None
+        entry["delta"] = {"op": "xor", "base": job.base_ref}
 
     # encode segments in windows so memory stays bounded while all threads are busy
     window = max(2, pool._max_workers)  # noqa: SLF001 - sized to the pool
@@ -227,6 +226,28 @@ def encode_storage_cpu(
             off, length, h = writer.add_chunk(data)
             entry["chunks"].append([codec_id, off, length, h])
     return entry
+
+
+#: elements sampled (from the start of a storage) to decide plain vs. XOR delta.
+DELTA_SAMPLE_ELEMS = SEGMENT_ELEMS
+
+
+def delta_pays(job: StorageJob, transform: str) -> bool:
+    """Whether to store ``job`` as an XOR delta against ``job.base`` (shared by the CPU and GPU writers).
+
+    Estimated from the first :data:`DELTA_SAMPLE_ELEMS` elements of both (copied to the host).
+    Raises BaseMismatchError if the base has a different size.
+    """
+    assert job.base is not None
+    nbytes = job.raw.numel()
+    if job.base.numel() != nbytes:
+        raise BaseMismatchError(f"{job.path}: base has {job.base.numel()} bytes, tensor {nbytes}")
+    w = 1 if transform == "bytes" else plane_width(job.dtype)
+    k = min(nbytes // w, DELTA_SAMPLE_ELEMS) * w
+    raw, base = job.raw[:k].cpu(), job.base[:k].cpu()
+    plain = _planes(raw, job.dtype, transform, None)
+    delta = _planes(raw, job.dtype, transform, base)
+    return _estimate_bytes(delta) < 0.97 * _estimate_bytes(plain)
 
 
 def _planes(

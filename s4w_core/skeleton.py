@@ -125,8 +125,6 @@ def _enc_container(o: Any, path: str, depth: int, enc: Callable[[Any, str, int],
         return {"$complex": [_float(o.real), _float(o.imag)]}
     if type(o) is argparse.Namespace:
         return {"$namespace": {k: enc(v, _join(path, k), d) for k, v in vars(o).items()}}
-    if isinstance(o, (int, float)):  # bool/int/float subclasses (IntEnum, numpy.float64, ...)
-        pass
     np = _numpy()
     if np is not None:
         if isinstance(o, np.ndarray):
@@ -253,7 +251,10 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
                 t = dec(v, d)
                 if not isinstance(t, torch.Tensor):
                     raise bad("$ndarray must wrap a tensor")
-                return t.cpu().numpy()
+                try:
+                    return t.detach().cpu().numpy()
+                except (TypeError, RuntimeError):
+                    raise bad(f"$ndarray wraps a {t.dtype} tensor, which numpy cannot hold") from None
             if tag == "$npscalar" and isinstance(v, list) and len(v) == 2:
                 np = _numpy()
                 try:

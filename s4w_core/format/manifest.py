@@ -47,7 +47,7 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
             raise ManifestError(f"manifest: {where} lacks path/device")
         nbytes = _int(s.get("nbytes"), f"{where} nbytes", 0, MAX_STORAGE_BYTES)
         tr = s.get("transform")
-        if tr not in _WIDTH:
+        if not isinstance(tr, str) or tr not in _WIDTH:
             raise ManifestError(f"manifest: {where} has unknown transform {tr!r}")
         if not isinstance(s.get("dtype"), str):
             raise ManifestError(f"manifest: {where} dtype must be a string")

@@ -1,0 +1,62 @@
+"""Short fuzz runs for CI: hypothesis-driven structure-aware mutation, and atheris if installed."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.fuzz import harness
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def test_seeds_decode_ok() -> None:
+    for blob in harness.seeds():
+        assert harness.check_input(blob) == "ok"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2), st.integers(1, 3), st.binary(min_size=1, max_size=16))
+def test_mutated_containers_fail_cleanly(seed_idx: int, rounds: int, salt: bytes) -> None:
+    rng = random.Random(salt)
+    blob = harness.seeds()[seed_idx]
+    for _ in range(rounds):
+        blob = harness.mutate(blob, rng)
+    harness.check_input(blob)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_fail_cleanly(data: bytes) -> None:
+    assert harness.check_input(data) != "ok" or data in harness.seeds()
+
+
+def test_every_mutation_kind_is_caught() -> None:
+    """Each mutation that changes meaning must be detected (not decoded to different bytes)."""
+    rng = random.Random(1)
+    outcomes: dict[str, int] = {}
+    for _ in range(300):
+        blob = harness.mutate(harness.seeds()[1], rng)
+        r = harness.check_input(blob)
+        outcomes[r] = outcomes.get(r, 0) + 1
+    # the bulk of mutations must be rejected, with several distinct, specific error classes
+    assert sum(v for k, v in outcomes.items() if k != "ok") > 200, outcomes
+    assert len([k for k in outcomes if k != "ok"]) >= 4, outcomes
+
+
+@pytest.mark.slow
+def test_atheris_short_run(tmp_path: "os.PathLike[str]") -> None:
+    pytest.importorskip("atheris")
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "fuzz", "fuzz_reader.py"), "-runs=3000",
+         "-rss_limit_mb=3072", "-timeout=30", "-max_len=4096", f"-artifact_prefix={tmp_path}/"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Done 3000 runs" in r.stderr, r.stderr[-2000:]
