@@ -69,8 +69,14 @@ except ImportError:  # pragma: no cover - isal is a hard dependency, kept option
     _inflate_mod = zlib  # type: ignore[assignment]
 
 
+try:  # zlib-ng's Huffman-only deflate is ~2.5x faster than zlib's; same format
+    from zlib_ng import zlib_ng as _deflate_mod
+except ImportError:  # pragma: no cover - zlib-ng is a dependency, zlib the fallback
+    _deflate_mod = zlib  # type: ignore[assignment]
+
+
 def _deflate_encode(data: Buffer) -> bytes:
-    c = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    c = _deflate_mod.compressobj(1, _deflate_mod.DEFLATED, -15, 9, _deflate_mod.Z_HUFFMAN_ONLY)
     return c.compress(data) + c.flush()
 
 
