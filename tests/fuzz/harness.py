@@ -14,6 +14,7 @@ catch it), unknown codecs and versions.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import random
@@ -136,7 +137,7 @@ def mutate(blob: bytes, rng: random.Random) -> bytes:
     if op == 3:  # forge manifest fields
         for _ in range(rng.randint(1, 3)):
             paths = _paths(m)
-            m = _set(m, rng.choice(paths), rng.choice(_FORGE_VALUES))
+            m = _set(m, rng.choice(paths), copy.deepcopy(rng.choice(_FORGE_VALUES)))
         return rebuild(prefix, m)
     if op == 4:  # splice: copy one chunk entry (checksum included) over another
         chunks = chunks_of(m)
