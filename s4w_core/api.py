@@ -234,6 +234,7 @@ def save(
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".s4w-", suffix=".tmp", dir=d)
         try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a checkpoint gets normal file mode
             with os.fdopen(fd, "wb") as f:
                 manifest, size, prof = _encode(obj, f, profile, threads, _base_lookup, extra)
                 f.flush()
@@ -248,6 +249,15 @@ def save(
         _fsync_dir(d)
     groups, dtypes, kinds, raw, stored, deltas = summarize(manifest)
     return SaveReport(out_path, prof, raw, stored, size, time.perf_counter() - t0, groups, dtypes, kinds, deltas)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0o022)  # read once at import (os.umask can only be read by setting it)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
 
 
 def _fsync_dir(d: str) -> None:
