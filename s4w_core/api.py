@@ -366,9 +366,11 @@ def _build_tensors(m: dict[str, Any], raws: list[torch.Tensor]) -> list[torch.Te
         if t["_extent"] * item > raw.numel():
             raise ManifestError(f"manifest: tensor {i} ({t['path']!r}) reaches past the end of its storage")
         x = torch.empty(0, dtype=dt, device=raw.device).set_(raw.untyped_storage(), t["offset"], t["shape"], t["stride"])
+        if t.get("requires_grad") and not (dt.is_floating_point or dt.is_complex):
+            raise ManifestError(f"manifest: tensor {i} ({t['path']!r}) of dtype {dt} cannot require grad")
         if t.get("param"):
             x = torch.nn.Parameter(x, requires_grad=bool(t.get("requires_grad")))
-        elif t.get("requires_grad") and (dt.is_floating_point or dt.is_complex):
+        elif t.get("requires_grad"):
             x.requires_grad_(True)
         tensors.append(x)
     return tensors

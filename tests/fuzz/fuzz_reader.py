@@ -13,7 +13,6 @@ reader as they are (libFuzzer's own mutations, guided by coverage). Any exceptio
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 import atheris
@@ -30,18 +29,7 @@ with atheris.instrument_imports():
 
 
 def one_input(data: bytes) -> None:
-    if not data:
-        return
-    seeds = harness.seeds()
-    mode = data[0] % 4
-    if mode == 0:
-        harness.check_input(bytes(data[1:]))
-        return
-    rng = random.Random(data[1:])
-    blob = seeds[data[0] % len(seeds)]
-    for _ in range(mode):  # 1..3 stacked mutations
-        blob = harness.mutate(blob, rng)
-    harness.check_input(blob)
+    harness.run_one(data)
 
 
 def main() -> None:

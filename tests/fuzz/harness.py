@@ -180,3 +180,22 @@ def check_input(data: bytes) -> str:
     if not rep.ok:
         raise AssertionError(f"load succeeded but verify found problems: {rep.problems}")
     return "ok"
+
+
+def run_one(data: bytes) -> None:
+    """The fuzz target's input handling (shared by atheris and the regression replays).
+
+    The first byte picks the mode: 0 feeds the remaining bytes to the reader as they are; 1..3
+    stacks that many structure-aware mutations of a seed, seeded by the remaining bytes.
+    """
+    if not data:
+        return
+    mode = data[0] % 4
+    if mode == 0:
+        check_input(bytes(data[1:]))
+        return
+    rng = random.Random(bytes(data[1:]))
+    blob = seeds()[data[0] % len(seeds())]
+    for _ in range(mode):
+        blob = mutate(blob, rng)
+    check_input(blob)

@@ -50,6 +50,16 @@ def test_every_mutation_kind_is_caught() -> None:
     assert len([k for k in outcomes if k != "ok"]) >= 4, outcomes
 
 
+REGRESSIONS = os.path.join(os.path.dirname(__file__), "regressions")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(REGRESSIONS) if not n.endswith(".md")))
+def test_fuzz_regressions(name: str) -> None:
+    """Inputs the fuzzer once crashed on (each fixed with the commit that added it)."""
+    with open(os.path.join(REGRESSIONS, name), "rb") as f:
+        harness.run_one(f.read())
+
+
 @pytest.mark.slow
 def test_atheris_short_run(tmp_path: "os.PathLike[str]") -> None:
     pytest.importorskip("atheris")
