@@ -20,8 +20,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import xxhash
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Buffer
 
 __all__ = ["xxh3_hex", "tensor_checksum", "verify_tensor_checksum", "fold64"]
 
@@ -39,7 +44,7 @@ def _s64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
+def xxh3_hex(data: Buffer) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
@@ -53,6 +58,8 @@ def fold64(flat_u8: torch.Tensor) -> int:
     pad = (-n) % 4
     if pad:
         flat_u8 = torch.cat([flat_u8, flat_u8.new_zeros(pad)])
+    elif flat_u8.storage_offset() % 4:  # an int32 view needs 4-byte alignment
+        flat_u8 = flat_u8.clone()
     words = flat_u8.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=flat_u8.device)
     k1, m1, m2 = _s64(_K1), _s64(_M1), _s64(_M2)

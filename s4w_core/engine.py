@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from s4w_core import checksum as ck
+from s4w_core import delta
 from s4w_core.codecs import DEFLATE, RAW, ZSTD, get_codec
 from s4w_core.errors import (
     BaseMismatchError,
@@ -33,6 +34,7 @@ __all__ = [
     "encode_storage_cpu",
     "decode_storage_cpu",
     "delta_pays",
+    "choose_delta_op",
     "dtype_from_name",
     "dtype_name",
 ]
@@ -40,8 +42,10 @@ __all__ = [
 #: elements per segment written by the CPU path (1 MiB per plane chunk).
 SEGMENT_ELEMS = 1 << 20
 #: a plane other than the first is entropy-coded only if a sample says it saves at least this much.
-MIN_GAIN = 0.02
+MIN_GAIN = 0.0
 _SAMPLE = 1 << 16
+#: a deflate chunk this many times smaller than its plane is also tried with zstd (smaller wins).
+LOW_ENTROPY_RATIO = 4
 
 BaseLookup = Callable[[str, int, str], "tuple[torch.Tensor, dict[str, Any]] | None"]
 BaseResolver = Callable[[dict[str, Any], int], torch.Tensor]
@@ -169,6 +173,13 @@ def _encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes
     if codec is not RAW:
         assert codec.encode_cpu is not None
         out = codec.encode_cpu(data)
+        if codec is DEFLATE and len(out) * LOW_ENTROPY_RATIO < plane.size:
+            # Huffman codes spend >= 1 bit a byte; near-constant planes (delta residuals of
+            # unchanged or barely changed values) go far below that with zstd's matches.
+            assert ZSTD.encode_cpu is not None
+            z = ZSTD.encode_cpu(data)
+            if len(z) < len(out):
+                return ZSTD.id, z
         if len(out) < plane.size:
             return codec.id, out
     return RAW.id, bytes(data)
@@ -208,18 +219,19 @@ def encode_storage_cpu(
         "chunks": [],
     }
     base = None
-    if job.base is not None and delta_pays(job, transform):
-        base = job.base.cpu()
-        entry["delta"] = {"op": "xor", "base": job.base_ref}
+    op = choose_delta_op(job, transform) if job.base is not None else None
+    if op is not None:
+        base = job.base.cpu()  # type: ignore[union-attr]
+        entry["delta"] = {"op": op, "base": job.base_ref}
 
     # encode segments in windows so memory stays bounded while all threads are busy
     window = max(2, pool._max_workers)  # noqa: SLF001 - sized to the pool
     segs = list(_segments(n, segment_elems))
     for i in range(0, len(segs), window):
-        futs = []
+        futs: list[Any] = []
         for s0, s1 in segs[i : i + window]:
             b = base[s0 * w : s1 * w] if base is not None else None
-            planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b).numpy()
+            planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
             futs.extend(pool.submit(_encode_chunk, transform, j, planes[j]) for j in range(planes.shape[0]))
         for f in futs:
             codec_id, data = f.result()
@@ -228,14 +240,21 @@ def encode_storage_cpu(
     return entry
 
 
-#: elements sampled (from the start of a storage) to decide plain vs. XOR delta.
-DELTA_SAMPLE_ELEMS = SEGMENT_ELEMS
+#: elements sampled (in runs spread over a storage) to choose plain vs. a delta op.
+DELTA_SAMPLE_ELEMS = 1 << 18
+#: a delta op is used only if the sample says it saves at least this fraction over plain coding.
+DELTA_MIN_GAIN = 0.03
+_DELTA_RUNS = 16
 
 
-def delta_pays(job: StorageJob, transform: str) -> bool:
-    """Whether to store ``job`` as an XOR delta against ``job.base`` (shared by the CPU and GPU writers).
+def choose_delta_op(job: StorageJob, transform: str, ops: tuple[str, ...] | None = None) -> str | None:
+    """The delta op (:mod:`s4w_core.delta`) to store ``job`` with against ``job.base``, or None
+    for plain coding.  Shared by the CPU and GPU writers.
 
-    Estimated from the first :data:`DELTA_SAMPLE_ELEMS` elements of both (copied to the host).
+    Every candidate op (default: all that apply to the dtype, see :func:`delta.ops_for`) is
+    estimated on the same sample: up to :data:`DELTA_SAMPLE_ELEMS` elements in 16 runs spread over
+    the storage (copied to the host), so a storage whose first rows are atypical is judged on all
+    of it.  An op wins if it beats plain by :data:`DELTA_MIN_GAIN`; the smallest estimate wins.
     Raises BaseMismatchError if the base has a different size.
     """
     assert job.base is not None
@@ -243,16 +262,35 @@ def delta_pays(job: StorageJob, transform: str) -> bool:
     if job.base.numel() != nbytes:
         raise BaseMismatchError(f"{job.path}: base has {job.base.numel()} bytes, tensor {nbytes}")
     w = 1 if transform == "bytes" else plane_width(job.dtype)
-    k = min(nbytes // w, DELTA_SAMPLE_ELEMS) * w
-    raw, base = job.raw[:k].cpu(), job.base[:k].cpu()
-    plain = _planes(raw, job.dtype, transform, None)
-    delta = _planes(raw, job.dtype, transform, base)
-    return _estimate_bytes(delta) < 0.97 * _estimate_bytes(plain)
+    n = nbytes // w
+    if n == 0:
+        return None
+    run = max(1, min(n, DELTA_SAMPLE_ELEMS) // _DELTA_RUNS)
+    starts = sorted({(n - run) * k // (_DELTA_RUNS - 1) for k in range(_DELTA_RUNS)}) if n > run else [0]
+    raw = torch.cat([job.raw[s0 * w : min(n, s0 + run) * w].cpu() for s0 in starts])
+    base = torch.cat([job.base[s0 * w : min(n, s0 + run) * w].cpu() for s0 in starts])
+    best: str | None = None
+    best_cost = _estimate_bytes(_planes(raw, job.dtype, transform, None))
+    limit = (1.0 - DELTA_MIN_GAIN) * best_cost
+    for op in ops if ops is not None else delta.ops_for(job.dtype, transform):
+        if op not in delta.ops_for(job.dtype, transform):
+            continue
+        c = _estimate_bytes(_planes(raw, job.dtype, transform, base, op))
+        if c < limit and c < best_cost:
+            best, best_cost = op, c
+    return best
+
+
+def delta_pays(job: StorageJob, transform: str) -> bool:
+    """Whether an XOR delta pays for ``job`` (kept for writers that implement only ``xor``)."""
+    return choose_delta_op(job, transform, ("xor",)) is not None
 
 
 def _planes(
-    raw: torch.Tensor, dtype: torch.dtype, transform: str, base: torch.Tensor | None
+    raw: torch.Tensor, dtype: torch.dtype, transform: str, base: torch.Tensor | None, op: str | None = "xor"
 ) -> torch.Tensor:
+    if base is not None and op not in (None, "xor"):
+        raw, base = delta.forward(op, raw, base, dtype), None
     if transform == "planes-rotl1":
         return split_planes(raw, dtype, base)
     x = raw if base is None else raw ^ base
@@ -280,6 +318,7 @@ def decode_storage_cpu(
     dtype = dtype_from_name(entry["dtype"])
     out = torch.empty(nbytes, dtype=torch.uint8)
     base = _resolve(entry, resolve_base, name)
+    op = (entry.get("delta") or {}).get("op", "xor")
     layout = chunk_layout(entry)
 
     def fetch_decode(i: int) -> bytes:
@@ -299,7 +338,10 @@ def decode_storage_cpu(
         parts = [np.frombuffer(futs[k + j].result(), dtype=np.uint8) for j in range(w)]
         planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
         b = base[s0 * w : s1 * w] if base is not None else None
-        if entry["transform"] == "planes-rotl1":
+        if b is not None and op != "xor":  # residual planes, then the inverse delta op
+            seg = merge_planes(planes, dtype) if entry["transform"] == "planes-rotl1" else planes.view(-1)
+            seg = delta.inverse(op, seg, b, dtype)
+        elif entry["transform"] == "planes-rotl1":
             seg = merge_planes(planes, dtype, b)
         else:
             seg = planes.view(-1) if b is None else planes.view(-1) ^ b

@@ -25,7 +25,7 @@ __all__ = ["encode_tree", "decode_tree", "register_dict_type", "MAX_DEPTH"]
 MAX_DEPTH = 200
 
 # dict subclasses rebuilt by name on load (import by name only from this list: never arbitrary code)
-_DICT_TYPES: dict[str, str] = {
+_DICT_TYPES: dict[str, str | type] = {
     "lightning.fabric.utilities.data.AttributeDict": "lightning.fabric.utilities.data:AttributeDict",
     "lightning_fabric.utilities.data.AttributeDict": "lightning_fabric.utilities.data:AttributeDict",
     "pytorch_lightning.utilities.parsing.AttributeDict": "pytorch_lightning.utilities.parsing:AttributeDict",
@@ -34,10 +34,30 @@ _DICT_TYPES: dict[str, str] = {
 
 
 def register_dict_type(cls: type) -> None:
-    """Allow ``load`` to rebuild instances of the ``dict`` subclass ``cls`` (by qualified name)."""
+    """Allow ``load`` to rebuild instances of the ``dict`` subclass ``cls`` (by qualified name).
+
+    ``load`` never imports a module because a file names it: a dict subclass comes back as its own
+    class only if it was registered in this process, otherwise as a plain ``dict`` (with a warning).
+
+    Args:
+        cls: a subclass of ``dict`` whose ``cls()`` constructor takes no arguments.
+    Returns:
+        None.
+    Raises:
+        TypeError: ``cls`` is not a dict subclass.
+    Example:
+        >>> import io, torch, s4w_core
+        >>> class Config(dict):
+        ...     pass
+        >>> s4w_core.register_dict_type(Config)
+        >>> buf = io.BytesIO(); _ = s4w_core.save({"cfg": Config(lr=0.1)}, buf)
+        >>> type(s4w_core.load(buf.getvalue())["cfg"]).__name__
+        'Config'
+    """
     if not issubclass(cls, dict):
         raise TypeError(f"{cls!r} is not a dict subclass")
-    _DICT_TYPES[f"{cls.__module__}.{cls.__qualname__}"] = f"{cls.__module__}:{cls.__qualname__}"
+    # the class itself: classes defined in __main__, a notebook or a function cannot be re-imported by name
+    _DICT_TYPES[f"{cls.__module__}.{cls.__qualname__}"] = cls
 
 
 def _float(x: float) -> Any:
@@ -286,6 +306,8 @@ def _dict_type(name: str) -> type | None:
     target = _DICT_TYPES.get(name)
     if target is None:
         return None
+    if isinstance(target, type):
+        return target
     mod, _, qual = target.partition(":")
     try:
         obj: Any = importlib.import_module(mod)

@@ -66,13 +66,13 @@ def _raw_decode(data: Buffer, raw_len: int) -> bytes:
 try:  # ISA-L inflates ~3x faster than zlib; optional
     from isal import isal_zlib as _inflate_mod
 except ImportError:  # pragma: no cover - isal is a hard dependency, kept optional for robustness
-    _inflate_mod = zlib  # type: ignore[assignment]
+    _inflate_mod = zlib  # type: ignore[assignment,misc]
 
 
 try:  # zlib-ng's Huffman-only deflate is ~2.5x faster than zlib's; same format
     from zlib_ng import zlib_ng as _deflate_mod
 except ImportError:  # pragma: no cover - zlib-ng is a dependency, zlib the fallback
-    _deflate_mod = zlib  # type: ignore[assignment]
+    _deflate_mod = zlib  # type: ignore[assignment,misc]
 
 
 def _deflate_encode(data: Buffer) -> bytes:

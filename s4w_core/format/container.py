@@ -16,8 +16,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import threading
 import struct
+import threading
 from typing import IO, Any, Callable
 
 import xxhash
@@ -108,6 +108,11 @@ class ContainerReader:
                 f"{name}: format version {version}; this s4weights reads version {FORMAT_VERSION}"
                 + (": upgrade s4weights" if version > FORMAT_VERSION else "")
             )
+        if _flags or _res:
+            raise UnsupportedVersionError(
+                f"{name}: header flags {_flags:#x} / reserved {_res:#x} are set, which format version "
+                f"{version} does not define: written by a newer s4weights, or corrupt"
+            )
         self.version = version
         moff, mlen, mhash, tmagic = _TRAILER.unpack(self._exact(size - TRAILER_SIZE, TRAILER_SIZE))
         if tmagic != TRAILER_MAGIC:
@@ -125,7 +130,7 @@ class ContainerReader:
             raise ChecksumMismatchError(f"{name}: manifest checksum mismatch: the manifest is corrupt")
         try:
             manifest = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
             raise ManifestError(f"{name}: manifest is not valid JSON: {e}") from e
         if not isinstance(manifest, dict):
             raise ManifestError(f"{name}: manifest is not a JSON object")
@@ -173,7 +178,7 @@ class ContainerReader:
                     fp.seek(o)
                     return fp.read(n)
 
-        reader = cls(read_range, size, name or getattr(fp, "name", "<file>"))
+        reader = cls(read_range, size, name or str(getattr(fp, "name", "<file>")))
         reader._fp = fp  # keeps the file (and its descriptor) open as long as the reader lives
         return reader
 

@@ -20,6 +20,8 @@ MAX_EXPANSION = {"raw": 1, "deflate": 1040, "zstd": 1 << 16, "nvcomp-ans": 1 << 
 MAX_SEGMENT_BYTES = 1 << 26
 MAX_STORAGE_BYTES = 1 << 48
 _WIDTH = {"planes-rotl1": None, "bytes": 1}
+#: delta ops (s4w_core.delta): "xor" for any storage, "sub" for planes-rotl1 storages.
+_DELTA_OPS = ("xor", "sub")
 _PLANE_WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -39,6 +41,9 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
     tensors = m.get("tensors")
     if not isinstance(storages, list) or not isinstance(tensors, list):
         raise ManifestError("manifest: 'storages' and 'tensors' must be lists")
+    if "tree" not in m:
+        raise ManifestError("manifest: 'tree' is missing")
+    spans: list[tuple[int, int]] = []  # (offset, length) of every non-empty chunk
     for i, s in enumerate(storages):
         where = f"storage {i}"
         if not isinstance(s, dict):
@@ -59,8 +64,10 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
         if not isinstance(ck, str) or ck.split(":", 1)[0] not in ("xxh3-64", "fold64"):
             raise ManifestError(f"manifest: {where} has no valid checksum")
         delta = s.get("delta")
-        if delta is not None and (not isinstance(delta, dict) or delta.get("op") != "xor"):
+        if delta is not None and (not isinstance(delta, dict) or delta.get("op") not in _DELTA_OPS):
             raise ManifestError(f"manifest: {where} has an unknown delta {delta!r}")
+        if delta is not None and delta["op"] == "sub" and tr != "planes-rotl1":
+            raise ManifestError(f"manifest: {where}: delta op 'sub' applies only to planes-rotl1 storages")
         n = nbytes // w
         nseg = -(-n // seg)
         chunks = s.get("chunks")
@@ -88,7 +95,15 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
                     f"manifest: {where} chunk {k} claims {raw_len} bytes from {length} stored bytes of {codec}: "
                     "beyond that codec's possible expansion"
                 )
+            if length:
+                spans.append((off, length))
         s["_width"] = w
+    # Chunks may not overlap: otherwise a tiny file could point many chunks at the same bytes and
+    # claim (and make the reader allocate) an arbitrarily large decoded size.
+    spans.sort()
+    for (o1, n1), (o2, _n2) in zip(spans, spans[1:]):
+        if o2 < o1 + n1:
+            raise ManifestError(f"manifest: chunks at offsets {o1} (+{n1}) and {o2} overlap")
     for i, t in enumerate(tensors):
         where = f"tensor {i}"
         if not isinstance(t, dict):
@@ -104,6 +119,11 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
         for d in stride:
             _int(d, f"{where} stride entry", 0, MAX_STORAGE_BYTES)
         off = _int(t.get("offset"), f"{where} offset", 0, MAX_STORAGE_BYTES)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel > MAX_STORAGE_BYTES:
+            raise ManifestError(f"manifest: {where} has {numel} elements, more than {MAX_STORAGE_BYTES}")
         t["_itemsize"] = None  # filled by the loader, which knows dtypes
         t["_extent"] = (
             0 if 0 in shape else off + 1 + sum((d - 1) * st for d, st in zip(shape, stride))

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs the GPU checks and benchmarks on a lent GPU machine (the `run` tool of this workplace).
+# Usage: bash benchmarks/device_run.sh WHEELDIR MODE [bench args...]
+#   MODE tests : nvidia-smi, nvCOMP probe, pytest tests/parity (the @gpu tests)
+#   MODE bench : benchmarks/bench_codec.py with the remaining arguments
+# Logs go to $OUT (or ./device_out when OUT is unset).
+set -u
+WHL=$1; MODE=$2; shift 2
+OUT=${OUT:-./device_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
+  || { echo "wheel install failed"; exit 3; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+if [ "$MODE" = tests ]; then
+  timeout 120 python3 benchmarks/probe_nvcomp.py "$OUT/probe_nvcomp.json" 2>&1 | tail -20
+  timeout 420 python3 -m pytest --maxfail=15 -q -p no:cacheprovider tests/parity -m gpu -k "not interpreted" \
+     --durations=15 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -60
+else
+  timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_codec.py "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi

@@ -1,0 +1,379 @@
+"""GPU writer: plane split (Triton) + batched nvCOMP coding + per-chunk codec choice + ordered output.
+
+One *batch* = pieces (segment ranges) of one or more storages whose raw bytes fit the batch budget.
+Per batch, all on our stream and with one host synchronization (reading back compressed sizes):
+
+1. split every piece into planes in one flat buffer (``plane_stride`` rounded up so every chunk
+   starts 256-byte aligned), XORed with the delta base in the same kernel where the storage is an
+   ``xor`` delta (other delta ops of :mod:`s4w_core.delta` are applied first, on the device);
+2. compress every chunk with one nvCOMP call (ANS for ``fast``, Deflate entropy-only for
+   ``portable``) into fixed-capacity slots;
+3. on the host, per chunk, keep the coded bytes only if they are smaller (plane 0, non-float
+   storages) or save at least :data:`MIN_GAIN` (other planes); otherwise the chunk is raw;
+4. gather the chosen bytes into one compact buffer (two launches of one gather kernel), copy it to
+   pinned host memory once, and append the chunks to the container in manifest order.
+
+Storages that take the CPU path (portable profile: CPU tensors and non-float storages; fast
+profile: small non-float storages, where zstd beats order-0 ANS) are encoded by
+:func:`s4w_core.engine.encode_storage_cpu` into a recording writer and spliced in at their place.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from s4w_core import checksum as ck
+from s4w_core import engine
+from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW
+from s4w_core.format.container import ContainerWriter
+from s4w_core.gpu import _nvcomp
+from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy
+from s4w_core.planes.triton_kernels import split_planes_batched
+
+__all__ = ["encode_storages", "PROFILES", "MIN_GAIN"]
+
+#: a chunk of a plane other than the first keeps its coded form only if it saves this fraction.
+MIN_GAIN = 0.005
+#: non-float storages up to this size take the CPU path (zstd) in the fast profile.
+SMALL_BYTES_STORAGE = 1 << 20
+_REGION_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    codec_id: str
+    algorithm: str
+    segment_elems: int  # elements per segment = bytes per plane chunk
+    opts: tuple[tuple[str, Any], ...]
+
+
+PROFILES = {
+    # 512 Ki-element segments (512 KiB ANS chunks per plane): on all-MiniLM-L6-v2 bf16 the ratio is
+    # 1.481 / 1.495 / 1.502 / 1.505 / 1.506 for 64K / 128K / 256K / 512K / 1M elements (ZipNN:
+    # 1.504); benchmarks/results/README.md has the sweep and its throughput.
+    "fast": Profile("fast", NVCOMP_ANS.id, "ANS", 1 << 19, (("data_type", "|u1"),)),
+    # nvCOMP Deflate compresses chunks of at most 64 KiB; algorithm_type 0 = entropy only.
+    "portable": Profile("portable", DEFLATE.id, "Deflate", 1 << 16, (("algorithm_type", 0),)),
+}
+
+
+#: stage timings of the last traced batch (benchmarks set ``TRACE = True``; each mark synchronizes).
+TRACE = False
+TRACE_MARKS: list[tuple[str, float]] = []
+
+
+def _mark(name: str, dev: torch.device) -> None:
+    if TRACE:
+        import time
+
+        _nvcomp.synchronize(dev)
+        TRACE_MARKS.append((name, time.perf_counter()))
+
+
+def _round(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+class _RecordingWriter:
+    """Stands in for the container while the CPU path encodes a storage out of order."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def add_chunk(self, data: bytes | bytearray | memoryview) -> tuple[int, int, str]:
+        self.chunks.append(bytes(data))
+        return 0, len(data), ""
+
+
+class _OrderedSink:
+    """Appends chunks to the container strictly in manifest order as they become ready."""
+
+    def __init__(self, writer: ContainerWriter) -> None:
+        self.writer = writer
+        self.entries: list[dict[str, Any]] = []
+        self.nchunks: list[int] = []
+        self.ready: dict[tuple[int, int], tuple[str, Any]] = {}
+        self.ji = 0
+        self.ci = 0
+
+    def add_job(self, entry: dict[str, Any], nchunks: int) -> int:
+        self.entries.append(entry)
+        self.nchunks.append(nchunks)
+        return len(self.entries) - 1
+
+    def put(self, ji: int, ci: int, codec_id: str, data: Any) -> None:
+        self.ready[(ji, ci)] = (codec_id, data)
+
+    def drain(self) -> None:
+        while self.ji < len(self.entries):
+            if self.ci == self.nchunks[self.ji]:
+                self.ji += 1
+                self.ci = 0
+                continue
+            item = self.ready.pop((self.ji, self.ci), None)
+            if item is None:
+                return
+            codec_id, data = item
+            off, length, h = self.writer.add_chunk(data)
+            self.entries[self.ji]["chunks"].append([codec_id, off, length, h])
+            self.ci += 1
+
+    def done(self) -> bool:
+        return self.ji == len(self.entries) and not self.ready
+
+
+@dataclass
+class _Piece:
+    ji: int  # job index in the sink
+    raw: torch.Tensor  # whole storage bytes on the device
+    base: torch.Tensor | None
+    dtype: torch.dtype
+    transform: str
+    w: int
+    e0: int  # element range of this piece (segment aligned)
+    e1: int
+    seg: int
+    chunk0: int  # index of the piece's first chunk in its storage
+
+
+@dataclass
+class _Batch:
+    pieces: list[_Piece] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _choose_delta_op(job: engine.StorageJob, transform: str) -> str | None:
+    """The CPU writer's per-storage delta choice (shared code in the engine)."""
+    choose = getattr(engine, "choose_delta_op", None)
+    if choose is not None:
+        op: str | None = choose(job, transform)
+        return op
+    return "xor" if engine.delta_pays(job, transform) else None
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` already lives on a GPU (a hook: the CPU simulation in tests/parity overrides it)."""
+    return t.device.type == "cuda"
+
+
+def _device_for(jobs: list[engine.StorageJob]) -> torch.device:
+    for j in jobs:
+        if j.raw.device.type == "cuda":
+            return j.raw.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def encode_storages(
+    jobs: list[engine.StorageJob],
+    writer: ContainerWriter,
+    pool: ThreadPoolExecutor,
+    profile: str = "fast",
+) -> list[dict[str, Any]]:
+    if profile not in PROFILES:
+        raise ValueError(f"GPU writer has no profile {profile!r}")
+    prof = PROFILES[profile]
+    dev = _device_for(jobs)
+    sink = _OrderedSink(writer)
+    budget = _nvcomp.batch_bytes(dev)
+    entries: list[dict[str, Any]] = []
+    fold_slots: list[tuple[int, int]] = []  # (entry index, nbytes)
+    fold_items: list[tuple[torch.Tensor, int]] = []
+    with _nvcomp.on_stream(dev):
+        acc = torch.zeros(max(1, len(jobs)), dtype=torch.int64, device=dev)
+        batch = _Batch()
+        for job in jobs:
+            nbytes = job.raw.numel()
+            transform, w = engine.transform_for(job.dtype, nbytes)
+            cpu_path = (profile == "portable" and (not _on_device(job.raw) or transform == "bytes")) or (
+                profile == "fast" and transform == "bytes" and nbytes <= SMALL_BYTES_STORAGE
+            )
+            if cpu_path:
+                rec = _RecordingWriter()
+                entry = engine.encode_storage_cpu(job, rec, pool)  # type: ignore[arg-type]
+                codecs = [c[0] for c in entry["chunks"]]
+                entry["chunks"] = []
+                ji = sink.add_job(entry, len(codecs))
+                for ci, (cid, data) in enumerate(zip(codecs, rec.chunks)):
+                    sink.put(ji, ci, cid, data)
+                entries.append(entry)
+                sink.drain()
+                continue
+            raw = job.raw if job.raw.device == dev else job.raw.to(dev)
+            n = nbytes // w
+            seg = prof.segment_elems
+            entry: dict[str, Any] = {  # type: ignore[no-redef]
+                "path": job.path,
+                "device": job.device,
+                "dtype": engine.dtype_name(job.dtype),
+                "nbytes": nbytes,
+                "transform": transform,
+                "segment_elems": seg,
+                "checksum": None,
+                "delta": None,
+                "chunks": [],
+            }
+            base = None
+            src = raw
+            op = _choose_delta_op(job, transform) if job.base is not None else None
+            if op is not None:
+                assert job.base is not None
+                entry["delta"] = {"op": op, "base": job.base_ref}
+                if op == "xor":  # fused into the split kernel
+                    base = job.base.to(dev)
+                else:  # other ops (s4w_core.delta): residual on the device, then plain planes
+                    from s4w_core import delta
+
+                    src = delta.forward(op, raw, job.base.to(dev), job.dtype).contiguous()
+            if _on_device(job.raw):
+                fold_items.append((raw, len(entries)))
+                fold_slots.append((len(entries), nbytes))
+            else:
+                entry["checksum"] = ck.tensor_checksum(job.raw)
+            nseg = -(-n // seg)
+            ji = sink.add_job(entry, nseg * w)
+            entries.append(entry)
+            # cut the storage into segment-aligned pieces that fill the batch budget
+            per_seg = seg * w
+            s = 0
+            while s < nseg:
+                room = (budget - batch.nbytes) // per_seg
+                if room <= 0 and not batch.pieces:
+                    room = 1
+                if room <= 0:
+                    _run_batch(batch, prof, dev, sink)
+                    batch = _Batch()
+                    continue
+                take = min(nseg - s, room)
+                e0, e1 = s * seg, min(n, (s + take) * seg)
+                batch.pieces.append(_Piece(ji, src, base, job.dtype, transform, w, e0, e1, seg, s * w))
+                batch.nbytes += (e1 - e0) * w
+                s += take
+        if batch.pieces:
+            _run_batch(batch, prof, dev, sink)
+        if fold_items:
+            fold64_batched(fold_items, acc)
+        sums = acc.cpu().tolist() if fold_slots else []
+    sink.drain()
+    assert sink.done(), "GPU writer: chunks left unwritten"
+    for i, nb in fold_slots:
+        entries[i]["checksum"] = f"fold64:{fold64_finish(int(sums[i]), nb):016x}"
+    return entries
+
+
+@dataclass
+class _Encoded:
+    """A batch coded on the device: chosen chunk bytes back to back (16-byte aligned) in ``compact``."""
+
+    compact: torch.Tensor
+    out_off: list[int]
+    out_len: list[int]
+    codec_ids: list[str]
+    owner: list[tuple[int, int]]  # (sink job index, chunk index) per chunk
+    raw_bytes: int
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(self.out_len)
+
+
+def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, sink: _OrderedSink) -> None:
+    r = _encode_batch_device(batch, prof, dev)
+    # one copy to pinned host memory, then the container, in order
+    host = _nvcomp.host_empty(r.compact.numel())
+    host.copy_(r.compact, non_blocking=True)
+    _nvcomp.synchronize(dev)
+    mv = memoryview(host.numpy())
+    for i, (ji, ci) in enumerate(r.owner):
+        sink.put(ji, ci, r.codec_ids[i], mv[r.out_off[i] : r.out_off[i] + r.out_len[i]])
+    sink.drain()
+
+
+def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") -> _Encoded:
+    """Code CUDA tensors as one batch and stop on the device (benchmarks: no D2H, no container).
+
+    Synchronizes once (compressed sizes are read back to choose codecs per chunk).
+    """
+    prof = PROFILES[profile]
+    batch = _Batch()
+    for i, t in enumerate(tensors):
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        transform, w = engine.transform_for(t.dtype, raw.numel())
+        n = raw.numel() // w
+        batch.pieces.append(_Piece(i, raw, None, t.dtype, transform, w, 0, n, prof.segment_elems, 0))
+        batch.nbytes += raw.numel()
+    with _nvcomp.on_stream(batch.pieces[0].raw.device):
+        return _encode_batch_device(batch, prof, batch.pieces[0].raw.device)
+
+
+def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _Encoded:
+    pieces = batch.pieces
+    TRACE_MARKS.clear()
+    _mark("start", dev)
+    # 1. planes of every piece into one buffer (one launch per element width), the chunk table
+    ne = np.array([p.e1 - p.e0 for p in pieces], dtype=np.int64)
+    w = np.array([p.w for p in pieces], dtype=np.int64)
+    seg = np.array([p.seg for p in pieces], dtype=np.int64)
+    ps = (ne + _REGION_ALIGN - 1) // _REGION_ALIGN * _REGION_ALIGN
+    size = w * ps
+    off = np.cumsum(size) - size
+    total = int(size.sum())
+    planes = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
+    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int, int]]] = {}
+    for k, p in enumerate(pieces):
+        src = p.raw[p.e0 * p.w : p.e1 * p.w]
+        b = p.base[p.e0 * p.w : p.e1 * p.w] if p.base is not None else None
+        if p.transform == "planes-rotl1":
+            by_width.setdefault(p.w, []).append((src, b, int(off[k]), int(ps[k])))
+        elif b is None:
+            planes[int(off[k]) : int(off[k]) + int(ne[k])].copy_(src)
+        else:
+            torch.bitwise_xor(src, b, out=planes[int(off[k]) : int(off[k]) + int(ne[k])])
+    for width, items in by_width.items():
+        split_planes_batched(items, width, planes)
+    _mark("split", dev)
+    nseg = (ne + seg - 1) // seg
+    nch = nseg * w
+    piece_of = np.repeat(np.arange(len(pieces), dtype=np.int64), nch)
+    local = np.arange(int(nch.sum()), dtype=np.int64) - np.repeat(np.cumsum(nch) - nch, nch)
+    s_idx = local // w[piece_of]
+    j_idx = local % w[piece_of]
+    s0 = s_idx * seg[piece_of]
+    src_off = off[piece_of] + j_idx * ps[piece_of] + s0
+    lengths = np.minimum(seg[piece_of], ne[piece_of] - s0)
+    owner_ji = np.array([p.ji for p in pieces], dtype=np.int64)[piece_of]
+    owner_ci = np.array([p.chunk0 for p in pieces], dtype=np.int64)[piece_of] + local
+    _mark("chunk_table", dev)
+    # 2. one nvCOMP call over every chunk
+    maxlen = int(lengths.max())
+    c = _nvcomp.codec(prof.algorithm, dev, _round(maxlen, 1 << 16), **dict(prof.opts))
+    cap = _nvcomp.max_compressed(c, maxlen, dev)
+    nchunks = len(lengths)
+    comp = torch.empty(cap * nchunks, dtype=torch.uint8, device=dev)
+    _mark("codec_setup", dev)
+    comp_off = np.arange(nchunks, dtype=np.int64) * cap
+    sizes = np.asarray(
+        _nvcomp.encode_batch(c, planes, src_off.tolist(), lengths.tolist(), comp, comp_off.tolist(), [cap] * nchunks),
+        dtype=np.int64,
+    )
+    _mark("nvcomp_encode+sizes", dev)
+    # 3. choose per chunk: coded only if smaller (first plane) or MIN_GAIN smaller (other planes)
+    limit = np.where(j_idx == 0, lengths, lengths * (1.0 - MIN_GAIN))
+    coded = (sizes > 0) & (sizes < limit)
+    out_len = np.where(coded, sizes, lengths)
+    slot = (out_len + _nvcomp.ALIGN - 1) // _nvcomp.ALIGN * _nvcomp.ALIGN
+    out_off = np.cumsum(slot) - slot
+    pos = int(slot.sum())
+    compact = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
+    raw_m = ~coded
+    gather_copy(planes, compact, src_off[raw_m].tolist(), out_off[raw_m].tolist(), lengths[raw_m].tolist())
+    gather_copy(comp, compact, comp_off[coded].tolist(), out_off[coded].tolist(), sizes[coded].tolist())
+    _mark("choose+compact", dev)
+    codec_ids = np.where(coded, prof.codec_id, RAW.id).tolist()
+    owner = list(zip(owner_ji.tolist(), owner_ci.tolist()))
+    return _Encoded(compact, out_off.tolist(), out_len.tolist(), codec_ids, owner, batch.nbytes)
