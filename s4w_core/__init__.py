@@ -10,8 +10,8 @@ from s4w_core.errors import (
     BackendUnavailableError,
     BadMagicError,
     BaseMismatchError,
-    ChecksumMismatchError,
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     ConflictError,
     DecodeError,
     DeviceUnavailableError,
@@ -25,6 +25,7 @@ from s4w_core.errors import (
     UnsupportedVersionError,
 )
 from s4w_core.skeleton import register_dict_type
+from s4w_core.store import CheckpointStore, StepInfo, load_checkpoint, save_checkpoint
 
 __all__ = [
     "__version__",
@@ -35,6 +36,10 @@ __all__ = [
     "load",
     "info",
     "verify",
+    "CheckpointStore",
+    "StepInfo",
+    "save_checkpoint",
+    "load_checkpoint",
     "register_dict_type",
     "S4WError",
     "FormatError",
@@ -52,4 +57,28 @@ __all__ = [
     "ConflictError",
     "BackendUnavailableError",
     "DeviceUnavailableError",
+    "S4StorageWriter",
+    "S4StorageReader",
+    "pack_file",
+    "unpack_file",
+    "pack_folder",
+    "unpack_folder",
 ]
+
+_LAZY = {
+    "S4StorageWriter": "s4w_core.dcp",
+    "S4StorageReader": "s4w_core.dcp",
+    "pack_file": "s4w_core.filepack",
+    "unpack_file": "s4w_core.filepack",
+    "pack_folder": "s4w_core.filepack",
+    "unpack_folder": "s4w_core.filepack",
+}
+
+
+def __getattr__(name: str) -> object:
+    # torch.distributed.checkpoint is imported only when its storage classes are asked for
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 's4w_core' has no attribute {name!r}")

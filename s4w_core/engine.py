@@ -245,6 +245,7 @@ DELTA_SAMPLE_ELEMS = 1 << 18
 #: a delta op is used only if the sample says it saves at least this fraction over plain coding.
 DELTA_MIN_GAIN = 0.03
 _DELTA_RUNS = 16
+_DELTA_MIN_SAMPLE = 1 << 16  # storages above 8x this are sampled at 1/8 (up to DELTA_SAMPLE_ELEMS)
 
 
 def choose_delta_op(job: StorageJob, transform: str, ops: tuple[str, ...] | None = None) -> str | None:
@@ -252,9 +253,9 @@ def choose_delta_op(job: StorageJob, transform: str, ops: tuple[str, ...] | None
     for plain coding.  Shared by the CPU and GPU writers.
 
     Every candidate op (default: all that apply to the dtype, see :func:`delta.ops_for`) is
-    estimated on the same sample: up to :data:`DELTA_SAMPLE_ELEMS` elements in 16 runs spread over
-    the storage (copied to the host), so a storage whose first rows are atypical is judged on all
-    of it.  An op wins if it beats plain by :data:`DELTA_MIN_GAIN`; the smallest estimate wins.
+    estimated on the same sample: 16 runs spread over the storage (copied to the host), together
+    an eighth of it, at least 2**16 and at most :data:`DELTA_SAMPLE_ELEMS` elements, so a storage
+    whose first rows are atypical is judged on all of it.  An op wins if it beats plain by :data:`DELTA_MIN_GAIN`; the smallest estimate wins.
     Raises BaseMismatchError if the base has a different size.
     """
     assert job.base is not None
@@ -265,10 +266,13 @@ def choose_delta_op(job: StorageJob, transform: str, ops: tuple[str, ...] | None
     n = nbytes // w
     if n == 0:
         return None
-    run = max(1, min(n, DELTA_SAMPLE_ELEMS) // _DELTA_RUNS)
-    starts = sorted({(n - run) * k // (_DELTA_RUNS - 1) for k in range(_DELTA_RUNS)}) if n > run else [0]
-    raw = torch.cat([job.raw[s0 * w : min(n, s0 + run) * w].cpu() for s0 in starts])
-    base = torch.cat([job.base[s0 * w : min(n, s0 + run) * w].cpu() for s0 in starts])
+    if n <= _DELTA_MIN_SAMPLE:  # small: all of it, no gathering
+        raw, base = job.raw.cpu(), job.base.cpu()
+    else:
+        run = max(1, min(n, DELTA_SAMPLE_ELEMS, max(_DELTA_MIN_SAMPLE, n // 8)) // _DELTA_RUNS)
+        starts = sorted({(n - run) * k // (_DELTA_RUNS - 1) for k in range(_DELTA_RUNS)})
+        raw = torch.cat([job.raw[s0 * w : (s0 + run) * w].cpu() for s0 in starts])
+        base = torch.cat([job.base[s0 * w : (s0 + run) * w].cpu() for s0 in starts])
     best: str | None = None
     best_cost = _estimate_bytes(_planes(raw, job.dtype, transform, None))
     limit = (1.0 - DELTA_MIN_GAIN) * best_cost

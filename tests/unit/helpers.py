@@ -1,0 +1,89 @@
+"""Helpers shared by the unit tests: bit-exact comparison, in-memory round trips, container surgery."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from typing import Any
+
+import torch
+import xxhash
+
+import s4w_core
+from s4w_core.format.container import HEADER_SIZE, TRAILER_MAGIC, TRAILER_SIZE
+
+_TRAILER = struct.Struct("<QQQ8s")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t``'s elements in logical order (1-D uint8, CPU), for bit-exact compares."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_tensor(a: torch.Tensor, b: torch.Tensor, *, check_stride: bool = True) -> None:
+    """``b`` is ``a`` bit for bit: type, dtype, shape, (stride, offset) and every byte."""
+    assert type(a) is type(b), (type(a), type(b))
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if check_stride:
+        assert a.stride() == b.stride(), (a.stride(), b.stride())
+        assert a.storage_offset() == b.storage_offset()
+    assert a.requires_grad == b.requires_grad
+    assert torch.equal(bits(a), bits(b)), "bytes differ"
+
+
+def roundtrip(obj: Any, **save_kw: Any) -> Any:
+    """save to memory, then load; returns the loaded object."""
+    buf = io.BytesIO()
+    save_kw.setdefault("profile", "portable")
+    s4w_core.save(obj, buf, **save_kw)
+    return s4w_core.load(buf.getvalue())
+
+
+def encode(obj: Any, **save_kw: Any) -> bytes:
+    buf = io.BytesIO()
+    save_kw.setdefault("profile", "portable")
+    s4w_core.save(obj, buf, **save_kw)
+    return buf.getvalue()
+
+
+def split(blob: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
+    """``(header + data, trailer, manifest)`` of a well-formed container."""
+    moff, mlen, _h, magic = _TRAILER.unpack(blob[-TRAILER_SIZE:])
+    assert magic == TRAILER_MAGIC
+    return blob[:moff], blob[-TRAILER_SIZE:], json.loads(blob[moff : moff + mlen])
+
+
+def rebuild(prefix: bytes, manifest: dict[str, Any]) -> bytes:
+    """A container with ``prefix`` (header + data) and ``manifest``, with a *correct* manifest
+    checksum, so that only validation can reject a forged field."""
+    body = json.dumps(manifest, separators=(",", ":")).encode()
+    return prefix + body + _TRAILER.pack(len(prefix), len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC)
+
+
+def forge(blob: bytes, edit: Any) -> bytes:
+    """Apply ``edit(manifest)`` (in place) and rebuild with a recomputed manifest checksum."""
+    prefix, _t, m = split(blob)
+    edit(m)
+    return rebuild(prefix, m)
+
+
+def chunk_ranges(blob: bytes) -> list[tuple[int, int]]:
+    """(offset, length) of every stored chunk, in manifest order."""
+    _p, _t, m = split(blob)
+    return [(c[1], c[2]) for s in m["storages"] for c in s["chunks"]]
+
+
+__all__ = [
+    "HEADER_SIZE",
+    "TRAILER_SIZE",
+    "bits",
+    "assert_same_tensor",
+    "roundtrip",
+    "encode",
+    "split",
+    "rebuild",
+    "forge",
+    "chunk_ranges",
+]
