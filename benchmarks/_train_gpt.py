@@ -1,0 +1,149 @@
+"""A small GPT-style byte-level language model trained on real text, for checkpoint-chain benchmarks.
+
+Text: the Python standard library's source files of the running interpreter (real text, offline).
+Two precision variants, as in docs/STORE.md and FACTS.md:
+
+* ``bf16``: weights and AdamW state in bfloat16 (the optimizer keeps state in the parameter dtype).
+* ``fp32``: fp32 master weights and fp32 AdamW state (on CUDA the forward/backward runs under
+  bf16 autocast, as in mixed-precision training; on CPU it runs in fp32).
+
+``train(...)`` yields ``(step, state)`` every ``every`` steps, where ``state`` is a CPU copy of
+``{"model": ..., "optimizer": ..., "step": ...}`` in the shape ``torch.save`` users save.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sys
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPT", "corpus", "train"]
+
+
+def corpus(max_bytes: int = 32 << 20) -> torch.Tensor:
+    """Bytes of the stdlib's .py files (sorted, deterministic) as a uint8 tensor."""
+    root = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}")
+    files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+    out = bytearray()
+    for f in files:
+        if "site-packages" in f:
+            continue
+        try:
+            with open(f, "rb") as fh:
+                out += fh.read()
+        except OSError:
+            continue
+        if len(out) >= max_bytes:
+            break
+    if len(out) < 1 << 20:
+        raise RuntimeError(f"found only {len(out)} bytes of text under {root}")
+    return torch.frombuffer(bytearray(out[:max_bytes]), dtype=torch.uint8).clone()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.attn(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int = 4, d: int = 256, heads: int = 4, ctx: int = 256, vocab: int = 256) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def _cpu_copy(obj):  # type: ignore[no-untyped-def]
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def train(
+    variant: str,
+    steps: int,
+    every: int,
+    *,
+    device: str = "cpu",
+    layers: int = 4,
+    d: int = 256,
+    ctx: int = 128,
+    batch: int = 8,
+    lr: float = 1e-3,
+    seed: int = 0,
+    log_every: int = 50,
+) -> Iterator[tuple[int, dict]]:
+    """Train and yield a CPU copy of the state every ``every`` steps (steps every, 2*every, ...)."""
+    if variant not in ("bf16", "fp32"):
+        raise ValueError(variant)
+    torch.manual_seed(seed)
+    data = corpus().to(device)
+    dev = torch.device(device)
+    model = GPT(layers=layers, d=d, heads=max(1, d // 64), ctx=ctx).to(dev)
+    if variant == "bf16":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    )
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    use_autocast = variant == "fp32" and dev.type == "cuda"
+    for step in range(1, steps + 1):
+        ix = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=g).to(dev)
+        x = torch.stack([data[i : i + ctx] for i in ix]).long()
+        y = torch.stack([data[i + 1 : i + 1 + ctx] for i in ix]).long()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_autocast):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if log_every and step % log_every == 0:
+            print(f"  [{variant}] step {step} loss {loss.item():.3f}", file=sys.stderr, flush=True)
+        if step % every == 0:
+            yield step, _cpu_copy({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})

@@ -1,0 +1,323 @@
+"""Store subcommands of ``s4w``: ls, restore, stats, rm, gc, pin; ``info``/``verify`` on a store
+URL with ``--step``.  :func:`register` is called by :func:`s4w_core.cli.build_parser`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable
+
+__all__ = ["register", "is_store_url"]
+
+_KINDS = ("weights", "exp_avg", "exp_avg_sq")
+
+
+def is_store_url(path: str) -> bool:
+    """A checkpoint store (s3://, memory://, or a local directory) rather than a container file."""
+    p = os.fspath(path)
+    return p.startswith(("s3://", "memory://", "file://")) or os.path.isdir(p)
+
+
+def _h(n: float) -> str:
+    from s4w_core.api import _h as h
+
+    return h(n)
+
+
+def _store(args: argparse.Namespace, **kw: Any) -> Any:
+    from s4w_core.store import CheckpointStore
+
+    opts: dict[str, Any] = {"base_cache_bytes": 0, "progress": bool(getattr(args, "progress", False)), **kw}
+    if str(args.url).startswith("s3://"):
+        if getattr(args, "endpoint", None):
+            opts["endpoint"] = args.endpoint
+        if getattr(args, "region", None):
+            opts["region"] = args.region
+    elif not is_store_url(args.url):
+        from s4w_core.errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(f"{args.url} is not a checkpoint store (no such directory)")
+    return CheckpointStore(args.url, **opts)
+
+
+def _add_url(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="store: a directory, s3://BUCKET/PREFIX")
+    p.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    p.add_argument("--region", default=None, help="S3 region (default: AWS_REGION or us-east-1)")
+
+
+# ----------------------------------------------------------------------------- ls
+def _cmd_ls(args: argparse.Namespace) -> int:
+    st = _store(args)
+    recs = st.list()
+    if args.json:
+        print(json.dumps({"steps": [r.as_dict() for r in recs], "sizes": st.sizes()}, indent=2, sort_keys=True))
+        return 0
+    print(f"{st.backend.url}: {len(recs)} committed steps")
+    print(f"{'step':>10}  {'kind':<8} {'depth':>5} {'base':>8} {'raw':>11} {'stored':>11} {'ratio':>7}  {'pin':<3} created")
+    for r in recs:
+        print(
+            f"{r.step:>10}  {r.kind:<8} {r.depth:>5} {'' if r.base_step is None else r.base_step:>8} "
+            f"{_h(r.raw_bytes):>11} {_h(r.object_bytes):>11} {r.ratio:>6.3f}x  {'*' if r.pinned else '':<3} {r.created}"
+        )
+    sz = st.sizes()
+    print(
+        f"total: {_h(sz['raw_bytes'])} raw -> {_h(sz['stored_bytes'])} stored ({sz['ratio']:.3f}x); "
+        f"on storage {_h(sz['physical_bytes'])} (bases kept for deltas {_h(sz['base_only_bytes'])}, "
+        f"unreferenced {_h(sz['unreferenced_bytes'])})"
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------- info / verify
+def _cmd_store_info(args: argparse.Namespace) -> int:
+    args.url = args.path
+    st = _store(args)
+    rec = st.info(args.step)
+    d = st.container_info(rec.step)
+    if args.json:
+        print(json.dumps({"step": rec.as_dict(), "container": d}, indent=2, sort_keys=True))
+        return 0
+    print(f"{st.backend.url} step {rec.step}: {rec.kind} (depth {rec.depth}"
+          + (f", base step {rec.base_step})" if rec.base_step is not None else ")")
+          + (" [pinned]" if rec.pinned else ""))
+    print(f"  data object {rec.object}: {_h(rec.raw_bytes)} raw -> {_h(rec.object_bytes)} ({rec.ratio:.3f}x)")
+    if len(rec.objects) > 1:
+        print(f"  restoring reads {len(rec.objects)} objects: " + ", ".join(rec.objects))
+    print(f"  created {rec.created}, profile {rec.profile}, {d['tensors']} tensors, {d['delta_storages']} of "
+          f"{d['storages']} storages stored as deltas")
+    for title in ("kinds", "groups"):
+        print(f"  by {title[:-1]}:")
+        for k, g in sorted(d[title].items(), key=lambda kv: -kv[1]["raw_bytes"]):
+            print(f"    {k:<32} {_h(g['raw_bytes']):>10} -> {_h(g['stored_bytes']):>10}  {g['ratio']:.3f}x  ({g['tensors']} tensors)")
+    if rec.extra:
+        print(f"  extra: {json.dumps(rec.extra)}")
+    return 0
+
+
+def _cmd_store_verify(args: argparse.Namespace) -> int:
+    args.url = args.path
+    st = _store(args)
+    steps = [args.step] if args.step is not None else st.steps()
+    bad = 0
+    for s in steps:
+        rep = st.verify(s)
+        if rep.ok:
+            print(f"OK {rep.path}: {rep.storages} storages, {rep.raw_bytes} bytes, every checksum matches")
+        else:
+            bad += 1
+            for p in rep.problems:
+                print(f"FAIL {rep.path}: {p}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _wrap(orig: Callable[[argparse.Namespace], int], store_fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def dispatch(args: argparse.Namespace) -> int:
+        if getattr(args, "step", None) is not None or is_store_url(args.path):
+            return store_fn(args)
+        return orig(args)
+
+    return dispatch
+
+
+# ----------------------------------------------------------------------------- restore
+def _flat_tensors(obj: Any) -> dict[str, Any] | None:
+    import torch
+
+    if isinstance(obj, dict) and obj and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        return obj
+    return None
+
+
+def _cmd_restore(args: argparse.Namespace) -> int:
+    import torch
+
+    st = _store(args, progress=not args.quiet)
+    rec = st.info(args.step)
+    obj = st.load(rec.step, map_location=args.map_location)
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "safetensors" if args.out.endswith(".safetensors") else "s4w" if args.out.endswith(".s4w") else "torch"
+    if fmt == "safetensors":
+        flat = _flat_tensors(obj)
+        if flat is None:
+            from s4w_core.errors import UnsupportedTypeError
+
+            raise UnsupportedTypeError(
+                f"step {rec.step} is not a flat dict of tensors, which is all safetensors can hold; "
+                "restore to a torch file (--format torch) instead"
+            )
+        from safetensors.torch import save_file
+
+        seen: set[tuple[int, int]] = set()
+        out = {}
+        for k, v in flat.items():  # safetensors refuses shared storage: give sharers their own copy
+            key = (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes())
+            out[k] = v.detach().clone() if key in seen or not v.is_contiguous() else v.detach()
+            seen.add(key)
+        save_file(out, args.out)
+    elif fmt == "s4w":
+        from s4w_core.api import save
+
+        save(obj, args.out, profile="portable")
+    else:
+        tmp = args.out + ".tmp"
+        torch.save(obj, tmp)
+        os.replace(tmp, args.out)
+    print(f"restored step {rec.step} ({rec.kind}, {_h(rec.raw_bytes)}) from {st.backend.url} to {args.out} ({fmt})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- stats
+def _kind_of(k: str) -> str:
+    return k if k in _KINDS else "other"
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    st = _store(args)
+    recs = st.list()
+    rows = []
+    for r in recs:
+        per: dict[str, list[int]] = {k: [0, 0] for k in (*_KINDS, "other")}
+        for k, g in r.kinds.items():
+            per[_kind_of(k)][0] += int(g.get("raw_bytes", 0))
+            per[_kind_of(k)][1] += int(g.get("stored_bytes", 0))
+        rows.append((r, per))
+    sz = st.sizes()
+    if args.json:
+        print(json.dumps({
+            "steps": [{"step": r.step, "kind": r.kind, "raw_bytes": r.raw_bytes, "stored_bytes": r.object_bytes,
+                       "groups": {k: {"raw_bytes": v[0], "stored_bytes": v[1]} for k, v in per.items() if v[0]}}
+                      for r, per in rows],
+            "totals": sz,
+        }, indent=2, sort_keys=True))
+    else:
+        kinds = [k for k in (*_KINDS, "other") if any(per[k][0] for _, per in rows)]
+        print(f"{st.backend.url}: stored vs raw per step and tensor group (ratio = raw / stored)")
+        print(f"{'step':>10} {'kind':<8} {'raw':>10} {'stored':>10} {'ratio':>7}  " + "  ".join(f"{k:>10}" for k in kinds))
+        for r, per in rows:
+            cells = "  ".join(f"{per[k][0] / per[k][1]:>9.3f}x" if per[k][1] else f"{'-':>10}" for k in kinds)
+            print(f"{r.step:>10} {r.kind:<8} {_h(r.raw_bytes):>10} {_h(r.object_bytes):>10} {r.ratio:>6.3f}x  {cells}")
+        tot = "  ".join(
+            f"{(sum(p[k][0] for _, p in rows) / max(1, sum(p[k][1] for _, p in rows))):>9.3f}x" for k in kinds
+        )
+        print(f"{'all':>10} {'':<8} {_h(sz['raw_bytes']):>10} {_h(sz['stored_bytes']):>10} {sz['ratio']:>6.3f}x  {tot}")
+    if args.plot:
+        _plot(rows, args.plot, st.backend.url)
+        print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _plot(rows: list, path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        from s4w_core.errors import BackendUnavailableError
+
+        raise BackendUnavailableError("--plot needs matplotlib: pip install matplotlib") from e
+    steps = [r.step for r, _ in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    bottom = [0.0] * len(rows)
+    colors = {"weights": "tab:blue", "exp_avg": "tab:orange", "exp_avg_sq": "tab:green", "other": "tab:gray"}
+    width = (min(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 1) * 0.8
+    for k in (*_KINDS, "other"):
+        vals = [per[k][1] / 2**20 for _, per in rows]
+        if any(vals):
+            ax1.bar(steps, vals, width=width, bottom=bottom, label=f"{k} stored", color=colors[k])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.plot(steps, [r.raw_bytes / 2**20 for r, _ in rows], "k--", label="raw")
+    for i, (r, _) in enumerate(rows):
+        if r.kind == "keyframe":
+            ax1.annotate("K", (r.step, bottom[i]), ha="center", va="bottom", fontsize=7)
+    ax1.set_ylabel("MiB per step")
+    ax1.set_title(f"{title}: stored vs raw (K = keyframe)")
+    ax1.legend(fontsize=8)
+    for k in (*_KINDS, "other"):
+        ratios = [per[k][0] / per[k][1] if per[k][1] else None for _, per in rows]
+        if any(ratios):
+            ax2.plot(steps, ratios, marker="o", ms=3, label=k, color=colors[k])
+    ax2.plot(steps, [r.ratio for r, _ in rows], "k-", lw=2, label="step total")
+    ax2.set_ylabel("raw / stored")
+    ax2.set_xlabel("step")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- rm / gc / pin
+def _cmd_rm(args: argparse.Namespace) -> int:
+    st = _store(args)
+    for s in args.step:
+        st.delete(s, rebase=args.rebase)
+        print(f"deleted step {s}")
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    st = _store(args)
+    freed = st.gc(grace_seconds=args.grace)
+    print(f"freed {_h(freed)} of unreferenced data in {st.backend.url}")
+    return 0
+
+
+def _cmd_pin(args: argparse.Namespace) -> int:
+    st = _store(args)
+    for s in args.step:
+        (st.unpin if args.unpin else st.pin)(s)
+        print(f"{'unpinned' if args.unpin else 'pinned'} step {s}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the store subcommands to the ``s4w`` subparsers (and ``--step`` to info/verify)."""
+    for name, fn in (("info", _cmd_store_info), ("verify", _cmd_store_verify)):
+        p = sub.choices.get(name)
+        if p is not None:
+            p.add_argument("--step", type=int, default=None, help="with a store URL: the step (default: latest)")
+            p.add_argument("--endpoint", default=None, help="S3 endpoint URL for s3:// stores")
+            p.add_argument("--region", default=None, help="S3 region for s3:// stores")
+            p.set_defaults(func=_wrap(p.get_default("func"), fn))
+
+    a = sub.add_parser("ls", help="steps of a checkpoint store: keyframe or delta, raw and stored bytes")
+    _add_url(a)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_cmd_ls)
+
+    a = sub.add_parser("restore", help="write one step of a store as a torch / safetensors / s4w file")
+    _add_url(a)
+    a.add_argument("--step", type=int, default=None, help="default: the latest committed step")
+    a.add_argument("--out", required=True, help="output file (.safetensors / .s4w pick the format)")
+    a.add_argument("--format", choices=["auto", "torch", "safetensors", "s4w"], default="auto")
+    a.add_argument("--map-location", default="cpu")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    a.set_defaults(func=_cmd_restore)
+
+    a = sub.add_parser("stats", help="stored vs raw bytes per step and tensor group (table, --plot PNG)")
+    _add_url(a)
+    a.add_argument("--plot", default=None, metavar="FILE.png")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_cmd_stats)
+
+    a = sub.add_parser("rm", help="delete steps from a store (kept deltas stay loadable)")
+    _add_url(a)
+    a.add_argument("--step", type=int, nargs="+", required=True)
+    a.add_argument("--rebase", action="store_true", help="re-code dependents now so the data is freed at once")
+    a.set_defaults(func=_cmd_rm)
+
+    a = sub.add_parser("gc", help="delete data no commit needs (leftovers of crashed saves)")
+    _add_url(a)
+    a.add_argument("--grace", type=float, default=3600.0, help="only objects older than this many seconds")
+    a.set_defaults(func=_cmd_gc)
+
+    a = sub.add_parser("pin", help="exempt steps from retention (--unpin to undo)")
+    _add_url(a)
+    a.add_argument("--step", type=int, nargs="+", required=True)
+    a.add_argument("--unpin", action="store_true")
+    a.set_defaults(func=_cmd_pin)

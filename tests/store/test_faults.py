@@ -1,0 +1,164 @@
+"""Crashes and bad input: every failure leaves earlier checkpoints loadable, lists no partial
+checkpoint, and names what is wrong."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+
+from s4w_core.errors import (
+    BaseMismatchError,
+    CheckpointNotFoundError,
+    FormatError,
+    ManifestError,
+    StoreError,
+    TruncatedError,
+)
+from s4w_core.store import CheckpointStore, open_backend
+from s4w_core.store.store import _DATA
+
+from .helpers import Crash, FaultyBackend, bits_equal, make_run
+
+
+def _filled(url: str, n: int = 3) -> tuple[CheckpointStore, list]:
+    run = make_run(n + 1)
+    st = CheckpointStore(url, profile="portable")
+    for i in range(n):
+        st.save(run[i], i)
+    return st, run
+
+
+@pytest.mark.parametrize("where", ["data-stream", "commit", "data-open"])
+def test_crash_during_save_leaves_earlier_steps(store_url: str, where: str) -> None:
+    st, run = _filled(store_url)
+    before = {o.key for o in st.backend.list("")}
+
+    def fail(verb: str, key: str) -> bool:
+        if where == "data-stream":
+            return verb == "writer" and key.startswith("data/")
+        if where == "commit":
+            return verb == "put" and key.startswith("commits/")
+        return False
+
+    inner = open_backend(store_url)
+    faulty = FaultyBackend(inner, fail, after_bytes=1000)
+    if where == "data-open":
+        class Boom(Exception):
+            pass
+
+        bad = make_run(4)[3]
+        bad["oops"] = object()  # unsupported type: the encoder raises mid-save
+        crashing = CheckpointStore(store_url, profile="portable", _backend=inner)
+        with pytest.raises(Exception):
+            crashing.save(bad, 3)
+    else:
+        crashing = CheckpointStore(store_url, profile="portable", _backend=faulty)
+        with pytest.raises(Crash):
+            crashing.save(run[3], 3)
+    gc.collect()
+    reader = CheckpointStore(store_url)
+    assert reader.steps() == [0, 1, 2], "no partial checkpoint is listed"
+    for i in range(3):
+        assert bits_equal(reader.load(i), run[i])
+    after = {o.key for o in reader.backend.list("")}
+    assert after == before, f"a failed save leaves no object behind: {sorted(after - before)}"
+    # and the store goes on: the same step saves fine afterwards
+    reader.save(run[3], 3)
+    assert bits_equal(CheckpointStore(store_url).load(3), run[3])
+
+
+def test_crash_during_delete_keeps_everything_loadable(store_url: str) -> None:
+    st, run = _filled(store_url, 4)
+    inner = open_backend(store_url)
+    faulty = FaultyBackend(inner, lambda verb, key: verb == "delete" and key.startswith("data/"))
+    with pytest.raises(Crash):
+        CheckpointStore(store_url, _backend=faulty).delete(0, rebase=True)
+    rd = CheckpointStore(store_url)
+    assert rd.steps() == [1, 2, 3]
+    for i in (1, 2, 3):
+        assert bits_equal(rd.load(i), run[i])
+    rd.gc(grace_seconds=0)
+    assert {o.key for o in rd.backend.list(_DATA)} == {o for r in rd.list() for o in r.objects}
+
+
+def test_truncated_data_object(store_url: str) -> None:
+    st, run = _filled(store_url)
+    obj = st.info(2).object
+    data = st.backend.get(obj)
+    st.backend.put(obj, data[: len(data) // 2])
+    with pytest.raises(TruncatedError, match=obj.split("/")[-1]):
+        CheckpointStore(store_url).load(2)
+    assert bits_equal(CheckpointStore(store_url).load(0), run[0]), "other steps unaffected"
+
+
+def test_missing_base(store_url: str) -> None:
+    st, run = _filled(store_url)
+    assert st.info(2).kind == "delta"
+    base_obj = st.info(1).object
+    st.backend.delete(base_obj)
+    with pytest.raises(BaseMismatchError, match=r"step 2: its delta base object .* is missing"):
+        CheckpointStore(store_url).load(2)
+    assert bits_equal(CheckpointStore(store_url).load(0), run[0])
+
+
+def test_corrupt_base(store_url: str) -> None:
+    st, run = _filled(store_url)
+    base_obj = st.info(1).object
+    data = bytearray(st.backend.get(base_obj))
+    data[100] ^= 0xFF  # inside the chunk data
+    st.backend.put(base_obj, bytes(data))
+    with pytest.raises(BaseMismatchError, match="corrupt"):
+        CheckpointStore(store_url).load(2)
+    with pytest.raises(FormatError):
+        CheckpointStore(store_url).load(1)
+    rep = CheckpointStore(store_url).verify(2)
+    assert not rep.ok and "BaseMismatchError" in rep.problems[0]
+    assert bits_equal(CheckpointStore(store_url).load(0), run[0])
+
+
+def test_replaced_base_is_detected(store_url: str) -> None:
+    """A base object swapped for another valid container is caught by the recorded checksum."""
+    st, run = _filled(store_url)
+    st.backend.put(st.info(1).object, st.backend.get(st.info(0).object))
+    with pytest.raises((BaseMismatchError, TruncatedError)):
+        CheckpointStore(store_url).load(2)
+
+
+def test_commit_naming_missing_object(store_url: str) -> None:
+    st, run = _filled(store_url)
+    key = "commits/step_000000000001.json"
+    rec = json.loads(st.backend.get(key))
+    rec["object"] = rec["objects"][0] = "data/step_000000000001.nothere.s4w"
+    st.backend.put(key, json.dumps(rec).encode())
+    with pytest.raises(CheckpointNotFoundError, match="step 1: its data object data/step_000000000001.nothere.s4w is missing"):
+        CheckpointStore(store_url).load(1)
+    assert bits_equal(CheckpointStore(store_url).load(0), run[0])
+
+
+def test_corrupt_commit_record(store_url: str) -> None:
+    st, _ = _filled(store_url)
+    st.backend.put("commits/step_000000000001.json", b'{"format": "s4weights-store", "vers')
+    with pytest.raises(ManifestError, match="commits/step_000000000001.json is invalid"):
+        CheckpointStore(store_url).steps()
+    st.backend.put("commits/step_000000000001.json", json.dumps({"format": "s4weights-store", "version": 1, "step": 7}).encode())
+    with pytest.raises(ManifestError, match="names step 7"):
+        CheckpointStore(store_url).steps()
+
+
+def test_bad_arguments(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError):
+        CheckpointStore(str(tmp_path), keep_last=0)
+    with pytest.raises(ValueError):
+        CheckpointStore(str(tmp_path), keyframe_every=0)
+    with pytest.raises(ValueError, match="step must be"):
+        CheckpointStore(str(tmp_path)).save({}, -1)
+    with pytest.raises(ValueError, match="unsupported store URL"):
+        CheckpointStore("gs://bucket/x")
+    with pytest.raises(ValueError, match="apply only to s3"):
+        CheckpointStore(str(tmp_path), endpoint="http://127.0.0.1:1")
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(StoreError, match="not a directory"):
+        CheckpointStore(str(f))
