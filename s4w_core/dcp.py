@@ -1,0 +1,670 @@
+"""``torch.distributed.checkpoint`` storage that compresses every rank's shards with s4weights.
+
+DCP's own ``_extensions`` only see byte streams after ``torch.save`` (CPU, not tensor-aware).  This
+module plugs in one level lower, at the public :class:`~torch.distributed.checkpoint.StorageWriter` /
+:class:`~torch.distributed.checkpoint.StorageReader` interfaces, so the codec sees the tensors
+themselves, on the device they live on (nvCOMP on the GPU where ``profile="auto"`` finds one).
+
+Layout of one checkpoint (a folder, local or ``s3://bucket/prefix``)::
+
+    __0_<save>.s4w       rank 0's tensors and byte items: one s4weights container
+    __1_<save>.s4w       rank 1's ...
+    .s4w_metadata.json   DCP's Metadata as JSON, written last (temp name, then rename): the commit
+
+``<save>`` is an id shared by all ranks of one ``dcp.save``; data files of an older save at the same
+path are deleted only after the new metadata is in place, so a crash mid-save leaves the previous
+checkpoint readable.  Nothing is pickled by this module: the metadata is JSON.  (DCP's planner itself
+turns non-tensor values into bytes with ``torch.save`` and back with ``torch.load``; those bytes are
+stored verbatim, compressed.)
+
+Example::
+
+    import torch.distributed.checkpoint as dcp
+    from s4w_core.dcp import S4StorageWriter, S4StorageReader
+
+    dcp.save(state, storage_writer=S4StorageWriter("ckpt/step_100"))
+    dcp.load(state, storage_reader=S4StorageReader("ckpt/step_100"))
+    fut = dcp.async_save(state, storage_writer=S4StorageWriter("s3://bucket/run/step_200"))
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import json
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from s4w_core import api
+from s4w_core.errors import CheckpointNotFoundError, ManifestError, UnsupportedTypeError
+from s4w_core.skeleton import decode_tree, encode_tree
+
+__all__ = ["S4StorageWriter", "S4StorageReader", "METADATA_NAME"]
+
+#: name of the committed metadata file inside a checkpoint folder.
+METADATA_NAME = ".s4w_metadata.json"
+_SCHEMA = "s4weights-dcp/1"
+_SUFFIX = ".s4w"
+
+
+# ----------------------------------------------------------------------------- where bytes live
+class _Folder:
+    """A checkpoint folder: local directory or ``s3://bucket/prefix`` (through s4w_core.store)."""
+
+    def __init__(self, location: str | os.PathLike[str], s3_options: dict[str, Any] | None = None) -> None:
+        self.location = os.fspath(location)
+        self.is_s3 = self.location.startswith("s3://")
+        self._s3_options = dict(s3_options or {})
+        self._backend: Any = None
+
+    def __repr__(self) -> str:
+        return self.location
+
+    # S3 goes through the store's object backend, so there is one S3 client implementation.
+    def _s3(self) -> Any:
+        if self._backend is None:
+            from s4w_core.store import open_backend
+
+            self._backend = open_backend(self.location, **self._s3_options)
+        return self._backend
+
+    def mkdir(self) -> None:
+        if not self.is_s3:
+            os.makedirs(self.location, exist_ok=True)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.location, name)
+
+    def exists(self, name: str) -> bool:
+        if self.is_s3:
+            return any(o.key == name for o in self._s3().list(name))
+        return os.path.exists(self.path(name))
+
+    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
+        """Atomic write (temp + fsync + rename locally; an S3 object appears only when complete)."""
+        if self.is_s3:
+            self._s3().put(name, bytes(data))
+            return
+        fd, tmp = tempfile.mkstemp(prefix=".s4w-", suffix=".tmp", dir=self.location)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path(name))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            if self.is_s3:
+                return bytes(self._s3().get(name))
+            with open(self.path(name), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, CheckpointNotFoundError):
+            raise CheckpointNotFoundError(f"no {name} in DCP checkpoint {self.location}") from None
+
+    def save_container(self, obj: Any, name: str, profile: str, threads: int | None) -> api.SaveReport:
+        if self.is_s3:
+            with self._s3().writer(name) as fp:
+                return api.save(obj, fp, profile=profile, threads=threads)
+        return api.save(obj, self.path(name), profile=profile, threads=threads)
+
+    def load_container(self, name: str, map_location: Any, threads: int | None) -> Any:
+        try:
+            if self.is_s3:
+                from s4w_core.format.container import ContainerReader
+
+                rr = self._s3().fetch(name)
+                try:
+                    reader: Any = ContainerReader(rr.read, rr.size, rr.name)  # api.load accepts a reader
+                    return api.load(reader, map_location=map_location, threads=threads)
+                finally:
+                    rr.close()
+            return api.load(self.path(name), map_location=map_location, threads=threads)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"no {name} in DCP checkpoint {self.location}") from None
+
+    def list(self) -> list[str]:
+        if self.is_s3:
+            return [o.key for o in self._s3().list("") if "/" not in o.key]
+        try:
+            return os.listdir(self.location)
+        except FileNotFoundError:
+            return []
+
+    def remove(self, name: str) -> None:
+        if self.is_s3:
+            self._s3().delete(name)
+            return
+        try:
+            os.unlink(self.path(name))
+        except FileNotFoundError:
+            pass
+
+
+def _valid_id(checkpoint_id: str | os.PathLike[str]) -> bool:
+    s = os.fspath(checkpoint_id)
+    if s.startswith("s3://"):
+        return len(s) > 5
+    if "://" in s:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- plan storage data
+@dataclass(frozen=True)
+class _Prefix:
+    """Per-rank file prefix chosen by the coordinator (shared save id)."""
+
+    prefix: str
+
+
+@dataclass(frozen=True)
+class _ItemInfo:
+    """Where one write item lives: the rank file and the key inside its container."""
+
+    file: str
+    kind: str  # "t" (tensor) or "b" (bytes)
+    key: str
+
+
+# ----------------------------------------------------------------------------- metadata as JSON
+def _size(v: Any) -> list[int]:
+    return [int(x) for x in v]
+
+
+def _enum_name(v: Any) -> str:
+    return str(v).removeprefix("torch.")
+
+
+def _torch_attr(name: Any, kind: type) -> Any:
+    v = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(v, kind):
+        raise ManifestError(f"DCP metadata: unknown torch attribute {name!r}")
+    return v
+
+
+def _no_tensors(t: torch.Tensor, path: str) -> int:
+    raise UnsupportedTypeError(f"DCP planner_data holds a tensor at {path!r}; it must be plain values")
+
+
+def _metadata_to_json(md: Metadata) -> dict[str, Any]:
+    sdm: dict[str, Any] = {}
+    for fqn, v in md.state_dict_metadata.items():
+        if isinstance(v, BytesStorageMetadata):
+            sdm[fqn] = {"type": "bytes"}
+        elif isinstance(v, TensorStorageMetadata):
+            p = v.properties
+            sdm[fqn] = {
+                "type": "tensor",
+                "dtype": _enum_name(p.dtype),
+                "layout": _enum_name(p.layout),
+                "requires_grad": bool(p.requires_grad),
+                "memory_format": _enum_name(p.memory_format),
+                "pin_memory": bool(p.pin_memory),
+                "size": _size(v.size),
+                "chunks": [{"offsets": _size(c.offsets), "sizes": _size(c.sizes)} for c in v.chunks],
+            }
+        else:
+            raise UnsupportedTypeError(f"DCP metadata: unknown storage metadata {type(v).__qualname__} for {fqn!r}")
+    storage = []
+    for idx, info in (md.storage_data or {}).items():
+        storage.append(
+            {
+                "fqn": idx.fqn,
+                "offset": None if idx.offset is None else _size(idx.offset),
+                "index": idx.index,
+                "file": info.file,
+                "kind": info.kind,
+                "key": info.key,
+            }
+        )
+    sm = md.storage_meta
+    return {
+        "format": _SCHEMA,
+        "version": md.version,
+        "state_dict_metadata": sdm,
+        "planner_data": encode_tree(md.planner_data, _no_tensors),
+        "storage_data": storage,
+        "storage_meta": None
+        if sm is None
+        else {
+            "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
+            "save_id": sm.save_id,
+            "modules": list(sm.modules),
+        },
+    }
+
+
+def _metadata_from_json(doc: Any, where: str) -> Metadata:
+    try:
+        if not isinstance(doc, dict) or doc.get("format") != _SCHEMA:
+            raise ManifestError(f"{where}: not an s4weights DCP metadata file (format {doc.get('format')!r})")
+        sdm: dict[str, Any] = {}
+        for fqn, v in doc["state_dict_metadata"].items():
+            if v["type"] == "bytes":
+                sdm[fqn] = BytesStorageMetadata()
+            elif v["type"] == "tensor":
+                props = TensorProperties(
+                    dtype=_torch_attr(v["dtype"], torch.dtype),
+                    layout=_torch_attr(v["layout"], torch.layout),
+                    requires_grad=bool(v["requires_grad"]),
+                    memory_format=_torch_attr(v["memory_format"], torch.memory_format),
+                    pin_memory=bool(v["pin_memory"]),
+                )
+                chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in v["chunks"]]
+                sdm[fqn] = TensorStorageMetadata(props, torch.Size(v["size"]), chunks)
+            else:
+                raise ManifestError(f"{where}: unknown storage type {v['type']!r}")
+        storage = {
+            MetadataIndex(e["fqn"], e["offset"], e["index"]): _ItemInfo(str(e["file"]), str(e["kind"]), str(e["key"]))
+            for e in doc["storage_data"]
+        }
+        sm = doc.get("storage_meta")
+        meta = (
+            None
+            if sm is None
+            else StorageMeta(sm.get("checkpoint_id"), sm.get("save_id"), None, list(sm.get("modules", [])))
+        )
+        return Metadata(
+            state_dict_metadata=sdm,
+            planner_data=decode_tree(doc.get("planner_data"), []),
+            storage_data=storage,
+            storage_meta=meta,
+            version=doc.get("version"),
+        )
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        if isinstance(e, ManifestError):
+            raise
+        raise ManifestError(f"{where}: malformed DCP metadata ({type(e).__name__}: {e})") from e
+
+
+def _metadata_name(rank: int | None) -> str:
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+# ----------------------------------------------------------------------------- helpers
+def _item_key(item: WriteItem) -> str:
+    key = item.index.fqn.replace(".", "/")
+    off = item.index.offset
+    if off is not None and any(int(x) for x in off):
+        key += "@" + ",".join(str(int(x)) for x in off)
+    return key
+
+
+def _projection(t: torch.Tensor) -> torch.Tensor:
+    """The tensor alone, dense and owning exactly its bytes (DCP: only the projection is saved)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        return t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
+        return t.clone()
+    return t
+
+
+def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (off, length) in enumerate(zip(offsets, lengths)):
+        if off != 0 or length != t.size(dim):
+            t = t.narrow(dim, int(off), int(length))
+    return t
+
+
+def _stage_tree(obj: Any, to_cpu: bool, pin: bool) -> Any:
+    """A copy of a (nested) state dict whose tensors no longer alias training memory."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if to_cpu and t.device.type != "cpu":
+            out = torch.empty_like(t, device="cpu", pin_memory=pin)
+            out.copy_(t, non_blocking=pin)
+            return out
+        return t.clone()
+    if isinstance(obj, dict):
+        return {k: _stage_tree(v, to_cpu, pin) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_stage_tree(v, to_cpu, pin) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_stage_tree(v, to_cpu, pin) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _iter_tensors(v)
+
+
+# ----------------------------------------------------------------------------- writer
+class S4StorageWriter(StorageWriter):
+    """A DCP :class:`StorageWriter` that writes one compressed s4weights container per rank.
+
+    Works with ``dcp.save`` and ``dcp.async_save`` (it is its own ``AsyncStager``: by default the
+    staged copy stays on the tensors' device so the GPU codec still sees it; pass
+    ``stage_to="cpu"`` to stage in host memory instead, as DCP's default stager does).
+
+    Args:
+        path: the checkpoint folder, a local path or ``s3://bucket/prefix``; ``dcp.save``'s
+            ``checkpoint_id`` overrides it.
+        profile: s4weights profile (``"auto"``: GPU codecs when the tensors are on a usable GPU,
+            else ``"portable"``; ``"portable"``: decodable anywhere).
+        overwrite: allow writing over an existing checkpoint at ``path`` (the old one stays
+            readable until the new metadata commits; its data files are deleted afterwards).
+        threads: CPU threads for coding.
+        stage_to: ``"device"`` (default) or ``"cpu"``; where ``dcp.async_save`` stages its copy.
+        s3_options: passed to the store's S3 backend (endpoint, region, ...).
+    Raises:
+        RuntimeError: at save, when ``overwrite=False`` and a checkpoint exists at ``path``.
+        StoreError: the folder cannot be written.
+    Example:
+        >>> import torch, tempfile, torch.distributed.checkpoint as dcp
+        >>> from s4w_core.dcp import S4StorageWriter, S4StorageReader
+        >>> d = tempfile.mkdtemp(); sd = {"w": torch.arange(6.0)}
+        >>> _ = dcp.save(sd, storage_writer=S4StorageWriter(d), no_dist=True)
+        >>> out = {"w": torch.zeros(6)}; dcp.load(out, storage_reader=S4StorageReader(d), no_dist=True)
+        >>> out["w"].tolist()
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    """
+
+    _synchronize_after_execute: bool = False  # AsyncStager: staging below is blocking
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        profile: str = "auto",
+        overwrite: bool = True,
+        threads: int | None = None,
+        stage_to: str = "device",
+        s3_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if profile not in api.PROFILES:
+            raise ValueError(f"profile must be one of {api.PROFILES}, got {profile!r}")
+        if stage_to not in ("device", "cpu"):
+            raise ValueError(f"stage_to must be 'device' or 'cpu', got {stage_to!r}")
+        self.profile = profile
+        self.overwrite = overwrite
+        self.threads = threads
+        self.stage_to = stage_to
+        self._s3_options = s3_options
+        self.folder = _Folder(path, s3_options) if path is not None else None
+        self.save_id = uuid.uuid4().hex
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.use_collectives = True
+        self.last_reports: list[api.SaveReport] = []
+
+    # ---- AsyncStager protocol (dcp.async_save uses the writer as its stager)
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A training-safe copy of ``state_dict`` (tensors cloned on their device, or to CPU)."""
+        staged = _stage_tree(state_dict, self.stage_to == "cpu", torch.cuda.is_available())
+        if torch.cuda.is_available() and any(t.is_cuda for t in _iter_tensors(state_dict)):
+            torch.cuda.current_stream().synchronize()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Staging is blocking: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    # ---- StorageWriter
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.folder = _Folder(checkpoint_id, self._s3_options)
+        if self.folder is None:
+            raise ValueError("S4StorageWriter needs a path (or a checkpoint_id passed to dcp.save)")
+        self.save_id = uuid.uuid4().hex
+        self.last_reports = []
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.folder is None:
+            raise ValueError("S4StorageWriter needs a path (or a checkpoint_id passed to dcp.save)")
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _meta_name(self) -> str:
+        return _metadata_name(None if self.use_collectives or self.rank is None else self.rank)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        assert self.folder is not None
+        self.folder.mkdir()
+        if self.is_coordinator or not self.use_collectives:
+            if self.folder.exists(self._meta_name()) and not self.overwrite:
+                raise RuntimeError(f"a DCP checkpoint exists at {self.folder} and overwrite=False")
+        if not self.use_collectives and self.rank is not None:
+            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_{self.save_id[:12]}"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        sid = self.save_id[:12]
+        return [
+            dataclasses.replace(p, storage_data=_Prefix(f"__{i}_{sid}")) if p.storage_data is None else p
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assert self.folder is not None
+        prefix: _Prefix = plan.storage_data
+        fname = prefix.prefix + _SUFFIX
+        tensors: dict[str, torch.Tensor] = {}
+        blobs: dict[str, torch.Tensor] = {}
+        placed: list[tuple[WriteItem, str, str, int]] = []
+        for item in plan.items:
+            key = _item_key(item)
+            while key in tensors or key in blobs:
+                key += "+"
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                blobs[key] = (
+                    torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                )
+                placed.append((item, "b", key, len(raw)))
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise UnsupportedTypeError(
+                        f"DCP item {item.index.fqn!r} resolved to {type(data).__qualname__}, not a tensor"
+                    )
+                t = _projection(data)
+                tensors[key] = t
+                placed.append((item, "t", key, t.numel() * t.element_size()))
+        report = self.folder.save_container({"t": tensors, "b": blobs}, fname, self.profile, self.threads)
+        self.last_reports.append(report)
+        results = [
+            WriteResult(index=it.index, size_in_bytes=n, storage_data=_ItemInfo(fname, kind, key))
+            for it, kind, key, n in placed
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self.folder is not None
+        metadata.version = "1.0.0"
+        storage: dict[MetadataIndex, _ItemInfo] = {}
+        for wr_list in results:
+            storage.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        doc = json.dumps(_metadata_to_json(metadata), separators=(",", ":")).encode()
+        self.folder.write_bytes(self._meta_name(), doc)  # the commit point
+        # The previous save's data files (other save ids) are garbage now.
+        keep = {i.file for i in storage.values()}
+        if self.use_collectives or self.rank is None:
+            stale = [n for n in self.folder.list() if n.startswith("__") and n.endswith(_SUFFIX) and n not in keep]
+        else:
+            mine = f"__{self.rank}_"
+            stale = [n for n in self.folder.list() if n.startswith(mine) and n.endswith(_SUFFIX) and n not in keep]
+        for n in stale:
+            self.folder.remove(n)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=None if self.folder is None else self.folder.location, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return None if self.folder is None else self.folder.location
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _valid_id(checkpoint_id)
+
+
+# ----------------------------------------------------------------------------- reader
+class S4StorageReader(StorageReader):
+    """A DCP :class:`StorageReader` for checkpoints written by :class:`S4StorageWriter`.
+
+    Each rank decodes only the rank files its load plan needs (on the device of the tensors it
+    loads into when that is a GPU), then copies the requested slices into place, so resharding
+    (a different world size on load) works.
+
+    Args:
+        path: the checkpoint folder (local or ``s3://``); ``dcp.load``'s ``checkpoint_id`` overrides it.
+        threads: CPU threads for decoding.
+        s3_options: passed to the store's S3 backend.
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint at ``path``.
+        ManifestError: the metadata file is malformed.
+    Example: see :class:`S4StorageWriter`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        threads: int | None = None,
+        s3_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self._s3_options = s3_options
+        self.folder = _Folder(path, s3_options) if path is not None else None
+        self.threads = threads
+        self.storage_data: dict[MetadataIndex, _ItemInfo] = {}
+        self.load_id = uuid.uuid4().hex
+        self.rank: int | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.folder = _Folder(checkpoint_id, self._s3_options)
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.folder is None:
+            raise ValueError("S4StorageReader needs a path (or a checkpoint_id passed to dcp.load)")
+        name = _metadata_name(kwargs.get("rank"))
+        try:
+            raw = self.folder.read_bytes(name)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"no committed s4weights DCP checkpoint at {self.folder} ({name} is missing)"
+            ) from None
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:
+            raise ManifestError(f"{self.folder}/{name}: not JSON ({e})") from e
+        md = _metadata_from_json(doc, f"{self.folder}/{name}")
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        if self.storage_data is None:
+            raise ManifestError("DCP metadata has no storage_data")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.folder is not None
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise ManifestError(f"DCP metadata has no storage entry for {req.storage_index}")
+            per_file.setdefault(info.file, []).append(req)
+        for fname, reqs in per_file.items():
+            # decode straight onto the GPU when the first tensor we load into lives there
+            target = "cpu"
+            for req in reqs:
+                if req.type != LoadItemType.BYTE_IO:
+                    dev = planner.resolve_tensor(req).device
+                    if dev.type == "cuda":
+                        target = str(dev)
+                    break
+            content = self.folder.load_container(fname, target, self.threads)
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    blob = content["b"][info.key]
+                    planner.load_bytes(req, io.BytesIO(blob.cpu().numpy().tobytes()))
+                else:
+                    src = _narrow(content["t"][info.key], req.storage_offsets, req.lengths)
+                    dst = planner.resolve_tensor(req).detach()
+                    if dst.size() != src.size():
+                        raise ManifestError(
+                            f"DCP item {req.storage_index.fqn!r}: stored slice {tuple(src.size())} does not fit "
+                            f"the target {tuple(dst.size())}"
+                        )
+                    dst.copy_(src)
+                    planner.commit_tensor(req, dst)
+            del content
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return None if self.folder is None else self.folder.location
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _valid_id(checkpoint_id)
