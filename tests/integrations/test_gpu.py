@@ -109,7 +109,8 @@ def test_lightning_one_gpu_end_to_end(tmp_path):
 def test_dcp_two_gpus_nccl(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (device kind nvidia-h200-x2)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "integrations")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, os.path.join(ROOT, "integrations")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     cmd = [
         sys.executable,
         "-m",
