@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from typing import IO, Any, Callable, Mapping, Union
 import torch
 
 from s4w_core import engine
+from s4w_core._fsutil import atomic_write
 from s4w_core._version import __version__
 from s4w_core.codecs import CODECS, get_codec
 from s4w_core.errors import (
@@ -230,47 +230,10 @@ def save(
         out_path = None
     else:
         out_path = os.fspath(path)  # type: ignore[arg-type]
-        d = os.path.dirname(os.path.abspath(out_path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".s4w-", suffix=".tmp", dir=d)
-        try:
-            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a checkpoint gets normal file mode
-            with os.fdopen(fd, "wb") as f:
-                manifest, size, prof = _encode(obj, f, profile, threads, _base_lookup, extra)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, out_path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        _fsync_dir(d)
+        with atomic_write(out_path) as f:
+            manifest, size, prof = _encode(obj, f, profile, threads, _base_lookup, extra)
     groups, dtypes, kinds, raw, stored, deltas = summarize(manifest)
     return SaveReport(out_path, prof, raw, stored, size, time.perf_counter() - t0, groups, dtypes, kinds, deltas)
-
-
-def _read_umask() -> int:
-    mask = os.umask(0o022)  # read once at import (os.umask can only be read by setting it)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()
-
-
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- load

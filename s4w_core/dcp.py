@@ -34,7 +34,6 @@ import dataclasses
 import io
 import json
 import os
-import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -62,6 +61,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from s4w_core import api
+from s4w_core._fsutil import atomic_write
 from s4w_core.errors import CheckpointNotFoundError, ManifestError, UnsupportedTypeError
 from s4w_core.skeleton import decode_tree, encode_tree
 
@@ -111,20 +111,8 @@ class _Folder:
         if self.is_s3:
             self._s3().put(name, bytes(data))
             return
-        fd, tmp = tempfile.mkstemp(prefix=".s4w-", suffix=".tmp", dir=self.location)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path(name))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        with atomic_write(self.path(name)) as f:
+            f.write(data)
 
     def read_bytes(self, name: str) -> bytes:
         try:

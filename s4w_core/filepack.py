@@ -28,6 +28,7 @@ from typing import IO, Any
 
 import torch
 
+from s4w_core._fsutil import atomic_write
 from s4w_core.errors import ChecksumMismatchError, ManifestError
 
 __all__ = ["pack_file", "unpack_file", "unpack_bytes", "pack_folder", "unpack_folder"]
@@ -333,23 +334,9 @@ def unpack_file(tree: dict[str, Any], dest: str | os.PathLike[str]) -> str:
     Raises:
         ChecksumMismatchError: the rebuilt bytes are not the packed file's (nothing is written).
     """
-    import tempfile
-
     dest = os.fspath(dest)
-    d = os.path.dirname(os.path.abspath(dest))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".s4w-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write(tree, f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_write(dest) as f:
+        _write(tree, f)
     return dest
 
 

@@ -9,25 +9,13 @@ import os
 import tempfile
 from typing import IO, Iterator
 
+from s4w_core._fsutil import fsync_dir as _fsync_dir
 from s4w_core.errors import CheckpointNotFoundError, ConflictError, StoreError
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
 
 __all__ = ["LocalBackend"]
 
 _TMP_PREFIX = ".s4w-tmp-"
-
-
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class LocalBackend(Backend):
