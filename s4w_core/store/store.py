@@ -257,15 +257,22 @@ class _Progress:
 
 
 class _CountingWriter:
-    """File-object wrapper that counts bytes (and drives a progress bar)."""
+    """File-object wrapper that counts bytes (and drives a progress bar); a backend's write
+    error (ENOSPC, EIO) becomes a :class:`StoreError` naming the object."""
 
-    def __init__(self, f: IO[bytes], progress: _Progress) -> None:
+    def __init__(self, f: IO[bytes], progress: _Progress, where: str = "") -> None:
         self._f = f
         self._p = progress
+        self._where = where
         self.n = 0
 
     def write(self, data: Any) -> int:
-        n = self._f.write(data)
+        try:
+            n = self._f.write(data)
+        except OSError as e:
+            if isinstance(e, S4WError):
+                raise
+            raise StoreError(f"cannot write {self._where}: {e}") from e
         n = len(data) if n is None else n
         self.n += n
         self._p.update(n)
@@ -640,7 +647,7 @@ class CheckpointStore:
         prog = _Progress(self.progress, f"save step {step}")
         try:
             with self.backend.writer(key) as f:
-                cw = _CountingWriter(f, prog)
+                cw = _CountingWriter(f, prog, f"{self.backend.url}/{key}")
                 manifest, size, prof = api._encode(  # noqa: SLF001
                     state,
                     cw,  # type: ignore[arg-type]
