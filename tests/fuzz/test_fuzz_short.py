@@ -70,3 +70,24 @@ def test_atheris_short_run(tmp_path: "os.PathLike[str]") -> None:
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Done 3000 runs" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "where,key,value",
+    [
+        ("storage", "transform", {"a": 1}),  # was TypeError: unhashable (first atheris finding)
+        ("storage", "device", "not-a-device"),  # was RuntimeError from torch.device
+        ("tensor", "dtype", "qint8"),  # quantized dtypes cannot come from a save
+        ("tensor", "dtype", "__class__"),
+    ],
+)
+def test_fuzz_found_manifest_forgeries_are_manifest_errors(where: str, key: str, value: object) -> None:
+    """Bugs the fuzzer found in the manifest checks, pinned: each forgery is a ManifestError."""
+    from s4w_core.errors import ManifestError
+
+    prefix, m = harness.split(harness.seeds()[0])
+    (m["storages"] if where == "storage" else m["tensors"])[0][key] = value
+    with pytest.raises(ManifestError):
+        import s4w_core
+
+        s4w_core.load(harness.rebuild(prefix, m), map_location=None if key == "device" else "cpu")
