@@ -321,7 +321,7 @@ def decode_storage_cpu(
     w = entry["_width"]
     dtype = dtype_from_name(entry["dtype"])
     out = torch.empty(nbytes, dtype=torch.uint8)
-    base = _resolve(entry, resolve_base, name)
+    base = resolve_base_bytes(entry, resolve_base, name)
     op = (entry.get("delta") or {}).get("op", "xor")
     layout = chunk_layout(entry)
 
@@ -358,16 +358,20 @@ def decode_storage_cpu(
     return out
 
 
-def _resolve(entry: dict[str, Any], resolve_base: BaseResolver | None, name: str) -> torch.Tensor | None:
+def resolve_base_bytes(
+    entry: dict[str, Any], resolve_base: BaseResolver | None, name: str, device: torch.device | None = None
+) -> torch.Tensor | None:
+    """The delta base of a storage entry as 1-D uint8 bytes on ``device`` (CPU by default), or None
+    for a plain entry. Shared by the CPU and GPU readers. Raises BaseMismatchError."""
     delta = entry.get("delta")
     if not delta:
         return None
     if resolve_base is None:
         raise BaseMismatchError(
             f"{name}: tensor {entry['path']!r} is stored as a delta against {delta.get('base')!r}; load it "
-            "through its CheckpointStore (or pass `bases=`) so the base can be found"
+            "through its CheckpointStore so the base can be found"
         )
-    base = resolve_base(delta.get("base") or {}, entry["nbytes"]).cpu()
+    base = resolve_base(delta.get("base") or {}, entry["nbytes"])
     if base.dtype != torch.uint8 or base.numel() != entry["nbytes"]:
         raise BaseMismatchError(f"{name}: base for {entry['path']!r} has the wrong size")
-    return base
+    return base.reshape(-1).to(device or torch.device("cpu")).contiguous()

@@ -30,7 +30,7 @@ import torch
 from s4w_core import checksum as ck
 from s4w_core import engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW, get_codec
-from s4w_core.errors import BaseMismatchError, ChecksumMismatchError, DecodeError
+from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy
@@ -74,23 +74,6 @@ def decode_storages(
     finally:
         if own:
             pool.shutdown(wait=True)
-
-
-def _resolve_base(
-    entry: dict[str, Any], resolve_base: engine.BaseResolver | None, name: str, device: torch.device
-) -> torch.Tensor | None:
-    delta = entry.get("delta")
-    if not delta:
-        return None
-    if resolve_base is None:
-        raise BaseMismatchError(
-            f"{name}: tensor {entry['path']!r} is stored as a delta against {delta.get('base')!r}; load it "
-            "through its CheckpointStore (or pass `bases=`) so the base can be found"
-        )
-    base = resolve_base(delta.get("base") or {}, entry["nbytes"])
-    if base.dtype != torch.uint8 or base.numel() != entry["nbytes"]:
-        raise BaseMismatchError(f"{name}: base for {entry['path']!r} has the wrong size")
-    return base.reshape(-1).to(device).contiguous()
 
 
 def _fetch(reader: ContainerReader, entry: dict[str, Any], i: int, raw_len: int) -> tuple[str, bytes]:
@@ -169,7 +152,7 @@ def _decode_group(
     name = reader.name
     # outputs and bases first, on the caller's stream (they outlive our stream's work)
     outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
-    bases = [_resolve_base(e, resolve_base, name, dev) for e in entries]
+    bases = [engine.resolve_base_bytes(e, resolve_base, name, dev) for e in entries]
     st = stage(reader, entries, pool)
     with _nvcomp.on_stream(dev):
         staged = st.host.to(dev, non_blocking=True)
