@@ -9,10 +9,18 @@ Two precision variants, as in docs/STORE.md and FACTS.md:
 
 ``train(...)`` yields ``(step, state)`` every ``every`` steps, where ``state`` is a CPU copy of
 ``{"model": ..., "optimizer": ..., "step": ...}`` in the shape ``torch.save`` users save.
+
+:class:`Trainer` is the same loop one step at a time, with the live state (tensors where training
+keeps them, no copies) and an in-place snapshot/restore, for benchmarks that run several savers on
+the same states (benchmarks/bench_peers.py).  :data:`MODELS` names GPT-2-like shapes (byte vocabulary,
+so fewer parameters than GPT-2's 50k-token embedding gives): ``small`` 12x768 (85 M parameters),
+``medium`` 24x1024 (303 M), ``large`` 36x1280 (710 M); ``tiny`` and ``mini`` are for CPU runs.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import glob
 import math
 import os
@@ -23,13 +31,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "corpus", "train"]
+__all__ = ["GPT", "MODELS", "Trainer", "corpus", "train"]
+
+#: model shapes (layers, width, context, batch) by name; heads = width // 64.
+MODELS: dict[str, dict[str, int]] = {
+    "tiny": {"layers": 2, "d": 64, "ctx": 32, "batch": 4},
+    "mini": {"layers": 4, "d": 256, "ctx": 128, "batch": 8},
+    "small": {"layers": 12, "d": 768, "ctx": 512, "batch": 16},
+    "medium": {"layers": 24, "d": 1024, "ctx": 512, "batch": 16},
+    "large": {"layers": 36, "d": 1280, "ctx": 512, "batch": 8},
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_files(root: str) -> tuple[str, ...]:
+    return tuple(sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)))
 
 
 def corpus(max_bytes: int = 32 << 20) -> torch.Tensor:
     """Bytes of the stdlib's .py files (sorted, deterministic) as a uint8 tensor."""
     root = os.path.join(sys.base_prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}")
-    files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+    files = _stdlib_files(root)
     out = bytearray()
     for f in files:
         if "site-packages" in f:
@@ -101,6 +123,105 @@ def _cpu_copy(obj):  # type: ignore[no-untyped-def]
     return obj
 
 
+class Trainer:
+    """One training run, a step at a time (the loop of :func:`train`, same random sequence).
+
+    ``state()`` returns the live ``{"model", "optimizer"}`` state dicts (tensors on ``device``, not
+    copies); ``snapshot()``/``restore()`` copy every parameter and optimizer tensor, the scheduler,
+    the learning rates and the batch generator, in place, so several savers can be run on exactly
+    the same sequence of states.
+    """
+
+    def __init__(
+        self,
+        variant: str,
+        steps: int,
+        *,
+        device: str = "cpu",
+        layers: int = 4,
+        d: int = 256,
+        ctx: int = 128,
+        batch: int = 8,
+        lr: float = 1e-3,
+        seed: int = 0,
+        corpus_bytes: int = 32 << 20,
+    ) -> None:
+        if variant not in ("bf16", "fp32"):
+            raise ValueError(variant)
+        self.variant = variant
+        self.steps = steps
+        self.ctx = ctx
+        self.batch = batch
+        torch.manual_seed(seed)
+        self.data = corpus(corpus_bytes).to(device)
+        self.dev = dev = torch.device(device)
+        model = GPT(layers=layers, d=d, heads=max(1, d // 64), ctx=ctx).to(dev)
+        if variant == "bf16":
+            model = model.to(torch.bfloat16)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+        warm = max(1, steps // 10)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt,
+            lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))),
+        )
+        self.g = torch.Generator(device="cpu").manual_seed(seed)
+        self.use_autocast = variant == "fp32" and dev.type == "cuda"
+        self.step_count = 0
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step; returns the loss (a detached tensor: no host sync)."""
+        ctx, dev, data = self.ctx, self.dev, self.data
+        ix = torch.randint(0, data.numel() - ctx - 1, (self.batch,), generator=self.g).to(dev)
+        x = torch.stack([data[i : i + ctx] for i in ix]).long()
+        y = torch.stack([data[i + 1 : i + 1 + ctx] for i in ix]).long()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.use_autocast):
+            logits = self.model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.step_count += 1
+        return loss.detach()
+
+    def state(self) -> dict:
+        """The live state: ``{"model": model.state_dict(), "optimizer": opt.state_dict()}``."""
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+    def _live(self) -> list[torch.Tensor]:
+        out = [p.data for p in self.model.parameters()]
+        for p in self.model.parameters():
+            st = self.opt.state.get(p, {})
+            out.extend(v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor))
+        return out
+
+    def snapshot(self) -> dict:
+        """Copies of everything :meth:`step` changes (on the tensors' own devices)."""
+        return {
+            "tensors": [t.detach().clone() for t in self._live()],
+            "sched": copy.deepcopy(self.sched.state_dict()),
+            "lrs": [g["lr"] for g in self.opt.param_groups],
+            "g": self.g.get_state(),
+            "step": self.step_count,
+        }
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        """Put the run back to ``snap`` in place (the same tensor objects, so no aliasing)."""
+        live = self._live()
+        if len(live) != len(snap["tensors"]):
+            raise RuntimeError("optimizer state changed shape since the snapshot")
+        for t, s in zip(live, snap["tensors"]):
+            t.copy_(s)
+        self.sched.load_state_dict(copy.deepcopy(snap["sched"]))
+        for g, lr in zip(self.opt.param_groups, snap["lrs"]):
+            g["lr"] = lr
+        self.g.set_state(snap["g"])
+        self.step_count = snap["step"]
+
+
 def train(
     variant: str,
     steps: int,
@@ -116,34 +237,10 @@ def train(
     log_every: int = 50,
 ) -> Iterator[tuple[int, dict]]:
     """Train and yield a CPU copy of the state every ``every`` steps (steps every, 2*every, ...)."""
-    if variant not in ("bf16", "fp32"):
-        raise ValueError(variant)
-    torch.manual_seed(seed)
-    data = corpus().to(device)
-    dev = torch.device(device)
-    model = GPT(layers=layers, d=d, heads=max(1, d // 64), ctx=ctx).to(dev)
-    if variant == "bf16":
-        model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
-    warm = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    )
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    use_autocast = variant == "fp32" and dev.type == "cuda"
+    tr = Trainer(variant, steps, device=device, layers=layers, d=d, ctx=ctx, batch=batch, lr=lr, seed=seed)
     for step in range(1, steps + 1):
-        ix = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=g).to(dev)
-        x = torch.stack([data[i : i + ctx] for i in ix]).long()
-        y = torch.stack([data[i + 1 : i + 1 + ctx] for i in ix]).long()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_autocast):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = tr.step()
         if log_every and step % log_every == 0:
             print(f"  [{variant}] step {step} loss {loss.item():.3f}", file=sys.stderr, flush=True)
         if step % every == 0:
-            yield step, _cpu_copy({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})
+            yield step, _cpu_copy({**tr.state(), "step": step})

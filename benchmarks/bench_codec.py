@@ -326,6 +326,11 @@ def bench_s4w_gpu(
             for e, o, t in zip(entries, outs, ts_gpu.values()):
                 assert torch.equal(o, t.view(-1).view(torch.uint8)), e["path"]
             r["dec_device_GBps"] = raw / cuda_time(dec, repeats) / GB
+            _encode.TRACE = True
+            dec()
+            _encode.TRACE = False
+            m = _encode.TRACE_MARKS
+            r["dec_device_stages_ms"] = {b[0]: round((b[1] - a[1]) * 1e3, 3) for a, b in zip(m, m[1:])}
             staged = outs = None  # free device memory before the end-to-end runs
             budget.flush()
             if e2e and budget.ok():

@@ -7,6 +7,7 @@ Public API: :func:`save`, :func:`load`, :func:`info`, :func:`verify` and the err
 from s4w_core._version import __version__
 from s4w_core.api import PROFILES, SaveReport, VerifyReport, info, load, save, verify
 from s4w_core.errors import (
+    AsyncSaveError,
     BackendUnavailableError,
     BadMagicError,
     BaseMismatchError,
@@ -18,6 +19,7 @@ from s4w_core.errors import (
     FormatError,
     ManifestError,
     S4WError,
+    SaveInProgressError,
     StoreError,
     TruncatedError,
     UnknownCodecError,
@@ -25,7 +27,7 @@ from s4w_core.errors import (
     UnsupportedVersionError,
 )
 from s4w_core.skeleton import register_dict_type
-from s4w_core.store import CheckpointStore, StepInfo, load_checkpoint, save_checkpoint
+from s4w_core.store import CheckpointStore, SaveHandle, StepInfo, load_checkpoint, save_checkpoint
 
 __all__ = [
     "__version__",
@@ -38,6 +40,7 @@ __all__ = [
     "verify",
     "CheckpointStore",
     "StepInfo",
+    "SaveHandle",
     "save_checkpoint",
     "load_checkpoint",
     "register_dict_type",
@@ -55,6 +58,8 @@ __all__ = [
     "BaseMismatchError",
     "StoreError",
     "ConflictError",
+    "SaveInProgressError",
+    "AsyncSaveError",
     "BackendUnavailableError",
     "DeviceUnavailableError",
     "S4StorageWriter",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import IO, Any, Callable, Mapping, Union
 
 import torch
 
-from s4w_core import engine
+from s4w_core import engine, obs
 from s4w_core._fsutil import atomic_write
 from s4w_core._version import __version__
 from s4w_core.codecs import CODECS, get_codec
@@ -151,6 +152,18 @@ def _resolve_profile(profile: str, jobs: list[engine.StorageJob]) -> str:
     return profile
 
 
+@dataclass
+class Collected:
+    """A state already collected (its tree and storages), whose storages' ``raw`` bytes may have
+    been replaced by copies: encoding it gives the container the original state gave when the
+    copies were taken (tensor metadata, devices included, come from the original collection).
+    ``profile``: the profile resolved for the original state (copies may live elsewhere)."""
+
+    col: engine.Collector
+    tree: Any
+    profile: str | None = None
+
+
 def _encode(
     obj: Any,
     fp: IO[bytes],
@@ -159,9 +172,13 @@ def _encode(
     base_lookup: engine.BaseLookup | None,
     extra: Mapping[str, Any] | None,
 ) -> tuple[dict[str, Any], int, str]:
-    col = engine.Collector()
-    tree = encode_tree(obj, col.add)
-    prof = _resolve_profile(profile, col.jobs)
+    if isinstance(obj, Collected):  # collected earlier (a snapshot of the storages' bytes)
+        col, tree = obj.col, obj.tree
+        prof = obj.profile or _resolve_profile(profile, col.jobs)
+    else:
+        col = engine.Collector()
+        tree = encode_tree(obj, col.add)
+        prof = _resolve_profile(profile, col.jobs)
     if base_lookup is not None:
         for job in col.jobs:
             found = base_lookup(job.path, job.raw.numel(), engine.dtype_name(job.dtype))
@@ -225,15 +242,102 @@ def save(
         3
     """
     t0 = time.perf_counter()
-    if hasattr(path, "write"):
-        manifest, size, prof = _encode(obj, path, profile, threads, _base_lookup, extra)  # type: ignore[arg-type]
-        out_path = None
-    else:
-        out_path = os.fspath(path)  # type: ignore[arg-type]
-        with atomic_write(out_path) as f:
-            manifest, size, prof = _encode(obj, f, profile, threads, _base_lookup, extra)
-    groups, dtypes, kinds, raw, stored, deltas = summarize(manifest)
-    return SaveReport(out_path, prof, raw, stored, size, time.perf_counter() - t0, groups, dtypes, kinds, deltas)
+    url = _url_of(path)
+    tw: _TimedWriter | None = None
+    commit_s = 0.0
+    try:
+        if hasattr(path, "write"):
+            tw = _TimedWriter(path)  # type: ignore[arg-type]
+            manifest, size, prof = _encode(obj, tw, profile, threads, _base_lookup, extra)  # type: ignore[arg-type]
+            out_path = None
+        else:
+            out_path = os.fspath(path)  # type: ignore[arg-type]
+            with atomic_write(out_path) as f:
+                tw = _TimedWriter(f)
+                manifest, size, prof = _encode(obj, tw, profile, threads, _base_lookup, extra)  # type: ignore[arg-type]
+                commit_s = time.perf_counter()
+            commit_s = time.perf_counter() - commit_s  # flush, fsync, rename, fsync of the directory
+        groups, dtypes, kinds, raw, stored, deltas = summarize(manifest)
+    except BaseException as e:
+        _record("save", url, _step_of(extra, obj), 0, 0, t0, _save_stages(t0, tw, commit_s), error=e)
+        raise
+    rep = SaveReport(out_path, prof, raw, stored, size, time.perf_counter() - t0, groups, dtypes, kinds, deltas)
+    _record(
+        "save", url, _step_of(extra, obj), raw, size, t0, _save_stages(t0, tw, commit_s),
+        kind="delta" if deltas else None, extra={"profile": prof},
+    )
+    return rep
+
+
+# ----------------------------------------------------------------------------- observability
+class _TimedWriter:
+    """The file object :func:`save` writes through: counts the seconds spent in ``write``."""
+
+    def __init__(self, fp: IO[bytes]) -> None:
+        self._fp = fp
+        self.seconds = 0.0
+
+    def write(self, data: Any) -> int | None:
+        t = time.perf_counter()
+        try:
+            return self._fp.write(data)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def _url_of(src: Any) -> str:
+    if isinstance(src, (str, os.PathLike)):
+        return os.fspath(src)  # type: ignore[arg-type]
+    if isinstance(src, ContainerReader):
+        return src.name
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return "<bytes>"
+    name = getattr(src, "name", None)
+    return name if isinstance(name, str) else "<stream>"
+
+
+def _step_of(*candidates: Any) -> int | None:
+    """The training step for the log line: ``extra["step"]``, else the checkpoint's top-level
+    ``step`` / ``global_step`` when it is a plain int."""
+    for c in candidates:
+        if isinstance(c, Mapping):
+            for k in ("step", "global_step"):
+                v = c.get(k)
+                if type(v) is int:
+                    return v
+    return None
+
+
+def _save_stages(t0: float, tw: _TimedWriter | None, commit_s: float) -> dict[str, float]:
+    write_s = tw.seconds if tw is not None else 0.0
+    out = {"encode": max(0.0, time.perf_counter() - t0 - write_s - commit_s), "write": write_s}
+    if commit_s:
+        out["commit"] = commit_s
+    return out
+
+
+def _record(
+    op: str,
+    url: str,
+    step: int | None,
+    raw: int,
+    stored: int,
+    t0: float,
+    stages: dict[str, float],
+    *,
+    kind: str | None = None,
+    error: BaseException | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """One :class:`~s4w_core.obs.OpEvent` for a blocking file-level save or load."""
+    total = time.perf_counter() - t0
+    obs.record(
+        obs.OpEvent(
+            op=op, url=url, step=step, raw_bytes=raw, stored_bytes=stored, blocked_s=total, total_s=total,
+            stages=stages, kind=kind, mode="blocking", ok=error is None,
+            error=None if error is None else f"{type(error).__name__}: {error}", extra=extra or {},
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- load
@@ -378,14 +482,50 @@ def load(
         >>> s4w_core.load(buf.getvalue())["x"].tolist()
         [0, 1, 2, 3]
     """
-    reader = open_reader(path)
+    t0 = time.perf_counter()
+    url = _url_of(path)
+    stages: dict[str, float] = {}
     try:
-        m = reader.manifest
+        reader = open_reader(path)
+    except BaseException as e:
+        _record("load", url, None, 0, 0, t0, {"open": time.perf_counter() - t0}, error=e)
+        raise
+    stages["open"] = time.perf_counter() - t0
+    read = reader._read
+    io_s = [0.0]
+    lock = threading.Lock()
+
+    def timed_read(o: int, n: int) -> bytes:  # reads run in the decoding threads: sum their seconds
+        t = time.perf_counter()
+        try:
+            return read(o, n)
+        finally:
+            with lock:
+                io_s[0] += time.perf_counter() - t
+
+    reader._read = timed_read
+    m = reader.manifest
+    obj: Any = None
+    try:
+        t1 = time.perf_counter()
         raws = _decode_storages(reader, map_location, threads, _resolve_base)
-        return decode_tree(m["tree"], _build_tensors(m, raws))
+        obj = decode_tree(m["tree"], _build_tensors(m, raws))
+        stages["decode"] = time.perf_counter() - t1
+    except BaseException as e:
+        stages["read"] = io_s[0]
+        _record("load", url, _step_of(m.get("extra")), 0, 0, t0, stages, error=e)
+        raise
     finally:
+        reader._read = read
         if reader is not path:
             reader.close()
+    stages["read"] = io_s[0]
+    raw = sum(int(s["nbytes"]) for s in m["storages"])
+    _record(
+        "load", url, _step_of(m.get("extra"), obj), raw, reader.size, t0, stages,
+        kind="delta" if any(s.get("delta") for s in m["storages"]) else None, extra={"profile": m.get("profile")},
+    )
+    return obj
 
 
 # ----------------------------------------------------------------------------- info / verify

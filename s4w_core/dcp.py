@@ -34,6 +34,8 @@ import dataclasses
 import io
 import json
 import os
+import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -60,7 +62,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from s4w_core import api
+from s4w_core import api, obs
 from s4w_core._fsutil import atomic_write
 from s4w_core.errors import CheckpointNotFoundError, ManifestError, UnsupportedTypeError
 from s4w_core.skeleton import decode_tree, encode_tree
@@ -347,6 +349,21 @@ def _stage_tree(obj: Any, to_cpu: bool, pin: bool) -> Any:
     return copy.deepcopy(obj)
 
 
+_STEP_RE = re.compile(r"(?:^|[^0-9a-z])(?:step|global_step|checkpoint|ckpt)[-_=]?(\d+)$", re.IGNORECASE)
+
+
+def _step_from(location: str) -> int | None:
+    """The step for the log line, from a folder named like ``.../step_100`` (None otherwise)."""
+    m = _STEP_RE.search(os.path.basename(location.rstrip("/")))
+    return int(m.group(1)) if m else None
+
+
+def _merge_stages(into: dict[str, float], events: list[obs.OpEvent]) -> None:
+    for e in events:
+        for k, v in e.stages.items():
+            into[k] = into.get(k, 0.0) + v
+
+
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -417,6 +434,7 @@ class S4StorageWriter(StorageWriter):
         self.is_coordinator = False
         self.use_collectives = True
         self.last_reports: list[api.SaveReport] = []
+        self._staged_s: float | None = None  # seconds dcp.async_save's caller spent in stage()
 
     # ---- AsyncStager protocol (dcp.async_save uses the writer as its stager)
     @property
@@ -425,9 +443,11 @@ class S4StorageWriter(StorageWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A training-safe copy of ``state_dict`` (tensors cloned on their device, or to CPU)."""
+        t0 = time.perf_counter()
         staged = _stage_tree(state_dict, self.stage_to == "cpu", torch.cuda.is_available())
         if torch.cuda.is_available() and any(t.is_cuda for t in _iter_tensors(state_dict)):
             torch.cuda.current_stream().synchronize()
+        self._staged_s = time.perf_counter() - t0
         return staged
 
     def synchronize_staging(self) -> None:
@@ -474,6 +494,62 @@ class S4StorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.folder is not None
+        t0 = time.perf_counter()
+        staged_s, self._staged_s = self._staged_s, None
+        timer = obs.StageTimer()
+        inner: list[obs.OpEvent] = []
+        try:
+            with timer.stage("resolve"):
+                fname, tensors, blobs, placed = self._gather(plan, planner)
+            t1 = time.perf_counter()
+            with obs.suppress() as inner:  # this rank's container: one event below, not one per file
+                report = self.folder.save_container({"t": tensors, "b": blobs}, fname, self.profile, self.threads)
+            container_s = time.perf_counter() - t1
+        except BaseException as e:
+            self._record(t0, staged_s, timer.stages, inner, None, e)
+            raise
+        _merge_stages(timer.stages, inner)
+        # closing the data object (an S3 multipart upload completes here) happens after save() returned
+        late = container_s - sum(e.total_s for e in inner)
+        if late > 0:
+            timer.add("commit", late)
+        self._record(t0, staged_s, timer.stages, inner, report, None)
+        self.last_reports.append(report)
+        results = [
+            WriteResult(index=it.index, size_in_bytes=n, storage_data=_ItemInfo(fname, kind, key))
+            for it, kind, key, n in placed
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _record(
+        self,
+        t0: float,
+        staged_s: float | None,
+        stages: dict[str, float],
+        inner: list[obs.OpEvent],
+        report: api.SaveReport | None,
+        error: BaseException | None,
+    ) -> None:
+        """One event per rank and save; after ``dcp.async_save`` its caller was blocked only while
+        :meth:`stage` copied the state."""
+        assert self.folder is not None
+        took = time.perf_counter() - t0
+        if staged_s is not None:
+            stages = {"snapshot": staged_s, **stages}
+        obs.record(obs.OpEvent(
+            op="save", url=self.folder.location, step=_step_from(self.folder.location),
+            raw_bytes=report.raw_bytes if report else 0, stored_bytes=report.file_bytes if report else 0,
+            blocked_s=took if staged_s is None else staged_s, total_s=took + (staged_s or 0.0), stages=stages,
+            mode="dcp" if staged_s is None else "dcp-async", ok=error is None,
+            error=None if error is None else f"{type(error).__name__}: {error}", rank=self.rank,
+            extra={"profile": report.profile} if report else {},
+        ))
+
+    def _gather(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[WriteItem, str, str, int]]]:
         prefix: _Prefix = plan.storage_data
         fname = prefix.prefix + _SUFFIX
         tensors: dict[str, torch.Tensor] = {}
@@ -498,15 +574,7 @@ class S4StorageWriter(StorageWriter):
                 t = _projection(data)
                 tensors[key] = t
                 placed.append((item, "t", key, t.numel() * t.element_size()))
-        report = self.folder.save_container({"t": tensors, "b": blobs}, fname, self.profile, self.threads)
-        self.last_reports.append(report)
-        results = [
-            WriteResult(index=it.index, size_in_bytes=n, storage_data=_ItemInfo(fname, kind, key))
-            for it, kind, key, n in placed
-        ]
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return fname, tensors, blobs, placed
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.folder is not None
@@ -517,7 +585,17 @@ class S4StorageWriter(StorageWriter):
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         doc = json.dumps(_metadata_to_json(metadata), separators=(",", ":")).encode()
-        self.folder.write_bytes(self._meta_name(), doc)  # the commit point
+        t0 = time.perf_counter()
+        try:
+            self.folder.write_bytes(self._meta_name(), doc)  # the commit point
+        except BaseException as e:  # the rank events said the data was written: this save failed after all
+            took = time.perf_counter() - t0
+            obs.record(obs.OpEvent(
+                op="save", url=self.folder.location, step=_step_from(self.folder.location), raw_bytes=0,
+                stored_bytes=0, blocked_s=took, total_s=took, stages={"commit": took}, mode="dcp", ok=False,
+                error=f"{type(e).__name__}: {e}", rank=self.rank,
+            ))
+            raise
         # The previous save's data files (other save ids) are garbage now.
         keep = {i.file for i in storage.values()}
         if self.use_collectives or self.rank is None:
@@ -613,6 +691,35 @@ class S4StorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.folder is not None
+        t0 = time.perf_counter()
+        timer = obs.StageTimer()
+        inner: list[obs.OpEvent] = []
+        try:
+            with obs.suppress() as inner:  # one event per rank and load, not one per rank file
+                self._read_data(plan, planner, timer)
+        except BaseException as e:
+            self._record(t0, timer, inner, e)
+            raise
+        self._record(t0, timer, inner, None)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _record(self, t0: float, timer: obs.StageTimer, inner: list[obs.OpEvent], error: BaseException | None) -> None:
+        assert self.folder is not None
+        took = time.perf_counter() - t0
+        stages = dict(timer.stages)
+        _merge_stages(stages, inner)
+        obs.record(obs.OpEvent(
+            op="load", url=self.folder.location, step=_step_from(self.folder.location),
+            raw_bytes=sum(e.raw_bytes for e in inner), stored_bytes=sum(e.stored_bytes for e in inner),
+            blocked_s=took, total_s=took, stages=stages, mode="dcp", ok=error is None,
+            error=None if error is None else f"{type(error).__name__}: {error}", rank=self.rank,
+            extra={"files": len(inner)},
+        ))
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner, timer: obs.StageTimer) -> None:
+        assert self.folder is not None
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
@@ -629,25 +736,23 @@ class S4StorageReader(StorageReader):
                         target = str(dev)
                     break
             content = self.folder.load_container(fname, target, self.threads)
-            for req in reqs:
-                info = self.storage_data[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO:
-                    blob = content["b"][info.key]
-                    planner.load_bytes(req, io.BytesIO(blob.cpu().numpy().tobytes()))
-                else:
-                    src = _narrow(content["t"][info.key], req.storage_offsets, req.lengths)
-                    dst = planner.resolve_tensor(req).detach()
-                    if dst.size() != src.size():
-                        raise ManifestError(
-                            f"DCP item {req.storage_index.fqn!r}: stored slice {tuple(src.size())} does not fit "
-                            f"the target {tuple(dst.size())}"
-                        )
-                    dst.copy_(src)
-                    planner.commit_tensor(req, dst)
+            with timer.stage("copy"):
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    if req.type == LoadItemType.BYTE_IO:
+                        blob = content["b"][info.key]
+                        planner.load_bytes(req, io.BytesIO(blob.cpu().numpy().tobytes()))
+                    else:
+                        src = _narrow(content["t"][info.key], req.storage_offsets, req.lengths)
+                        dst = planner.resolve_tensor(req).detach()
+                        if dst.size() != src.size():
+                            raise ManifestError(
+                                f"DCP item {req.storage_index.fqn!r}: stored slice {tuple(src.size())} does not "
+                                f"fit the target {tuple(dst.size())}"
+                            )
+                        dst.copy_(src)
+                        planner.commit_tensor(req, dst)
             del content
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @property
     def checkpoint_id(self) -> str | None:

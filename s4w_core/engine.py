@@ -248,14 +248,45 @@ _DELTA_RUNS = 16
 _DELTA_MIN_SAMPLE = 1 << 16  # storages above 8x this are sampled at 1/8 (up to DELTA_SAMPLE_ELEMS)
 
 
+def delta_sample_ranges(n: int) -> list[tuple[int, int]]:
+    """Element ranges ``(start, stop)`` that :func:`choose_delta_op` samples from a storage of
+    ``n`` elements: all of it when small, else 16 runs spread over it, together an eighth of it,
+    at least 2**16 and at most :data:`DELTA_SAMPLE_ELEMS` elements."""
+    if n <= _DELTA_MIN_SAMPLE:
+        return [(0, n)] if n else []
+    run = max(1, min(n, DELTA_SAMPLE_ELEMS, max(_DELTA_MIN_SAMPLE, n // 8)) // _DELTA_RUNS)
+    starts = sorted({(n - run) * k // (_DELTA_RUNS - 1) for k in range(_DELTA_RUNS)})
+    return [(s0, s0 + run) for s0 in starts]
+
+
+def choose_delta_op_sampled(
+    raw: torch.Tensor, base: torch.Tensor, dtype: torch.dtype, transform: str, ops: tuple[str, ...] | None = None
+) -> str | None:
+    """:func:`choose_delta_op` on samples already gathered (CPU uint8 tensors of equal length,
+    the ranges of :func:`delta_sample_ranges` back to back). The GPU writer gathers the samples
+    of every storage of a batch on the device and copies them to the host once."""
+    if raw.numel() == 0:
+        return None
+    best: str | None = None
+    best_cost = _estimate_bytes(_planes(raw, dtype, transform, None))
+    limit = (1.0 - DELTA_MIN_GAIN) * best_cost
+    for op in ops if ops is not None else delta.ops_for(dtype, transform):
+        if op not in delta.ops_for(dtype, transform):
+            continue
+        c = _estimate_bytes(_planes(raw, dtype, transform, base, op))
+        if c < limit and c < best_cost:
+            best, best_cost = op, c
+    return best
+
+
 def choose_delta_op(job: StorageJob, transform: str, ops: tuple[str, ...] | None = None) -> str | None:
     """The delta op (:mod:`s4w_core.delta`) to store ``job`` with against ``job.base``, or None
     for plain coding.  Shared by the CPU and GPU writers.
 
     Every candidate op (default: all that apply to the dtype, see :func:`delta.ops_for`) is
-    estimated on the same sample: 16 runs spread over the storage (copied to the host), together
-    an eighth of it, at least 2**16 and at most :data:`DELTA_SAMPLE_ELEMS` elements, so a storage
-    whose first rows are atypical is judged on all of it.  An op wins if it beats plain by :data:`DELTA_MIN_GAIN`; the smallest estimate wins.
+    estimated on the same sample (:func:`delta_sample_ranges`), so a storage whose first rows are
+    atypical is judged on all of it.  An op wins if it beats plain by :data:`DELTA_MIN_GAIN`; the
+    smallest estimate wins.
     Raises BaseMismatchError if the base has a different size.
     """
     assert job.base is not None
@@ -263,26 +294,15 @@ def choose_delta_op(job: StorageJob, transform: str, ops: tuple[str, ...] | None
     if job.base.numel() != nbytes:
         raise BaseMismatchError(f"{job.path}: base has {job.base.numel()} bytes, tensor {nbytes}")
     w = 1 if transform == "bytes" else plane_width(job.dtype)
-    n = nbytes // w
-    if n == 0:
+    ranges = delta_sample_ranges(nbytes // w)
+    if not ranges:
         return None
-    if n <= _DELTA_MIN_SAMPLE:  # small: all of it, no gathering
+    if len(ranges) == 1:
         raw, base = job.raw.cpu(), job.base.cpu()
     else:
-        run = max(1, min(n, DELTA_SAMPLE_ELEMS, max(_DELTA_MIN_SAMPLE, n // 8)) // _DELTA_RUNS)
-        starts = sorted({(n - run) * k // (_DELTA_RUNS - 1) for k in range(_DELTA_RUNS)})
-        raw = torch.cat([job.raw[s0 * w : (s0 + run) * w].cpu() for s0 in starts])
-        base = torch.cat([job.base[s0 * w : (s0 + run) * w].cpu() for s0 in starts])
-    best: str | None = None
-    best_cost = _estimate_bytes(_planes(raw, job.dtype, transform, None))
-    limit = (1.0 - DELTA_MIN_GAIN) * best_cost
-    for op in ops if ops is not None else delta.ops_for(job.dtype, transform):
-        if op not in delta.ops_for(job.dtype, transform):
-            continue
-        c = _estimate_bytes(_planes(raw, job.dtype, transform, base, op))
-        if c < limit and c < best_cost:
-            best, best_cost = op, c
-    return best
+        raw = torch.cat([job.raw[a * w : b * w].cpu() for a, b in ranges])
+        base = torch.cat([job.base[a * w : b * w].cpu() for a, b in ranges])
+    return choose_delta_op_sampled(raw, base, job.dtype, transform, ops)
 
 
 def delta_pays(job: StorageJob, transform: str) -> bool:

@@ -23,6 +23,8 @@ __all__ = [
     "BaseMismatchError",
     "StoreError",
     "ConflictError",
+    "SaveInProgressError",
+    "AsyncSaveError",
     "BackendUnavailableError",
     "DeviceUnavailableError",
 ]
@@ -82,6 +84,16 @@ class StoreError(S4WError, OSError):
 
 class ConflictError(StoreError):
     """Another writer holds or changed the same checkpoint location."""
+
+
+class SaveInProgressError(StoreError):
+    """A save was started while the store's previous non-blocking save is still running and the
+    store was opened with ``on_busy="error"``."""
+
+
+class AsyncSaveError(StoreError):
+    """A non-blocking save (or the upload of a step to the slow tier) failed in the background.
+    Raised by the store's next call; names the step, and ``__cause__`` is the original error."""
 
 
 class BackendUnavailableError(S4WError, ImportError):

@@ -12,8 +12,8 @@ Order of work for a batch of storage entries:
    straight into its place in a planes buffer (``planes[j * plane_stride + s0]``; chunks whose
    place is not 16-byte aligned, which only a writer with an odd ``segment_elems`` produces, go
    through a scratch slot); one gather-copy launch places raw and CPU-decoded chunks;
-4. merge planes into each output tensor (XOR with the delta base in the same kernel; other delta
-   ops of :mod:`s4w_core.delta` are undone after it, on the device), then check each storage's raw
+4. merge planes into each output tensor (the delta op, ``xor`` or ``sub``, undone against the base
+   in the same kernel), then check each storage's raw
    checksum: ``fold64`` on the GPU (one read-back for the batch), ``xxh3-64`` on the host.
 """
 
@@ -184,6 +184,10 @@ def decode_device(
     """Device part of decoding (call under ``_nvcomp.on_stream``): chunks already on the device in
     ``staged`` to ``outs``. Returns the fold64 word sums per entry (0 for xxh3 entries); reading
     them back is the one synchronization."""
+    from s4w_core.gpu._encode import TRACE_MARKS, _mark
+
+    TRACE_MARKS.clear()
+    _mark("start", dev)
     width = np.array([e["_width"] for e in entries], dtype=np.int64)
     n_el = np.array([e["nbytes"] for e in entries], dtype=np.int64) // width
     ps = (n_el + _A - 1) // _A * _A
@@ -197,7 +201,8 @@ def decode_device(
     stored = np.asarray(st.stored, dtype=np.int64)
     kinds = np.asarray(st.kinds)
     cp = kinds == "copy"
-    gather_copy(staged, planes, slot[cp].tolist(), dst[cp].tolist(), raw_len[cp].tolist())
+    gather_copy(staged, planes, slot[cp].tolist(), dst[cp].tolist(), raw_len[cp].tolist(), pad_ok=True)
+    _mark("tables+place_raw", dev)
     for kind, (algorithm, opts) in _GPU_DECODERS.items():
         sel = kinds == kind
         if not sel.any():
@@ -215,36 +220,33 @@ def decode_device(
             scratch = torch.empty(int(sz.sum()), dtype=torch.uint8, device=dev)
             _gpu_decode(algorithm, opts, dev, staged, scratch, slot[via], stored[via], soff, rl, name)
             gather_copy(scratch, planes, soff.tolist(), dst[via].tolist(), rl.tolist())
-    # merge (one launch per element width), then raw checksums (one launch)
-    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int, int]]] = {}
+    _mark("nvcomp_decode", dev)
+    # merge (one launch per element width and delta op: the op is undone in the same pass),
+    # then raw checksums (one launch)
+    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int, int, str | None]]] = {}
     folds: list[tuple[torch.Tensor, int]] = []
-    inverse: list[tuple[int, str, torch.Tensor]] = []  # non-xor delta ops, undone after merging
     for i, e in enumerate(entries):
         off = int(region[i])
         base = bases[i]
-        op = (e.get("delta") or {}).get("op", "xor")
-        if base is not None and op != "xor":
-            inverse.append((i, op, base))
-            base = None
+        op = (e.get("delta") or {}).get("op", "xor") if base is not None else None
         if e["transform"] == "planes-rotl1":
-            by_width.setdefault(int(width[i]), []).append((outs[i], base, off, int(ps[i])))
+            by_width.setdefault(int(width[i]), []).append((outs[i], base, off, int(ps[i]), op))
         elif base is None:
             outs[i].copy_(planes[off : off + int(n_el[i])])
-        else:
+        elif op == "xor":
             torch.bitwise_xor(planes[off : off + int(n_el[i])], base, out=outs[i])
+        else:
+            raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r} (transform bytes)")
         if e["checksum"].startswith("fold64:"):
             folds.append((outs[i], i))
     for w_, items in by_width.items():
         merge_planes_batched(items, w_, planes)
-    if inverse:
-        from s4w_core import delta
-
-        for i, op, base in inverse:
-            dtype = engine.dtype_from_name(entries[i]["dtype"])
-            outs[i].copy_(delta.inverse(op, outs[i], base, dtype))
+    _mark("merge", dev)
     acc = torch.zeros(max(1, len(entries)), dtype=torch.int64, device=dev)
     fold64_batched(folds, acc)
-    return [int(x) for x in acc.cpu().tolist()]
+    sums = [int(x) for x in acc.cpu().tolist()]
+    _mark("fold64+readback", dev)
+    return sums
 
 
 def _gpu_decode(

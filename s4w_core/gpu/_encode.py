@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from s4w_core import checksum as ck
-from s4w_core import engine
+from s4w_core import delta, engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW
+from s4w_core.errors import BaseMismatchError
 from s4w_core.format.container import ContainerWriter
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy
@@ -51,13 +52,14 @@ class Profile:
     algorithm: str
     segment_elems: int  # elements per segment = bytes per plane chunk
     opts: tuple[tuple[str, Any], ...]
+    probe: bool = False  # skip the coder for chunks a sample says are near random (_worth_coding)
 
 
 PROFILES = {
     # 512 Ki-element segments (512 KiB ANS chunks per plane): on all-MiniLM-L6-v2 bf16 the ratio is
     # 1.481 / 1.495 / 1.502 / 1.505 / 1.506 for 64K / 128K / 256K / 512K / 1M elements (ZipNN:
     # 1.504); benchmarks/results/README.md has the sweep and its throughput.
-    "fast": Profile("fast", NVCOMP_ANS.id, "ANS", 1 << 19, (("data_type", "|u1"),)),
+    "fast": Profile("fast", NVCOMP_ANS.id, "ANS", 1 << 19, (("data_type", "|u1"),), probe=True),
     # nvCOMP Deflate compresses chunks of at most 64 KiB; algorithm_type 0 = entropy only.
     "portable": Profile("portable", DEFLATE.id, "Deflate", 1 << 16, (("algorithm_type", 0),)),
 }
@@ -132,7 +134,8 @@ class _OrderedSink:
 class _Piece:
     ji: int  # job index in the sink
     raw: torch.Tensor  # whole storage bytes on the device
-    base: torch.Tensor | None
+    base: torch.Tensor | None  # whole base storage (device or host); None: no delta
+    op: str | None  # delta op of s4w_core.delta, fused into the split kernel
     dtype: torch.dtype
     transform: str
     w: int
@@ -148,13 +151,91 @@ class _Batch:
     nbytes: int = 0
 
 
-def _choose_delta_op(job: engine.StorageJob, transform: str) -> str | None:
-    """The CPU writer's per-storage delta choice (shared code in the engine)."""
-    choose = getattr(engine, "choose_delta_op", None)
-    if choose is not None:
-        op: str | None = choose(job, transform)
-        return op
-    return "xor" if engine.delta_pays(job, transform) else None
+#: elements sampled per storage (16 runs spread over it) by the GPU writer's delta choice.
+DEVICE_DELTA_SAMPLE = 1 << 14
+
+
+def _choose_delta_ops(
+    cands: list[tuple[engine.StorageJob, str, int]], pool: ThreadPoolExecutor, dev: torch.device | None = None
+) -> list[str | None]:
+    """Per storage: plain coding, or the delta op (:mod:`s4w_core.delta`) whose residual planes
+    have the smallest order-0 entropy on a sample -- the rule of :func:`engine.choose_delta_op`
+    (an op must save :data:`engine.DELTA_MIN_GAIN`), computed on the device for every storage of
+    the checkpoint at once: one sample gather, the split kernel per candidate op, one histogram
+    per (storage, plane), one small read-back. (The CPU writer estimates each storage on the host:
+    at checkpoint scale that cost ~1 s per save on the GPU path, where it blocks the caller.)"""
+    if not cands:
+        return []
+    if dev is None:
+        dev = next((j.raw.device for j, _t, _w in cands if j.raw.device.type != "cpu"), cands[0][0].raw.device)
+    runs = engine._DELTA_RUNS  # noqa: SLF001
+    raw_parts: list[torch.Tensor] = []
+    base_parts: list[torch.Tensor] = []
+    counts: list[int] = []
+    for job, _transform, w in cands:
+        assert job.base is not None
+        if job.base.numel() != job.raw.numel():
+            raise BaseMismatchError(f"{job.path}: base has {job.base.numel()} bytes, tensor {job.raw.numel()}")
+        n = job.raw.numel() // w
+        run = max(1, min(n, DEVICE_DELTA_SAMPLE) // runs)
+        starts = sorted({(n - run) * k // (runs - 1) for k in range(runs)}) if n > run else [0]
+        ln = min(n, run)
+        raw_parts.extend(job.raw[a * w : (a + ln) * w] for a in starts)
+        base_parts.extend(job.base[a * w : (a + ln) * w] for a in starts)
+        counts.append(len(starts) * ln)
+    raw_s = _cat_on(raw_parts, dev)
+    base_s = _cat_on(base_parts, dev)
+    # the planes of each candidate, back to back (plane stride = sample length: no padding)
+    ws = [w for _j, _t, w in cands]
+    off: list[int] = []
+    pos = 0
+    for c, w in zip(counts, ws):
+        off.append(pos)
+        pos += c * w
+    plane_len = torch.tensor([c for c, w in zip(counts, ws) for _ in range(w)], dtype=torch.int64)
+    seg = (torch.repeat_interleave(torch.arange(len(plane_len), dtype=torch.int32), plane_len) * 256).to(dev, non_blocking=True)
+    nplanes = len(plane_len)
+    costs = []
+    for op in (None, "xor", "sub"):
+        buf = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
+        by_width: dict[int, list[Any]] = {}
+        for k, ((job, transform, w), c) in enumerate(zip(cands, counts)):
+            r = raw_s[off[k] : off[k] + c * w]
+            b = base_s[off[k] : off[k] + c * w]
+            use = op if op in delta.ops_for(job.dtype, transform) else None
+            if transform == "planes-rotl1":
+                by_width.setdefault(w, []).append((r, b if use else None, off[k], c, use or "xor"))
+            elif use == "xor":
+                torch.bitwise_xor(r, b, out=buf[off[k] : off[k] + c])
+            else:
+                buf[off[k] : off[k] + c].copy_(r)
+        for w, items in by_width.items():
+            split_planes_batched(items, w, buf)
+        hist = torch.bincount(seg + buf[:pos].to(torch.int32), minlength=nplanes * 256).view(nplanes, 256)
+        p = hist.to(torch.float32) / plane_len.to(dev, torch.float32)[:, None]
+        bits = (-(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)).clamp_min(1e-3)
+        costs.append(bits * plane_len.to(dev, torch.float32) / 8)
+    per_plane = torch.stack(costs).cpu()  # (3, nplanes): the one read-back
+    out: list[str | None] = []
+    i = 0
+    for (job, transform, w), _c in zip(cands, counts):
+        est = per_plane[:, i : i + w].sum(1).tolist()
+        i += w
+        best: str | None = None
+        best_cost = est[0]
+        limit = (1.0 - engine.DELTA_MIN_GAIN) * best_cost
+        for k, op in ((1, "xor"), (2, "sub")):
+            if op in delta.ops_for(job.dtype, transform) and est[k] < limit and est[k] < best_cost:
+                best, best_cost = op, est[k]
+        out.append(best)
+    return out
+
+
+def _cat_on(parts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """``parts`` (on ``dev`` or on the host) concatenated on ``dev``, in order."""
+    if all(p.device == dev for p in parts):
+        return torch.cat(parts)
+    return torch.cat([p.to(dev, non_blocking=True) for p in parts])
 
 
 def _on_device(t: torch.Tensor) -> bool:
@@ -186,13 +267,22 @@ def encode_storages(
     fold_items: list[tuple[torch.Tensor, int]] = []
     with _nvcomp.on_stream(dev):
         acc = torch.zeros(max(1, len(jobs)), dtype=torch.int64, device=dev)
-        batch = _Batch()
+        # where each storage is coded, and the delta op of every GPU-coded storage (one transfer)
+        plan: list[tuple[str, int, bool]] = []
         for job in jobs:
             nbytes = job.raw.numel()
             transform, w = engine.transform_for(job.dtype, nbytes)
             cpu_path = (profile == "portable" and (not _on_device(job.raw) or transform == "bytes")) or (
                 profile == "fast" and transform == "bytes" and nbytes <= SMALL_BYTES_STORAGE
             )
+            plan.append((transform, w, cpu_path))
+        cands = [(i, (job, plan[i][0], plan[i][1])) for i, job in enumerate(jobs) if job.base is not None and not plan[i][2]]
+        chosen = _choose_delta_ops([c for _, c in cands], pool, dev=dev) if cands else []
+        ops: dict[int, str | None] = {i: op for (i, _), op in zip(cands, chosen)}
+        batch = _Batch()
+        for jidx, job in enumerate(jobs):
+            nbytes = job.raw.numel()
+            transform, w, cpu_path = plan[jidx]
             if cpu_path:
                 rec = _RecordingWriter()
                 entry = engine.encode_storage_cpu(job, rec, pool)  # type: ignore[arg-type]
@@ -218,18 +308,10 @@ def encode_storages(
                 "delta": None,
                 "chunks": [],
             }
-            base = None
-            src = raw
-            op = _choose_delta_op(job, transform) if job.base is not None else None
+            op = ops.get(jidx)
+            base = job.base if op is not None else None
             if op is not None:
-                assert job.base is not None
                 entry["delta"] = {"op": op, "base": job.base_ref}
-                if op == "xor":  # fused into the split kernel
-                    base = job.base.to(dev)
-                else:  # other ops (s4w_core.delta): residual on the device, then plain planes
-                    from s4w_core import delta
-
-                    src = delta.forward(op, raw, job.base.to(dev), job.dtype).contiguous()
             if _on_device(job.raw):
                 fold_items.append((raw, len(entries)))
                 fold_slots.append((len(entries), nbytes))
@@ -251,7 +333,7 @@ def encode_storages(
                     continue
                 take = min(nseg - s, room)
                 e0, e1 = s * seg, min(n, (s + take) * seg)
-                batch.pieces.append(_Piece(ji, src, base, job.dtype, transform, w, e0, e1, seg, s * w))
+                batch.pieces.append(_Piece(ji, raw, base, op, job.dtype, transform, w, e0, e1, seg, s * w))
                 batch.nbytes += (e1 - e0) * w
                 s += take
         if batch.pieces:
@@ -305,10 +387,72 @@ def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") ->
         raw = t.contiguous().view(-1).view(torch.uint8)
         transform, w = engine.transform_for(t.dtype, raw.numel())
         n = raw.numel() // w
-        batch.pieces.append(_Piece(i, raw, None, t.dtype, transform, w, 0, n, prof.segment_elems, 0))
+        batch.pieces.append(_Piece(i, raw, None, None, t.dtype, transform, w, 0, n, prof.segment_elems, 0))
         batch.nbytes += raw.numel()
     with _nvcomp.on_stream(batch.pieces[0].raw.device):
         return _encode_batch_device(batch, prof, batch.pieces[0].raw.device)
+
+
+#: bytes sampled per chunk by the probe (16 runs of 256 bytes spread over the chunk)
+PROBE_BYTES = 4096
+#: the probe sends a chunk other than a first (exponent) plane's to the coder only if its sample's
+#: order-0 entropy promises at least this saving; first planes are always coded.
+PROBE_MIN_GAIN = 0.01
+
+
+def _worth_coding(
+    planes: torch.Tensor, src_off: np.ndarray, lengths: np.ndarray, j_idx: np.ndarray, dev: torch.device
+) -> np.ndarray:
+    """Which chunks to hand to the entropy coder: ANS time grows with its input, and the low planes
+    of float data (mantissa bits) are near random unless a delta zeroed them. One histogram per
+    chunk over a spread sample, on the device, one small read-back. Chunks shorter than the sample
+    and first planes are always coded; a chunk the probe skips is stored raw (what the coder would
+    have chosen for it unless it saves more than :data:`PROBE_MIN_GAIN` on its whole length)."""
+    todo = np.ones(len(lengths), dtype=bool)
+    cand = np.nonzero((j_idx != 0) & (lengths >= PROBE_BYTES))[0]
+    if not len(cand):
+        return todo
+    runs, run = 16, PROBE_BYTES // 16
+    step = (lengths[cand] - run) // (runs - 1)
+    starts = src_off[cand][:, None] + step[:, None] * np.arange(runs)[None, :]
+    table = torch.from_numpy(starts.reshape(-1)).to(dev, non_blocking=True)
+    index = (table[:, None] + torch.arange(run, device=dev)[None, :]).view(len(cand), -1)
+    sample = planes[index].to(torch.int64)
+    keys = sample + (torch.arange(len(cand), device=dev) * 256)[:, None]
+    counts = torch.bincount(keys.view(-1), minlength=len(cand) * 256).view(len(cand), 256).to(torch.float32)
+    p = counts / PROBE_BYTES
+    bits = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)  # per byte
+    keep = (bits < 8.0 * (1.0 - PROBE_MIN_GAIN)).cpu().numpy()
+    todo[cand] = keep
+    return todo
+
+
+def _stage_bases(pieces: list[_Piece], dev: torch.device) -> list[torch.Tensor | None]:
+    """Each piece's slice of its delta base on ``dev``: device bases as views; host bases (the
+    store's cache of the previous step) copied slice by slice into one buffer for this batch, so
+    device memory for bases is bounded by the batch, not by the checkpoint."""
+    out: list[torch.Tensor | None] = [None] * len(pieces)
+    host: list[int] = []
+    for k, p in enumerate(pieces):
+        if p.base is None:
+            continue
+        sl = p.base[p.e0 * p.w : p.e1 * p.w]
+        if sl.device == dev:
+            out[k] = sl
+        else:
+            host.append(k)
+    if host:
+        sizes = [(pieces[k].e1 - pieces[k].e0) * pieces[k].w for k in host]
+        slots = [_round(n, _REGION_ALIGN) for n in sizes]
+        buf = torch.empty(max(sum(slots), 1), dtype=torch.uint8, device=dev)
+        pos = 0
+        for k, n, slot in zip(host, sizes, slots):
+            p = pieces[k]
+            dst = buf[pos : pos + n]
+            dst.copy_(p.base[p.e0 * p.w : p.e1 * p.w], non_blocking=True)  # type: ignore[index]
+            out[k] = dst
+            pos += slot
+    return out
 
 
 def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _Encoded:
@@ -324,12 +468,13 @@ def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _En
     off = np.cumsum(size) - size
     total = int(size.sum())
     planes = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
-    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int, int]]] = {}
+    bases = _stage_bases(pieces, dev)
+    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int, int, str | None]]] = {}
     for k, p in enumerate(pieces):
         src = p.raw[p.e0 * p.w : p.e1 * p.w]
-        b = p.base[p.e0 * p.w : p.e1 * p.w] if p.base is not None else None
+        b = bases[k]
         if p.transform == "planes-rotl1":
-            by_width.setdefault(p.w, []).append((src, b, int(off[k]), int(ps[k])))
+            by_width.setdefault(p.w, []).append((src, b, int(off[k]), int(ps[k]), p.op))
         elif b is None:
             planes[int(off[k]) : int(off[k]) + int(ne[k])].copy_(src)
         else:
@@ -349,18 +494,23 @@ def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _En
     owner_ji = np.array([p.ji for p in pieces], dtype=np.int64)[piece_of]
     owner_ci = np.array([p.chunk0 for p in pieces], dtype=np.int64)[piece_of] + local
     _mark("chunk_table", dev)
-    # 2. one nvCOMP call over every chunk
-    maxlen = int(lengths.max())
-    c = _nvcomp.codec(prof.algorithm, dev, _round(maxlen, 1 << 16), **dict(prof.opts))
-    cap = _nvcomp.max_compressed(c, maxlen, dev)
+    # 2. one nvCOMP call over every chunk worth coding (the probe skips near-random chunks)
+    todo = _worth_coding(planes, src_off, lengths, j_idx, dev) if prof.probe else np.ones(len(lengths), dtype=bool)
+    _mark("probe", dev)
     nchunks = len(lengths)
-    comp = torch.empty(cap * nchunks, dtype=torch.uint8, device=dev)
-    _mark("codec_setup", dev)
-    comp_off = np.arange(nchunks, dtype=np.int64) * cap
-    sizes = np.asarray(
-        _nvcomp.encode_batch(c, planes, src_off.tolist(), lengths.tolist(), comp, comp_off.tolist(), [cap] * nchunks),
-        dtype=np.int64,
-    )
+    sizes = np.full(nchunks, -1, dtype=np.int64)
+    comp = planes[:0]
+    comp_off = np.zeros(nchunks, dtype=np.int64)
+    idx = np.nonzero(todo)[0]
+    if len(idx):
+        maxlen = int(lengths[idx].max())
+        c = _nvcomp.codec(prof.algorithm, dev, _round(maxlen, 1 << 16), **dict(prof.opts))
+        cap = _nvcomp.max_compressed(c, maxlen, dev)
+        comp = torch.empty(cap * len(idx), dtype=torch.uint8, device=dev)
+        comp_off[idx] = np.arange(len(idx), dtype=np.int64) * cap
+        sizes[idx] = _nvcomp.encode_batch(
+            c, planes, src_off[idx].tolist(), lengths[idx].tolist(), comp, comp_off[idx].tolist(), [cap] * len(idx)
+        )
     _mark("nvcomp_encode+sizes", dev)
     # 3. choose per chunk: coded only if smaller (first plane) or MIN_GAIN smaller (other planes)
     limit = np.where(j_idx == 0, lengths, lengths * (1.0 - MIN_GAIN))
@@ -371,8 +521,8 @@ def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _En
     pos = int(slot.sum())
     compact = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
     raw_m = ~coded
-    gather_copy(planes, compact, src_off[raw_m].tolist(), out_off[raw_m].tolist(), lengths[raw_m].tolist())
-    gather_copy(comp, compact, comp_off[coded].tolist(), out_off[coded].tolist(), sizes[coded].tolist())
+    gather_copy(planes, compact, src_off[raw_m].tolist(), out_off[raw_m].tolist(), lengths[raw_m].tolist(), pad_ok=True)
+    gather_copy(comp, compact, comp_off[coded].tolist(), out_off[coded].tolist(), sizes[coded].tolist(), pad_ok=True)
     _mark("choose+compact", dev)
     codec_ids = np.where(coded, prof.codec_id, RAW.id).tolist()
     owner = list(zip(owner_ji.tolist(), owner_ci.tolist()))

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,17 +42,37 @@ def _gather_copy_kernel(
     tl.store(dst_ptr + do + offs, v, mask=m)
 
 
+@triton.jit
+def _gather_words_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, len_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """As :func:`_gather_copy_kernel` on 16-byte granules (offsets in int64 words, lengths rounded
+    up to whole granules): 8-byte accesses instead of single bytes, ``ITERS`` tiles per program."""
+    c = tl.program_id(0)
+    nw = tl.load(len_ptr + c)
+    so = tl.multiple_of(tl.load(src_off_ptr + c), 2)
+    do = tl.multiple_of(tl.load(dst_off_ptr + c), 2)
+    base = tl.program_id(1).to(tl.int64) * (BLOCK * ITERS)
+    for i in tl.static_range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        m = offs < nw
+        v = tl.load(src_ptr + so + offs, mask=m)
+        tl.store(dst_ptr + do + offs, v, mask=m)
+
+
 def gather_copy(
     src: torch.Tensor,
     dst: torch.Tensor,
     src_off: list[int],
     dst_off: list[int],
     lengths: list[int],
+    pad_ok: bool = False,
 ) -> None:
     """``dst[dst_off[i] : +lengths[i]] = src[src_off[i] : +lengths[i]]`` for every ``i``, one launch.
 
     ``src``/``dst``: 1-D uint8 tensors on one device. Ranges must lie inside the buffers (checked
     here, on the host, from the lists). Enqueued on the current stream.
+    ``pad_ok``: the caller guarantees that each destination range may be written up to its next
+    16-byte boundary (slot padding nobody reads) and no two rounded ranges overlap; with every
+    offset 16-byte aligned the copy then moves whole 16-byte granules (about 10x faster).
     """
     if not lengths:
         return
@@ -61,12 +83,40 @@ def gather_copy(
         or min(dst_off) < 0
     ):
         raise ValueError("gather_copy: a range lies outside its buffer")
-    aligned = all(o % 16 == 0 for o in src_off) and all(o % 16 == 0 for o in dst_off)
-    table = torch.tensor([src_off, dst_off, lengths], dtype=torch.int64)
+    aligned = (
+        all(o % 16 == 0 for o in src_off)
+        and all(o % 16 == 0 for o in dst_off)
+        and src.data_ptr() % 16 == 0
+        and dst.data_ptr() % 16 == 0
+    )
+    words = (
+        pad_ok
+        and aligned
+        and src.numel() % 16 == 0
+        and dst.numel() % 16 == 0
+        and max(o + -(-n // 16) * 16 for o, n in zip(src_off, lengths)) <= src.numel()
+        and max(o + -(-n // 16) * 16 for o, n in zip(dst_off, lengths)) <= dst.numel()
+    )
+    if words:
+        table = torch.tensor(
+            [[o // 8 for o in src_off], [o // 8 for o in dst_off], [-(-n // 16) * 2 for n in lengths]], dtype=torch.int64
+        )
+        block = int(os.environ.get("S4W_GATHER_WORDS", "8192"))
+        iters = int(os.environ.get("S4W_GATHER_ITERS", "2"))
+    else:
+        table = torch.tensor([src_off, dst_off, lengths], dtype=torch.int64)
+        block = _COPY_BLOCK
     if src.device.type == "cuda":
         table = table.pin_memory().to(src.device, non_blocking=True)
-    grid = (len(lengths), triton.cdiv(max(max(lengths), 1), _COPY_BLOCK))
-    _gather_copy_kernel[grid](src, dst, table[0], table[1], table[2], ALIGNED=aligned, BLOCK=_COPY_BLOCK, num_warps=4)
+    if words:
+        grid = (len(lengths), triton.cdiv(max(int(max(lengths)), 1), 8 * block * iters))
+        _gather_words_kernel[grid](
+            src.view(torch.int64), dst.view(torch.int64), table[0], table[1], table[2], BLOCK=block, ITERS=iters,
+            num_warps=int(os.environ.get("S4W_GATHER_WARPS", "16")),
+        )
+    else:
+        grid = (len(lengths), triton.cdiv(max(int(max(lengths)), 1), _COPY_BLOCK))
+        _gather_copy_kernel[grid](src, dst, table[0], table[1], table[2], ALIGNED=aligned, BLOCK=block, num_warps=4)
 
 
 @triton.jit

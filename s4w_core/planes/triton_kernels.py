@@ -5,18 +5,26 @@ never imports this module (it needs ``triton``).  With ``TRITON_INTERPRET=1`` se
 imported, the same kernels run on CPU tensors through Triton's interpreter: that is how CI, which
 has no GPU, checks them against the reference.
 
-Layout.  ``split_planes_into`` writes the ``w`` planes of ``n`` elements into one flat uint8 buffer
-at ``out[j * plane_stride + i]`` (``plane_stride >= n``; the GPU writer rounds it up so that every
-chunk starts 256-byte aligned, which nvCOMP and 16-byte vector stores want).  ``merge_planes_from``
-reads the same layout.  The plane functions :func:`split_planes` / :func:`merge_planes` mirror the
-reference signatures (``(w, n)`` tensors) for tests.
+One kernel per direction does all the work of a batch in one pass over each tensor:
 
-Arithmetic.  bf16/fp16 elements are widened to int32 and masked to 16 bits before rotating, so
-neither sign extension nor 16-bit shift semantics can differ between the GPU and the interpreter;
-fp32 elements are rotated as uint32 (logical shifts).
+* ``split``: read the raw elements (and the delta base), apply the delta op (``xor`` or ``sub`` of
+  :mod:`s4w_core.delta`), rotate, and write the ``w`` byte planes;
+* ``merge``: read the planes, un-rotate, undo the delta op against the base, write the elements.
+
+Layout.  The planes of an item of ``n`` elements go to ``out[off + j * plane_stride + i]``
+(``plane_stride >= n``; the GPU writer rounds offsets and strides to 256 bytes, so chunks start
+aligned for nvCOMP and for 16-byte vector accesses).  A launch covers many items: a small item table
+(addresses as int64, cast to pointers in the kernel) goes to the device in one copy, and the
+program-to-item map is built on the device, so no host work grows with the number of elements.
+
+Arithmetic.  bf16/fp16 patterns are widened to int32 and masked to 16 bits, fp32 patterns to int64
+and masked to 32 bits, so neither sign extension nor narrow-shift semantics can differ between the
+GPU and the interpreter.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -31,210 +39,102 @@ __all__ = [
     "merge_planes",
     "split_planes_batched",
     "merge_planes_batched",
-    "BLOCK",
+    "OPS",
+    "block_config",
 ]
 
-#: elements per program. 4096 x 2 B = 8 KiB in, 8 KiB out per program: enough bytes in flight per SM.
-BLOCK = 4096
-_NUM_WARPS = 4
+#: delta ops the kernels apply (0: none): codes of the ``OP`` constexpr.
+OPS = {None: 0, "xor": 1, "sub": 2}
+_ROW = 6  # item table row: src, base, planes offset, n, plane stride, first program
+
+
+def block_config() -> tuple[int, int]:
+    """(elements per program, warps): ``S4W_PLANES_BLOCK`` / ``S4W_PLANES_WARPS`` (benchmarks sweep
+    them) or the defaults measured on an H200 (benchmarks/results/README.md)."""
+    return int(os.environ.get("S4W_PLANES_BLOCK", "4096")), int(os.environ.get("S4W_PLANES_WARPS", "4"))
 
 
 @triton.jit
-def _split_kernel(
-    x_ptr,
-    b_ptr,
-    out_ptr,
-    n,
-    plane_stride,
-    W: tl.constexpr,
-    HAS_BASE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0)
-    if HAS_BASE:
-        x = x ^ tl.load(b_ptr + offs, mask=mask, other=0)
-    if W == 2:
-        u = x.to(tl.int32) & 0xFFFF
-        r = ((u << 1) | (u >> 15)) & 0xFFFF
-        tl.store(out_ptr + offs, (r >> 8).to(tl.uint8), mask=mask)
-        tl.store(out_ptr + plane_stride + offs, (r & 0xFF).to(tl.uint8), mask=mask)
-    else:
-        u = x.to(tl.uint32, bitcast=True)
-        r = (u << 1) | (u >> 31)
-        tl.store(out_ptr + offs, ((r >> 24) & 0xFF).to(tl.uint8), mask=mask)
-        tl.store(out_ptr + plane_stride + offs, ((r >> 16) & 0xFF).to(tl.uint8), mask=mask)
-        tl.store(out_ptr + 2 * plane_stride + offs, ((r >> 8) & 0xFF).to(tl.uint8), mask=mask)
-        tl.store(out_ptr + 3 * plane_stride + offs, (r & 0xFF).to(tl.uint8), mask=mask)
+def _item_of(items_ptr, map_ptr, pid, BLOCK: tl.constexpr):
+    item = tl.load(map_ptr + pid)
+    row = items_ptr + 6 * item
+    start = (pid - tl.load(row + 5)) * BLOCK
+    return row, start
 
 
 @triton.jit
-def _merge_kernel(
-    p_ptr,
-    b_ptr,
-    out_ptr,
-    n,
-    plane_stride,
-    W: tl.constexpr,
-    HAS_BASE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    if W == 2:
-        p0 = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFF
-        p1 = tl.load(p_ptr + plane_stride + offs, mask=mask, other=0).to(tl.int32) & 0xFF
-        r = (p0 << 8) | p1
-        x = (((r >> 1) | (r << 15)) & 0xFFFF).to(tl.int16)
-    else:
-        p0 = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.uint32) & 0xFF
-        p1 = tl.load(p_ptr + plane_stride + offs, mask=mask, other=0).to(tl.uint32) & 0xFF
-        p2 = tl.load(p_ptr + 2 * plane_stride + offs, mask=mask, other=0).to(tl.uint32) & 0xFF
-        p3 = tl.load(p_ptr + 3 * plane_stride + offs, mask=mask, other=0).to(tl.uint32) & 0xFF
-        r = (p0 << 24) | (p1 << 16) | (p2 << 8) | p3
-        x = ((r >> 1) | (r << 31)).to(tl.int32, bitcast=True)
-    if HAS_BASE:
-        x = x ^ tl.load(b_ptr + offs, mask=mask, other=0)
-    tl.store(out_ptr + offs, x, mask=mask)
-
-
-def _ints(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-        raise ValueError("expected a 1-D contiguous uint8 tensor")
-    return t.view(PLANE_DTYPES[dtype])
-
-
-def split_planes_into(
-    raw_u8: torch.Tensor,
-    dtype: torch.dtype,
-    out: torch.Tensor,
-    plane_stride: int,
-    base_u8: torch.Tensor | None = None,
-) -> None:
-    """Write the planes of ``raw_u8`` (``n * w`` bytes of ``dtype``) to ``out[j*plane_stride + i]``.
-
-    ``out`` is a 1-D uint8 tensor (a view into a larger buffer is fine) of at least
-    ``(w-1)*plane_stride + n`` bytes on the same device. ``base_u8``: optional XOR base like ``raw_u8``.
-    Enqueued on the current stream; no host synchronization.
-    """
-    w = plane_width(dtype)
-    x = _ints(raw_u8, dtype)
-    n = x.numel()
-    if plane_stride < n or out.numel() < (w - 1) * plane_stride + n:
-        raise ValueError("output buffer too small for the planes")
-    if n == 0:
-        return
-    b = _ints(base_u8, dtype) if base_u8 is not None else x
-    if base_u8 is not None and b.numel() != n:
-        raise ValueError("base has a different size")
-    grid = (triton.cdiv(n, BLOCK),)
-    _split_kernel[grid](
-        x, b, out, n, plane_stride, W=w, HAS_BASE=base_u8 is not None, BLOCK=BLOCK, num_warps=_NUM_WARPS
-    )
-
-
-def merge_planes_from(
-    planes: torch.Tensor,
-    dtype: torch.dtype,
-    out_u8: torch.Tensor,
-    plane_stride: int,
-    base_u8: torch.Tensor | None = None,
-) -> None:
-    """Inverse of :func:`split_planes_into`: planes at ``planes[j*plane_stride + i]`` to ``out_u8``
-    (1-D contiguous uint8, ``n * w`` bytes), XORed with ``base_u8`` if given."""
-    w = plane_width(dtype)
-    x = _ints(out_u8, dtype)
-    n = x.numel()
-    if plane_stride < n or planes.numel() < (w - 1) * plane_stride + n:
-        raise ValueError("planes buffer too small")
-    if n == 0:
-        return
-    b = _ints(base_u8, dtype) if base_u8 is not None else x
-    if base_u8 is not None and b.numel() != n:
-        raise ValueError("base has a different size")
-    grid = (triton.cdiv(n, BLOCK),)
-    _merge_kernel[grid](
-        planes, b, x, n, plane_stride, W=w, HAS_BASE=base_u8 is not None, BLOCK=BLOCK, num_warps=_NUM_WARPS
-    )
-
-
-def split_planes(raw_u8: torch.Tensor, dtype: torch.dtype, base_u8: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as :func:`s4w_core.planes.reference.split_planes` (a ``(w, n)`` tensor)."""
-    w = plane_width(dtype)
-    n = raw_u8.numel() // w
-    out = torch.empty(w * n, dtype=torch.uint8, device=raw_u8.device)
-    split_planes_into(raw_u8, dtype, out, n, base_u8)
-    return out.view(w, n)
-
-
-def merge_planes(planes: torch.Tensor, dtype: torch.dtype, base_u8: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as :func:`s4w_core.planes.reference.merge_planes`."""
-    w, n = planes.shape
-    out = torch.empty(w * n, dtype=torch.uint8, device=planes.device)
-    merge_planes_from(planes.contiguous().view(-1), dtype, out, n, base_u8)
-    return out
-
-
-# ----------------------------------------------------------------------------- batched launches
-# One launch over many storages: a table row per item (addresses are passed as int64 and cast to
-# pointers in the kernel), a row per program (item, first element). Launch overhead then does not
-# grow with the number of tensors in a checkpoint.
+def _fwd16(u, v, OP: tl.constexpr):
+    """Delta residual of 16-bit patterns ``u`` against ``v`` (int32 holding 0..65535), rotated left by 1."""
+    if OP == 1:
+        u = u ^ v
+    elif OP == 2:
+        ou = tl.where(u >= 0x8000, u ^ 0xFFFF, u ^ 0x8000)
+        ov = tl.where(v >= 0x8000, v ^ 0xFFFF, v ^ 0x8000)
+        d = (ou - ov) & 0xFFFF
+        s = tl.where(d >= 0x8000, d - 0x10000, d)
+        u = ((s << 1) ^ (s >> 15)) & 0xFFFF
+    return ((u << 1) | (u >> 15)) & 0xFFFF
 
 
 @triton.jit
-def _split_batched_kernel(
-    items_ptr,
-    blocks_ptr,
-    out_ptr,
-    W: tl.constexpr,
-    HAS_BASE: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    item = tl.load(blocks_ptr + 2 * b)
-    start = tl.multiple_of(tl.load(blocks_ptr + 2 * b + 1), BLOCK)  # lets Triton vectorize
-    row = items_ptr + 5 * item
-    src_addr = tl.load(row)
-    base_addr = tl.load(row + 1)
-    out_off = tl.load(row + 2)
-    n = tl.load(row + 3)
-    ps = tl.load(row + 4)
-    if ALIGNED:
-        out_off = tl.multiple_of(out_off, 16)
-        ps = tl.multiple_of(ps, 16)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
+def _inv16(r, v, OP: tl.constexpr):
+    """Inverse of :func:`_fwd16`."""
+    u = ((r >> 1) | (r << 15)) & 0xFFFF
+    if OP == 1:
+        u = u ^ v
+    elif OP == 2:
+        s = (u >> 1) ^ -(u & 1)
+        ov = tl.where(v >= 0x8000, v ^ 0xFFFF, v ^ 0x8000)
+        o = (ov + s) & 0xFFFF
+        u = tl.where(o >= 0x8000, o ^ 0x8000, o ^ 0xFFFF)
+    return u
+
+
+@triton.jit
+def _fwd32(u, v, OP: tl.constexpr):
+    """As :func:`_fwd16` for 32-bit patterns held in int64 (0 .. 2**32-1)."""
+    if OP == 1:
+        u = u ^ v
+    elif OP == 2:
+        ou = tl.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u ^ 0x80000000)
+        ov = tl.where(v >= 0x80000000, v ^ 0xFFFFFFFF, v ^ 0x80000000)
+        d = (ou - ov) & 0xFFFFFFFF
+        s = tl.where(d >= 0x80000000, d - 0x100000000, d)
+        u = ((s << 1) ^ (s >> 31)) & 0xFFFFFFFF
+    return ((u << 1) | (u >> 31)) & 0xFFFFFFFF
+
+
+@triton.jit
+def _inv32(r, v, OP: tl.constexpr):
+    u = ((r >> 1) | (r << 31)) & 0xFFFFFFFF
+    if OP == 1:
+        u = u ^ v
+    elif OP == 2:
+        s = (u >> 1) ^ -(u & 1)
+        ov = tl.where(v >= 0x80000000, v ^ 0xFFFFFFFF, v ^ 0x80000000)
+        o = (ov + s) & 0xFFFFFFFF
+        u = tl.where(o >= 0x80000000, o ^ 0x80000000, o ^ 0xFFFFFFFF)
+    return u
+
+
+@triton.jit
+def _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, mask, W: tl.constexpr, OP: tl.constexpr):
+    """Element-wise split of the elements at ``offs`` (any alignment)."""
     o = out_ptr + out_off + offs
     if W == 2:
-        xp = src_addr.to(tl.pointer_type(tl.int16))
-        if ALIGNED:
-            xp = tl.multiple_of(xp, 16)
-        x = tl.load(xp + offs, mask=mask, other=0)
-        if HAS_BASE:
-            bp = base_addr.to(tl.pointer_type(tl.int16))
-            if ALIGNED:
-                bp = tl.multiple_of(bp, 16)
-            x = x ^ tl.load(bp + offs, mask=mask, other=0)
-        u = x.to(tl.int32) & 0xFFFF
-        r = ((u << 1) | (u >> 15)) & 0xFFFF
+        u = tl.load(src_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        v = u
+        if OP != 0:
+            v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        r = _fwd16(u, v, OP)
         tl.store(o, (r >> 8).to(tl.uint8), mask=mask)
         tl.store(o + ps, (r & 0xFF).to(tl.uint8), mask=mask)
     else:
-        xp = src_addr.to(tl.pointer_type(tl.int32))
-        if ALIGNED:
-            xp = tl.multiple_of(xp, 16)
-        x = tl.load(xp + offs, mask=mask, other=0)
-        if HAS_BASE:
-            bp = base_addr.to(tl.pointer_type(tl.int32))
-            if ALIGNED:
-                bp = tl.multiple_of(bp, 16)
-            x = x ^ tl.load(bp + offs, mask=mask, other=0)
-        u = x.to(tl.uint32, bitcast=True)
-        r = (u << 1) | (u >> 31)
+        u = tl.load(src_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        v = u
+        if OP != 0:
+            v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        r = _fwd32(u, v, OP)
         tl.store(o, ((r >> 24) & 0xFF).to(tl.uint8), mask=mask)
         tl.store(o + ps, ((r >> 16) & 0xFF).to(tl.uint8), mask=mask)
         tl.store(o + 2 * ps, ((r >> 8) & 0xFF).to(tl.uint8), mask=mask)
@@ -242,19 +142,96 @@ def _split_batched_kernel(
 
 
 @triton.jit
-def _merge_batched_kernel(
-    items_ptr,
-    blocks_ptr,
-    planes_ptr,
-    W: tl.constexpr,
-    HAS_BASE: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    item = tl.load(blocks_ptr + 2 * b)
-    start = tl.multiple_of(tl.load(blocks_ptr + 2 * b + 1), BLOCK)  # lets Triton vectorize
-    row = items_ptr + 5 * item
+def _merge_elems(out_addr, base_addr, planes_ptr, p_off, ps, offs, mask, W: tl.constexpr, OP: tl.constexpr):
+    """Element-wise merge of the elements at ``offs`` (any alignment)."""
+    p = planes_ptr + p_off + offs
+    if W == 2:
+        p0 = tl.load(p, mask=mask, other=0).to(tl.int32) & 0xFF
+        p1 = tl.load(p + ps, mask=mask, other=0).to(tl.int32) & 0xFF
+        v = p0
+        if OP != 0:
+            v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        x = _inv16((p0 << 8) | p1, v, OP)
+        tl.store(out_addr.to(tl.pointer_type(tl.int16)) + offs, x.to(tl.int16), mask=mask)
+    else:
+        p0 = tl.load(p, mask=mask, other=0).to(tl.int64) & 0xFF
+        p1 = tl.load(p + ps, mask=mask, other=0).to(tl.int64) & 0xFF
+        p2 = tl.load(p + 2 * ps, mask=mask, other=0).to(tl.int64) & 0xFF
+        p3 = tl.load(p + 3 * ps, mask=mask, other=0).to(tl.int64) & 0xFF
+        v = p0
+        if OP != 0:
+            v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        x = _inv32((p0 << 24) | (p1 << 16) | (p2 << 8) | p3, v, OP)
+        tl.store(out_addr.to(tl.pointer_type(tl.int32)) + offs, x.to(tl.int32), mask=mask)
+
+
+@triton.jit
+def _lanes(xp, q, m, W: tl.constexpr):
+    """The 4 element patterns of quads ``q`` (elements 4q..4q+3) read as 64-bit words: int32
+    lanes 0..65535 for W=2, int64 lanes 0..2**32-1 for W=4."""
+    if W == 2:
+        x = tl.load(xp + q, mask=m, other=0)
+        return ((x & 0xFFFF).to(tl.int32), ((x >> 16) & 0xFFFF).to(tl.int32),
+                ((x >> 32) & 0xFFFF).to(tl.int32), ((x >> 48) & 0xFFFF).to(tl.int32))
+    else:
+        xa = tl.load(xp + 2 * q, mask=m, other=0)
+        xb = tl.load(xp + 2 * q + 1, mask=m, other=0)
+        return xa & 0xFFFFFFFF, (xa >> 32) & 0xFFFFFFFF, xb & 0xFFFFFFFF, (xb >> 32) & 0xFFFFFFFF
+
+
+@triton.jit
+def _byte(r, shift):
+    return (r >> shift).to(tl.int64) & 0xFF
+
+
+@triton.jit
+def _pack4(a, b, c, d):
+    """Four bytes (int64 0..255) as the bits of an int32 word, ``a`` lowest."""
+    return (a | (b << 8) | (c << 16) | (d << 24)).to(tl.int32)
+
+
+@triton.jit
+def _split_kernel(items_ptr, map_ptr, out_ptr, W: tl.constexpr, OP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    row, start = _item_of(items_ptr, map_ptr, tl.program_id(0), BLOCK)
+    src_addr = tl.load(row)
+    base_addr = tl.load(row + 1)
+    out_off = tl.load(row + 2)
+    n = tl.load(row + 3)
+    ps = tl.load(row + 4)
+    if ALIGNED:
+        # every address 16-byte aligned: four elements per lane, 64-bit loads, 32-bit plane stores
+        out_off = tl.multiple_of(out_off, 16)
+        ps = tl.multiple_of(ps, 16)
+        q = start // 4 + tl.arange(0, BLOCK // 4)
+        m = q < n // 4
+        xp = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
+        u0, u1, u2, u3 = _lanes(xp, q, m, W)
+        v0, v1, v2, v3 = u0, u1, u2, u3
+        if OP != 0:
+            bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
+            v0, v1, v2, v3 = _lanes(bp, q, m, W)
+        o = (out_ptr + out_off).to(tl.pointer_type(tl.int32)) + q
+        ps4 = ps // 4
+        if W == 2:
+            r0, r1, r2, r3 = _fwd16(u0, v0, OP), _fwd16(u1, v1, OP), _fwd16(u2, v2, OP), _fwd16(u3, v3, OP)
+            tl.store(o, _pack4(_byte(r0, 8), _byte(r1, 8), _byte(r2, 8), _byte(r3, 8)), mask=m)
+            tl.store(o + ps4, _pack4(_byte(r0, 0), _byte(r1, 0), _byte(r2, 0), _byte(r3, 0)), mask=m)
+        else:
+            r0, r1, r2, r3 = _fwd32(u0, v0, OP), _fwd32(u1, v1, OP), _fwd32(u2, v2, OP), _fwd32(u3, v3, OP)
+            for j in tl.static_range(4):
+                sh = 24 - 8 * j
+                tl.store(o + j * ps4, _pack4(_byte(r0, sh), _byte(r1, sh), _byte(r2, sh), _byte(r3, sh)), mask=m)
+        if start + BLOCK >= n:  # the item's last program: the 0-3 elements after the last whole quad
+            e = (n // 4) * 4 + tl.arange(0, 4)
+            _split_elems(src_addr, base_addr, out_ptr, out_off, ps, e, e < n, W, OP)
+    else:
+        offs = start + tl.arange(0, BLOCK)
+        _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, offs < n, W, OP)
+
+
+@triton.jit
+def _merge_kernel(items_ptr, map_ptr, planes_ptr, W: tl.constexpr, OP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    row, start = _item_of(items_ptr, map_ptr, tl.program_id(0), BLOCK)
     out_addr = tl.load(row)
     base_addr = tl.load(row + 1)
     p_off = tl.load(row + 2)
@@ -263,113 +240,187 @@ def _merge_batched_kernel(
     if ALIGNED:
         p_off = tl.multiple_of(p_off, 16)
         ps = tl.multiple_of(ps, 16)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
-    p = planes_ptr + p_off + offs
-    if W == 2:
-        p0 = tl.load(p, mask=mask, other=0).to(tl.int32) & 0xFF
-        p1 = tl.load(p + ps, mask=mask, other=0).to(tl.int32) & 0xFF
-        r = (p0 << 8) | p1
-        x = (((r >> 1) | (r << 15)) & 0xFFFF).to(tl.int16)
-        op = out_addr.to(tl.pointer_type(tl.int16))
-        if HAS_BASE:
-            bp = base_addr.to(tl.pointer_type(tl.int16))
-            if ALIGNED:
-                bp = tl.multiple_of(bp, 16)
-            x = x ^ tl.load(bp + offs, mask=mask, other=0)
+        q = start // 4 + tl.arange(0, BLOCK // 4)
+        m = q < n // 4
+        p = (planes_ptr + p_off).to(tl.pointer_type(tl.int32)) + q
+        ps4 = ps // 4
+        op = tl.multiple_of(out_addr.to(tl.pointer_type(tl.int64)), 16)
+        if W == 2:
+            a = tl.load(p, mask=m, other=0).to(tl.int64)
+            b = tl.load(p + ps4, mask=m, other=0).to(tl.int64)
+            r0 = ((_byte(a, 0) << 8) | _byte(b, 0)).to(tl.int32)
+            r1 = ((_byte(a, 8) << 8) | _byte(b, 8)).to(tl.int32)
+            r2 = ((_byte(a, 16) << 8) | _byte(b, 16)).to(tl.int32)
+            r3 = ((_byte(a, 24) << 8) | _byte(b, 24)).to(tl.int32)
+        else:
+            a = tl.load(p, mask=m, other=0).to(tl.int64)
+            b = tl.load(p + ps4, mask=m, other=0).to(tl.int64)
+            c = tl.load(p + 2 * ps4, mask=m, other=0).to(tl.int64)
+            d = tl.load(p + 3 * ps4, mask=m, other=0).to(tl.int64)
+            r0 = (_byte(a, 0) << 24) | (_byte(b, 0) << 16) | (_byte(c, 0) << 8) | _byte(d, 0)
+            r1 = (_byte(a, 8) << 24) | (_byte(b, 8) << 16) | (_byte(c, 8) << 8) | _byte(d, 8)
+            r2 = (_byte(a, 16) << 24) | (_byte(b, 16) << 16) | (_byte(c, 16) << 8) | _byte(d, 16)
+            r3 = (_byte(a, 24) << 24) | (_byte(b, 24) << 16) | (_byte(c, 24) << 8) | _byte(d, 24)
+        v0, v1, v2, v3 = r0, r1, r2, r3
+        if OP != 0:
+            bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
+            v0, v1, v2, v3 = _lanes(bp, q, m, W)
+        if W == 2:
+            x = (_inv16(r0, v0, OP).to(tl.int64) | (_inv16(r1, v1, OP).to(tl.int64) << 16)
+                 | (_inv16(r2, v2, OP).to(tl.int64) << 32) | (_inv16(r3, v3, OP).to(tl.int64) << 48))
+            tl.store(op + q, x, mask=m)
+        else:
+            xa = _inv32(r0, v0, OP) | (_inv32(r1, v1, OP) << 32)
+            xb = _inv32(r2, v2, OP) | (_inv32(r3, v3, OP) << 32)
+            tl.store(op + 2 * q, xa, mask=m)
+            tl.store(op + 2 * q + 1, xb, mask=m)
+        if start + BLOCK >= n:
+            e = (n // 4) * 4 + tl.arange(0, 4)
+            _merge_elems(out_addr, base_addr, planes_ptr, p_off, ps, e, e < n, W, OP)
     else:
-        p0 = tl.load(p, mask=mask, other=0).to(tl.uint32) & 0xFF
-        p1 = tl.load(p + ps, mask=mask, other=0).to(tl.uint32) & 0xFF
-        p2 = tl.load(p + 2 * ps, mask=mask, other=0).to(tl.uint32) & 0xFF
-        p3 = tl.load(p + 3 * ps, mask=mask, other=0).to(tl.uint32) & 0xFF
-        r = (p0 << 24) | (p1 << 16) | (p2 << 8) | p3
-        x = ((r >> 1) | (r << 31)).to(tl.int32, bitcast=True)
-        op = out_addr.to(tl.pointer_type(tl.int32))
-        if HAS_BASE:
-            bp = base_addr.to(tl.pointer_type(tl.int32))
-            if ALIGNED:
-                bp = tl.multiple_of(bp, 16)
-            x = x ^ tl.load(bp + offs, mask=mask, other=0)
-    if ALIGNED:
-        op = tl.multiple_of(op, 16)
-    tl.store(op + offs, x, mask=mask)
+        offs = start + tl.arange(0, BLOCK)
+        _merge_elems(out_addr, base_addr, planes_ptr, p_off, ps, offs, offs < n, W, OP)
 
 
-def _tables(rows: list[tuple[int, int, int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Item table (int64 x 5 per row) and block table ((item, start) per program) on ``device``."""
-    import numpy as np
-
-    items = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
-    nb = (items[:, 3] + BLOCK - 1) // BLOCK
-    total = int(nb.sum())
-    item_of = np.repeat(np.arange(len(items), dtype=np.int64), nb)
-    first = np.repeat(np.cumsum(nb) - nb, nb)
-    start = (np.arange(total, dtype=np.int64) - first) * BLOCK
-    both = np.concatenate([items.reshape(-1), np.stack([item_of, start], axis=1).reshape(-1)])
-    t = torch.from_numpy(both)
-    if device.type == "cuda":
-        t = t.pin_memory().to(device, non_blocking=True)
-    return t[: items.size], t[items.size :], total
+# ----------------------------------------------------------------------------- launches
+Piece = tuple  # (tensor_u8, base_u8 | None, offset, plane_stride[, op])
 
 
-def split_planes_batched(
-    pieces: list[tuple[torch.Tensor, torch.Tensor | None, int, int]],
-    w: int,
-    out: torch.Tensor,
-) -> None:
-    """Split many inputs of one element width in at most two launches (with and without a base).
+def _norm(piece: Piece) -> tuple[torch.Tensor, torch.Tensor | None, int, int, str | None]:
+    t, base, off, ps = piece[:4]
+    op = piece[4] if len(piece) > 4 else "xor"
+    if base is None:
+        op = None
+    elif op not in ("xor", "sub"):
+        raise ValueError(f"unknown delta op {op!r}")
+    return t, base, int(off), int(ps), op
 
-    ``pieces``: ``(raw_u8, base_u8 or None, out_offset, plane_stride)``; planes of each go to
-    ``out[out_offset + j * plane_stride + i]``. ``w``: 2 (bf16/fp16) or 4 (fp32). Byte-identical to
-    :func:`split_planes_into` per piece.
+
+def _launch(kernel: object, pieces: list[Piece], w: int, buf: torch.Tensor, what: str) -> None:
+    if w not in (2, 4):
+        raise ValueError(f"element width must be 2 or 4, got {w}")
+    block, warps = block_config()
+    groups: dict[str | None, list[tuple[int, int, int, int, int]]] = {}
+    aligned: dict[str | None, bool] = {}
+    for piece in pieces:
+        t, base, off, ps, op = _norm(piece)
+        if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{what}: expected 1-D contiguous uint8 tensors")
+        if t.numel() == 0:
+            continue
+        n = t.numel() // w
+        if t.numel() != n * w or ps < n or off < 0 or off + (w - 1) * ps + n > buf.numel():
+            raise ValueError(f"{what}: a piece does not fit its planes buffer")
+        if base is not None and (base.numel() != t.numel() or not base.is_contiguous()):
+            raise ValueError(f"{what}: base has a different size")
+        ba = base.data_ptr() if base is not None else 0
+        groups.setdefault(op, []).append((t.data_ptr(), ba, off, n, ps))
+        aligned[op] = aligned.get(op, True) and t.data_ptr() % 16 == 0 and ba % 16 == 0 and off % 16 == 0 and ps % 16 == 0
+    for op, rows in groups.items():
+        nb = [-(-r[3] // block) for r in rows]
+        first, acc = [], 0
+        for k in nb:
+            first.append(acc)
+            acc += k
+        table = torch.tensor([[*r, f] for r, f in zip(rows, first)], dtype=torch.int64).view(-1)
+        counts = torch.tensor(nb, dtype=torch.int64)
+        if buf.device.type == "cuda":
+            both = torch.cat([table, counts]).pin_memory().to(buf.device, non_blocking=True)
+            table, counts = both[: table.numel()], both[table.numel() :]
+        prog_map = torch.repeat_interleave(
+            torch.arange(len(rows), dtype=torch.int32, device=buf.device), counts, output_size=acc
+        )
+        kernel[(acc,)](  # type: ignore[index]
+            table,
+            prog_map,
+            buf,
+            W=w,
+            OP=OPS[op],
+            ALIGNED=aligned[op] and buf.data_ptr() % 16 == 0 and os.environ.get("S4W_PLANES_WIDE", "1") != "0",
+            BLOCK=block,
+            num_warps=warps,
+        )
+
+
+def split_planes_batched(pieces: list[Piece], w: int, out: torch.Tensor) -> None:
+    """Split many inputs of one element width, one launch per delta op present.
+
+    ``pieces``: ``(raw_u8, base_u8 or None, out_offset, plane_stride[, op])`` with ``op`` ``"xor"``
+    (the default) or ``"sub"``; planes of each go to ``out[out_offset + j * plane_stride + i]``.
+    ``w``: 2 (bf16/fp16) or 4 (fp32). Enqueued on the current stream; no host synchronization.
     """
-    for has_base in (False, True):
-        rows = []
-        aligned = True
-        for raw, base, off, ps in pieces:
-            if (base is not None) != has_base or raw.numel() == 0:
-                continue
-            n = raw.numel() // w
-            if ps < n or off < 0 or off + (w - 1) * ps + n > out.numel() or raw.numel() != n * w:
-                raise ValueError("split_planes_batched: a piece does not fit its output")
-            if base is not None and base.numel() != raw.numel():
-                raise ValueError("base has a different size")
-            ba = base.data_ptr() if base is not None else 0
-            rows.append((raw.data_ptr(), ba, off, n, ps))
-            aligned &= raw.data_ptr() % 16 == 0 and ba % 16 == 0 and off % 16 == 0 and ps % 16 == 0
-        if not rows:
-            continue
-        aligned &= out.data_ptr() % 16 == 0
-        items, blocks, total = _tables(rows, out.device)
-        _split_batched_kernel[(total,)](
-            items, blocks, out, W=w, HAS_BASE=has_base, ALIGNED=aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS
-        )
+    _launch(_split_kernel, pieces, w, out, "split_planes_batched")
 
 
-def merge_planes_batched(
-    pieces: list[tuple[torch.Tensor, torch.Tensor | None, int, int]],
-    w: int,
-    planes: torch.Tensor,
+def merge_planes_batched(pieces: list[Piece], w: int, planes: torch.Tensor) -> None:
+    """Inverse of :func:`split_planes_batched`: ``(out_u8, base_u8 or None, planes_offset, plane_stride[, op])``."""
+    _launch(_merge_kernel, pieces, w, planes, "merge_planes_batched")
+
+
+def _check_dtype(t: torch.Tensor, dtype: torch.dtype) -> int:
+    if dtype not in PLANE_DTYPES:
+        raise ValueError(f"no plane transform for {dtype}")
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise ValueError("expected a 1-D contiguous uint8 tensor")
+    return plane_width(dtype)
+
+
+def split_planes_into(
+    raw_u8: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor,
+    plane_stride: int,
+    base_u8: torch.Tensor | None = None,
+    op: str = "xor",
 ) -> None:
-    """Inverse of :func:`split_planes_batched`: ``(out_u8, base_u8 or None, planes_offset, plane_stride)``."""
-    for has_base in (False, True):
-        rows = []
-        aligned = True
-        for out, base, off, ps in pieces:
-            if (base is not None) != has_base or out.numel() == 0:
-                continue
-            n = out.numel() // w
-            if ps < n or off < 0 or off + (w - 1) * ps + n > planes.numel() or out.numel() != n * w:
-                raise ValueError("merge_planes_batched: a piece does not fit its planes")
-            if base is not None and base.numel() != out.numel():
-                raise ValueError("base has a different size")
-            ba = base.data_ptr() if base is not None else 0
-            rows.append((out.data_ptr(), ba, off, n, ps))
-            aligned &= out.data_ptr() % 16 == 0 and ba % 16 == 0 and off % 16 == 0 and ps % 16 == 0
-        if not rows:
-            continue
-        aligned &= planes.data_ptr() % 16 == 0
-        items, blocks, total = _tables(rows, planes.device)
-        _merge_batched_kernel[(total,)](
-            items, blocks, planes, W=w, HAS_BASE=has_base, ALIGNED=aligned, BLOCK=BLOCK, num_warps=_NUM_WARPS
-        )
+    """Write the planes of ``raw_u8`` (``n * w`` bytes of ``dtype``) to ``out[j*plane_stride + i]``.
+
+    ``out``: 1-D uint8 (a view into a larger buffer is fine) on the same device. ``base_u8``:
+    optional delta base like ``raw_u8``, applied with ``op``. No host synchronization.
+    """
+    w = _check_dtype(raw_u8, dtype)
+    off = out.storage_offset()
+    whole = torch.empty(0, dtype=torch.uint8, device=out.device).set_(out.untyped_storage())
+    n = raw_u8.numel() // w
+    if plane_stride < n or out.numel() < (w - 1) * plane_stride + n:
+        raise ValueError("output buffer too small for the planes")
+    split_planes_batched([(raw_u8, base_u8, off, plane_stride, op)], w, whole)
+
+
+def merge_planes_from(
+    planes: torch.Tensor,
+    dtype: torch.dtype,
+    out_u8: torch.Tensor,
+    plane_stride: int,
+    base_u8: torch.Tensor | None = None,
+    op: str = "xor",
+) -> None:
+    """Inverse of :func:`split_planes_into`."""
+    w = _check_dtype(out_u8, dtype)
+    off = planes.storage_offset()
+    whole = torch.empty(0, dtype=torch.uint8, device=planes.device).set_(planes.untyped_storage())
+    n = out_u8.numel() // w
+    if plane_stride < n or planes.numel() < (w - 1) * plane_stride + n:
+        raise ValueError("planes buffer too small")
+    merge_planes_batched([(out_u8, base_u8, off, plane_stride, op)], w, whole)
+
+
+def split_planes(
+    raw_u8: torch.Tensor, dtype: torch.dtype, base_u8: torch.Tensor | None = None, op: str = "xor"
+) -> torch.Tensor:
+    """Same contract as :func:`s4w_core.planes.reference.split_planes` (a ``(w, n)`` tensor)."""
+    w = plane_width(dtype)
+    n = raw_u8.numel() // w
+    out = torch.empty(w * n, dtype=torch.uint8, device=raw_u8.device)
+    split_planes_into(raw_u8, dtype, out, n, base_u8, op)
+    return out.view(w, n)
+
+
+def merge_planes(
+    planes: torch.Tensor, dtype: torch.dtype, base_u8: torch.Tensor | None = None, op: str = "xor"
+) -> torch.Tensor:
+    """Same contract as :func:`s4w_core.planes.reference.merge_planes`."""
+    w, n = planes.shape
+    out = torch.empty(w * n, dtype=torch.uint8, device=planes.device)
+    merge_planes_from(planes.contiguous().view(-1), dtype, out, n, base_u8, op)
+    return out

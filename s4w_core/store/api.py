@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, overload
 
-from s4w_core.store.store import CheckpointStore, StepInfo
+from s4w_core.errors import AsyncSaveError
+from s4w_core.store.store import CheckpointStore, SaveHandle, StepInfo
 
 __all__ = ["save_checkpoint", "load_checkpoint", "close_stores"]
 
@@ -36,6 +37,34 @@ def _store(url: str | os.PathLike[str], options: Mapping[str, Any]) -> Checkpoin
         return st
 
 
+@overload
+def save_checkpoint(
+    state: Any,
+    step: int,
+    url: str | os.PathLike[str],
+    *,
+    extra: Mapping[str, Any] | None = ...,
+    keyframe: bool = ...,
+    overwrite: bool = ...,
+    blocking: Literal[True] = ...,
+    **store_options: Any,
+) -> StepInfo: ...
+
+
+@overload
+def save_checkpoint(
+    state: Any,
+    step: int,
+    url: str | os.PathLike[str],
+    *,
+    extra: Mapping[str, Any] | None = ...,
+    keyframe: bool = ...,
+    overwrite: bool = ...,
+    blocking: Literal[False],
+    **store_options: Any,
+) -> SaveHandle: ...
+
+
 def save_checkpoint(
     state: Any,
     step: int,
@@ -44,8 +73,9 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     keyframe: bool = False,
     overwrite: bool = False,
+    blocking: bool = True,
     **store_options: Any,
-) -> StepInfo:
+) -> StepInfo | SaveHandle:
     """Save ``state`` as ``step`` of the checkpoint store at ``url`` (a delta against the
     previous step where that pays).
 
@@ -54,13 +84,19 @@ def save_checkpoint(
         step: the training step.
         url: a local directory, ``s3://bucket/prefix`` or ``memory://name``.
         extra, keyframe, overwrite: as for :meth:`CheckpointStore.save`.
+        blocking: ``False`` returns as soon as ``state`` may be modified, with a
+            :class:`SaveHandle`; the save finishes on the store's worker thread
+            (:meth:`CheckpointStore.save_async`).  The next call for the same store waits for it
+            and raises its error; :func:`close_stores` (and interpreter exit) waits too.
         **store_options: :class:`CheckpointStore` arguments (``keep_last``, ``keyframe_every``,
-            ``endpoint``, ``region``, ``profile``, ...).
+            ``endpoint``, ``region``, ``profile``, ``max_pending_bytes``, ``fast_tier``, ...).
     Returns:
-        The committed step's :class:`StepInfo` (``kind``, ``raw_bytes``, ``object_bytes``, ...).
+        The committed step's :class:`StepInfo` (``kind``, ``raw_bytes``, ``object_bytes``, ...),
+        or with ``blocking=False`` its :class:`SaveHandle`.
     Raises:
         ConflictError: ``step`` already exists (pass ``overwrite=True``).
         StoreError: the backend failed; earlier checkpoints are untouched.
+        AsyncSaveError: the previous non-blocking save to this store failed.
     Example:
         >>> import torch, tempfile, s4w_core
         >>> d = tempfile.mkdtemp()
@@ -68,8 +104,14 @@ def save_checkpoint(
         10
         >>> s4w_core.load_checkpoint(d)["w"].tolist()
         [1.0, 1.0, 1.0]
+        >>> h = s4w_core.save_checkpoint({"w": torch.zeros(3)}, 20, d, blocking=False)
+        >>> h.result().step
+        20
     """
-    return _store(url, store_options).save(state, step, extra=extra, keyframe=keyframe, overwrite=overwrite)
+    st = _store(url, store_options)
+    if not blocking:
+        return st.save_async(state, step, extra=extra, keyframe=keyframe, overwrite=overwrite)
+    return st.save(state, step, extra=extra, keyframe=keyframe, overwrite=overwrite)
 
 
 def load_checkpoint(
@@ -105,8 +147,19 @@ def load_checkpoint(
 
 
 def close_stores() -> None:
-    """Forget the stores (and cached bases) that :func:`save_checkpoint` keeps per URL."""
+    """Wait for their non-blocking saves, then forget the stores (and cached bases) that
+    :func:`save_checkpoint` keeps per URL.
+
+    Raises:
+        AsyncSaveError: a non-blocking save failed (the first such error; every store is closed).
+    """
+    first: AsyncSaveError | None = None
     with _LOCK:
         for st in _STORES.values():
-            st.close()
+            try:
+                st.close()
+            except AsyncSaveError as e:
+                first = first or e
         _STORES.clear()
+    if first is not None:
+        raise first

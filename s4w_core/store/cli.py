@@ -1,13 +1,20 @@
 """Store subcommands of ``s4w``: ls, restore, stats, rm, gc, pin; ``info``/``verify`` on a store
-URL with ``--step``.  :func:`register` is called by :func:`s4w_core.cli.build_parser`."""
+URL with ``--step``.  :func:`register` is called by :func:`s4w_core.cli.build_parser`.
+
+Progress bars (``--progress`` / ``--no-progress``, default: when stderr is a terminal): the store's
+own byte bars for each step loaded or saved, plus a bar over steps or commit records for commands
+that walk many (verify, ls, stats, gc, rm)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from s4w_core.cli import add_progress_args, progress_bar, want_progress
 
 __all__ = ["register", "is_store_url"]
 
@@ -29,7 +36,7 @@ def _h(n: float) -> str:
 def _store(args: argparse.Namespace, **kw: Any) -> Any:
     from s4w_core.store import CheckpointStore
 
-    opts: dict[str, Any] = {"base_cache_bytes": 0, "progress": bool(getattr(args, "progress", False)), **kw}
+    opts: dict[str, Any] = {"base_cache_bytes": 0, "progress": want_progress(args), **kw}
     if str(args.url).startswith("s3://"):
         if getattr(args, "endpoint", None):
             opts["endpoint"] = args.endpoint
@@ -42,16 +49,78 @@ def _store(args: argparse.Namespace, **kw: Any) -> Any:
     return CheckpointStore(args.url, **opts)
 
 
-def _add_url(p: argparse.ArgumentParser) -> None:
+def _add_url(p: argparse.ArgumentParser, progress: bool = True) -> None:
     p.add_argument("url", help="store: a directory, s3://BUCKET/PREFIX")
     p.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
     p.add_argument("--region", default=None, help="S3 region (default: AWS_REGION or us-east-1)")
+    if progress:
+        add_progress_args(p)
+
+
+class _WatchedBackend:
+    """The store's backend, calling ``hooks[method](args, result)`` after the methods named there
+    (to drive a progress bar from the objects a store command reads or deletes)."""
+
+    def __init__(self, inner: Any, hooks: dict[str, Callable[[tuple[Any, ...], Any], None]]) -> None:
+        self._inner = inner
+        self._hooks = hooks
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        hook = self._hooks.get(name)
+        if hook is None or not callable(attr):
+            return attr
+
+        def call(*a: Any, **k: Any) -> Any:
+            r = attr(*a, **k)
+            hook(a, r)
+            return r
+
+        return call
+
+
+@contextlib.contextmanager
+def _records_progress(st: Any, args: argparse.Namespace, desc: str, deletes: bool = False) -> Iterator[Any]:
+    """A bar over the commit records the store fetches (total: the records listed), and, with
+    ``deletes``, counting the objects it deletes; no-op without bars."""
+    if not want_progress(args):
+        with progress_bar(args, desc) as bar:
+            yield bar
+        return
+    from s4w_core.store.store import _COMMITS  # the layout docs/STORE.md documents
+
+    with progress_bar(args, desc, unit="rec") as bar:
+        deleted = [0]
+
+        def on_list(a: tuple[Any, ...], r: Any) -> None:
+            if a and str(a[0]).startswith(_COMMITS) and bar.total is None:
+                bar.total = len(r)
+                bar.refresh()
+
+        def on_get(a: tuple[Any, ...], r: Any) -> None:
+            if a and str(a[0]).startswith(_COMMITS):
+                bar.update(1)
+
+        def on_delete(a: tuple[Any, ...], r: Any) -> None:
+            deleted[0] += 1
+            bar.set_postfix_str(f"{deleted[0]} objects deleted")
+
+        hooks: dict[str, Callable[[tuple[Any, ...], Any], None]] = {"list": on_list, "get": on_get}
+        if deletes:
+            hooks["delete"] = on_delete
+        inner = st.backend
+        st.backend = _WatchedBackend(inner, hooks)
+        try:
+            yield bar
+        finally:
+            st.backend = inner
 
 
 # ----------------------------------------------------------------------------- ls
 def _cmd_ls(args: argparse.Namespace) -> int:
     st = _store(args)
-    recs = st.list()
+    with _records_progress(st, args, "read commit records"):
+        recs = st.list()
     if args.json:
         print(json.dumps({"steps": [r.as_dict() for r in recs], "sizes": st.sizes()}, indent=2, sort_keys=True))
         return 0
@@ -102,14 +171,16 @@ def _cmd_store_verify(args: argparse.Namespace) -> int:
     st = _store(args)
     steps = [args.step] if args.step is not None else st.steps()
     bad = 0
-    for s in steps:
-        rep = st.verify(s)
-        if rep.ok:
-            print(f"OK {rep.path}: {rep.storages} storages, {rep.raw_bytes} bytes, every checksum matches")
-        else:
-            bad += 1
-            for p in rep.problems:
-                print(f"FAIL {rep.path}: {p}", file=sys.stderr)
+    with progress_bar(args, "verify steps", total=len(steps), unit="step") as bar:
+        for s in steps:
+            rep = st.verify(s)
+            if rep.ok:
+                bar.write(f"OK {rep.path}: {rep.storages} storages, {rep.raw_bytes} bytes, every checksum matches")
+            else:
+                bad += 1
+                for p in rep.problems:
+                    bar.write(f"FAIL {rep.path}: {p}", file=sys.stderr)
+            bar.update(1)
     return 1 if bad else 0
 
 
@@ -134,7 +205,7 @@ def _flat_tensors(obj: Any) -> dict[str, Any] | None:
 def _cmd_restore(args: argparse.Namespace) -> int:
     import torch
 
-    st = _store(args, progress=not args.quiet)
+    st = _store(args)  # the store's byte bar while the step (and its chain) is read
     rec = st.info(args.step)
     obj = st.load(rec.step, map_location=args.map_location)
     fmt = args.format
@@ -177,7 +248,8 @@ def _kind_of(k: str) -> str:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     st = _store(args)
-    recs = st.list()
+    with _records_progress(st, args, "read commit records"):
+        recs = st.list()
     rows = []
     for r in recs:
         per: dict[str, list[int]] = {k: [0, 0] for k in (*_KINDS, "other")}
@@ -253,16 +325,19 @@ def _plot(rows: list, path: str, title: str) -> None:
 
 # ----------------------------------------------------------------------------- rm / gc / pin
 def _cmd_rm(args: argparse.Namespace) -> int:
-    st = _store(args)
-    for s in args.step:
-        st.delete(s, rebase=args.rebase)
-        print(f"deleted step {s}")
+    st = _store(args)  # with --rebase, the store's byte bars show each re-coded step
+    with progress_bar(args, "delete", total=len(args.step), unit="step") as bar:
+        for s in args.step:
+            st.delete(s, rebase=args.rebase)
+            bar.write(f"deleted step {s}")
+            bar.update(1)
     return 0
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     st = _store(args)
-    freed = st.gc(grace_seconds=args.grace)
+    with _records_progress(st, args, "gc: read commit records", deletes=True):
+        freed = st.gc(grace_seconds=args.grace)
     print(f"freed {_h(freed)} of unreferenced data in {st.backend.url}")
     return 0
 
@@ -296,7 +371,7 @@ def register(sub: Any) -> None:
     a.add_argument("--out", required=True, help="output file (.safetensors / .s4w pick the format)")
     a.add_argument("--format", choices=["auto", "torch", "safetensors", "s4w"], default="auto")
     a.add_argument("--map-location", default="cpu")
-    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    a.add_argument("--quiet", dest="progress", action="store_false", default=None, help="same as --no-progress")
     a.set_defaults(func=_cmd_restore)
 
     a = sub.add_parser("stats", help="stored vs raw bytes per step and tensor group (table, --plot PNG)")
@@ -317,7 +392,7 @@ def register(sub: Any) -> None:
     a.set_defaults(func=_cmd_gc)
 
     a = sub.add_parser("pin", help="exempt steps from retention (--unpin to undo)")
-    _add_url(a)
+    _add_url(a, progress=False)
     a.add_argument("--step", type=int, nargs="+", required=True)
     a.add_argument("--unpin", action="store_true")
     a.set_defaults(func=_cmd_pin)

@@ -23,27 +23,36 @@ chain needs (``objects``); a data object is live while any commit record lists i
 Keyframes: a step is coded without base when the previous step is ``keyframe_every - 1`` deltas
 deep (so restoring any step reads at most ``keyframe_every`` containers per tensor), when no
 tensor's delta pays, when there is no earlier step, or when asked (``keyframe=True``).
+
+Non-blocking saves (:meth:`CheckpointStore.save_async`, :mod:`s4w_core.store._async`): the caller
+waits only until the state is safe to modify; one worker thread per store encodes, writes and
+commits, one save at a time.  Tiers (``fast_tier=``, :mod:`s4w_core.store._tiered`): a save
+commits to the fast tier, then the worker copies it to the store's URL.
 """
 
 from __future__ import annotations
 
 import builtins
 import datetime as _dt
+import functools
 import json
+import logging
 import os
 import re
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Iterable, Mapping
+from typing import IO, Any, Callable, Iterable, Literal, Mapping, TypeVar, overload
 
 import torch
 
-from s4w_core import api, engine
+from s4w_core import api, engine, obs
 from s4w_core.codecs import get_codec
 from s4w_core.errors import (
+    AsyncSaveError,
     BackendUnavailableError,
     BaseMismatchError,
     CheckpointNotFoundError,
@@ -56,9 +65,21 @@ from s4w_core.errors import (
 )
 from s4w_core.format.container import ContainerReader
 from s4w_core.skeleton import decode_tree, encode_tree
+from s4w_core.store import _async, _tiered
+from s4w_core.store._async import SaveHandle
 from s4w_core.store._backend import Backend, RangeReader
 
-__all__ = ["CheckpointStore", "StepInfo", "open_backend", "STORE_FORMAT", "STORE_VERSION", "DEFAULT_KEYFRAME_EVERY"]
+__all__ = [
+    "CheckpointStore",
+    "StepInfo",
+    "SaveHandle",
+    "open_backend",
+    "STORE_FORMAT",
+    "STORE_VERSION",
+    "DEFAULT_KEYFRAME_EVERY",
+]
+
+log = logging.getLogger("s4w_core.store")
 
 STORE_FORMAT = "s4weights-store"
 STORE_VERSION = 1
@@ -74,6 +95,11 @@ _MAX_RECORD = 1 << 24
 
 def _commit_key(step: int) -> str:
     return f"{_COMMITS}step_{step:012d}.json"
+
+
+def _data_key(step: int) -> str:
+    """A fresh data object key: the token differs for every save attempt."""
+    return f"{_DATA}step_{step:012d}.{uuid.uuid4().hex[:12]}.s4w"
 
 
 def _pin_key(step: int) -> str:
@@ -129,6 +155,9 @@ class StepInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     delta_ops: dict[str, int] = field(default_factory=dict)  # storages per delta op
     pinned: bool = False
+    #: where the step is committed, for a store with a fast tier: ("fast",), ("slow",) or both;
+    #: () for a store without tiers.  Not part of the commit record.
+    tiers: tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -153,12 +182,14 @@ class StepInfo:
             "extra": self.extra,
             "delta_ops": self.delta_ops,
             "pinned": self.pinned,
+            **({"tiers": list(self.tiers)} if self.tiers else {}),
         }
 
     def _record(self) -> dict[str, Any]:
         d = self.as_dict()
         d.pop("ratio")
         d.pop("pinned")
+        d.pop("tiers", None)
         return {"format": STORE_FORMAT, "version": STORE_VERSION, **d}
 
 
@@ -233,6 +264,52 @@ class _CachedBase:
     object: str
     storages: dict[str, tuple[torch.Tensor, dict[str, Any], str]]  # path -> (uint8 cpu, base_ref, dtype)
     nbytes: int
+    pooled: bool = False  # the tensors are pinned buffers of the store's PinnedPool
+
+
+@dataclass
+class _PreEncoded:
+    """A container encoded in the caller's thread (``async-gpu``), waiting to be written."""
+
+    base: StepInfo | None
+    key: str
+    manifest: dict[str, Any]
+    size: int
+    profile: str
+    buf: _async.HostBuffer
+    cache: _CachedBase | None
+
+
+def _step_info(
+    step: int,
+    key: str,
+    size: int,
+    manifest: dict[str, Any],
+    prof: str,
+    base: StepInfo | None,
+    extra: Mapping[str, Any] | None,
+) -> StepInfo:
+    """The commit record of a step whose container ``manifest`` was written to ``key``."""
+    groups, _dtypes, kinds, raw, stored, ndelta = api.summarize(manifest)
+    is_delta = ndelta > 0
+    assert base is not None or not is_delta
+    return StepInfo(
+        step=step,
+        kind="delta" if is_delta else "keyframe",
+        depth=base.depth + 1 if is_delta and base is not None else 0,
+        base_step=base.step if is_delta and base is not None else None,
+        object=key,
+        object_bytes=size,
+        raw_bytes=raw,
+        stored_bytes=stored,
+        objects=tuple([key, *(base.objects if is_delta and base is not None else ())]),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        profile=prof,
+        kinds={k: v.as_dict() for k, v in kinds.items()},
+        groups={k: v.as_dict() for k, v in groups.items()},
+        extra=dict(extra or {}),
+        delta_ops=_count_ops(manifest),
+    )
 
 
 class _Progress:
@@ -279,6 +356,20 @@ class _CountingWriter:
         return n
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _after_saves(fn: _F) -> _F:
+    """Run ``fn`` after the store's save in flight is durable; raise its failure first."""
+
+    @functools.wraps(fn)
+    def wrapper(self: CheckpointStore, *args: Any, **kwargs: Any) -> Any:
+        self.wait()
+        return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 # ----------------------------------------------------------------------------- the store
 class CheckpointStore:
     """A run's checkpoints as a chain of compressed containers on a local directory or S3.
@@ -302,6 +393,17 @@ class CheckpointStore:
             (see :mod:`s4w_core.store._s3`); environment variables such as ``AWS_ENDPOINT_URL``
             apply when these are not given.
         progress: show tqdm progress bars on saves and loads.
+        max_pending_bytes: bound on the memory a non-blocking save (:meth:`save_async`) holds
+            while in flight (its snapshot, or its encoded bytes); a save that alone needs more runs
+            blocking (``handle.mode == "blocking"``, with a warning).  ``None``: no bound (one
+            save's worth: at most one save is in flight).
+        on_busy: what a save does while the previous non-blocking save is still running:
+            ``"wait"`` for it (default) or ``"error"`` (:class:`SaveInProgressError`).
+        fast_tier: a second location (a local directory such as an NVMe path, or
+            ``memory://NAME``) that saves commit to first; the worker then copies each step to
+            ``url`` behind it, and loads read the fast tier's copy when it has one.
+        fast_keep_last: steps the fast tier keeps (the newest; never one ``url`` lacks);
+            ``None`` keeps all.
     Raises:
         StoreError: the local path is not a directory or cannot be created.
         BackendUnavailableError: ``s3://`` without s3torchconnector installed.
@@ -332,7 +434,12 @@ class CheckpointStore:
         profile_name: str | None = None,
         client_options: Mapping[str, Any] | None = None,
         progress: bool = False,
+        max_pending_bytes: int | None = None,
+        on_busy: Literal["wait", "error"] = "wait",
+        fast_tier: str | os.PathLike[str] | None = None,
+        fast_keep_last: int | None = 2,
         _backend: Backend | None = None,
+        _fast_backend: Backend | None = None,
     ) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
@@ -367,52 +474,175 @@ class CheckpointStore:
         self._cache: _CachedBase | None = None
         self._records: dict[str, tuple[int, str | None, StepInfo]] = {}
         self._lock = threading.RLock()
+        self._rec_lock = threading.RLock()  # the record caches (the worker lists too)
+        self._pipe = _async.Pipeline(self.url, max_pending_bytes, on_busy)
+        # a store dropped with a failure nobody saw: log it, end the worker (no reference to self)
+        weakref.finalize(self, self._pipe.drain_quietly, "the store was garbage-collected").atexit = False
+        self._pinned_pool = _async.PinnedPool()
+        self._tiers: _tiered.Tiers | None = None
+        if fast_tier is not None or _fast_backend is not None:
+            fb = _fast_backend if _fast_backend is not None else open_backend(fast_tier)  # type: ignore[arg-type]
+            if fb.url == self.backend.url:
+                raise ValueError(f"fast_tier {fb.url!r} is the store's own location")
+            self._tiers = _tiered.Tiers(fb, fast_keep_last)
 
     def __repr__(self) -> str:
-        return f"CheckpointStore({self.backend.url!r}, keyframe_every={self.keyframe_every}, keep_last={self.keep_last})"
+        tier = f", fast_tier={self._tiers.fast.url!r}" if self._tiers is not None else ""
+        return (
+            f"CheckpointStore({self.backend.url!r}{tier}, keyframe_every={self.keyframe_every}, "
+            f"keep_last={self.keep_last})"
+        )
 
     def __enter__(self) -> "CheckpointStore":
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc and exc[0] is not None:  # an error is already on its way: do not mask it
+            try:
+                self.close()
+            except AsyncSaveError as e:
+                log.error("s4weights: %s", e)
+            return
         self.close()
 
     def close(self) -> None:
+        """Wait for the save in flight, release clients and the cached base.
+
+        Raises:
+            AsyncSaveError: a non-blocking save (or tier upload) failed and was not yet reported;
+                the store is closed all the same.
+        """
+        err: AsyncSaveError | None = None
+        try:
+            self._pipe.wait()
+        except AsyncSaveError as e:
+            err = e
+        self._pipe.stop()
         self._cache = None
         self.backend.close()
+        if self._tiers is not None:
+            self._tiers.fast.close()
+        if err is not None:
+            raise err
+
+    # ------------------------------------------------------------------ non-blocking saves
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the save (or tier upload) in flight is durable.
+
+        Args:
+            timeout: seconds; ``None`` waits as long as it takes.
+        Raises:
+            AsyncSaveError: a background save or upload failed (named step; ``__cause__`` is the
+                original error); raised once, later calls go on.
+            TimeoutError: still running after ``timeout`` seconds.
+        Example:
+            >>> import torch, tempfile
+            >>> from s4w_core import CheckpointStore
+            >>> st = CheckpointStore(tempfile.mkdtemp())
+            >>> h = st.save_async({"w": torch.ones(4)}, step=1)
+            >>> st.wait(); st.steps()
+            [1]
+        """
+        self._pipe.wait(timeout)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Memory held now by the save in flight (snapshot or encoded bytes; 0 when idle)."""
+        return self._pipe.pending_bytes
+
+    @property
+    def peak_pending_bytes(self) -> int:
+        """The most :attr:`pending_bytes` has been since the store was opened."""
+        return self._pipe.peak_pending_bytes
+
+    @property
+    def max_pending_bytes(self) -> int | None:
+        return self._pipe.max_pending_bytes
+
+    @property
+    def in_flight(self) -> SaveHandle | None:
+        """The handle of the save (or upload) running in the background, or None."""
+        h = self._pipe.inflight
+        return h if h is not None and not h.done() else None
+
+    @property
+    def fast_tier(self) -> str | None:
+        """The fast tier's location, or None."""
+        return self._tiers.fast.url if self._tiers is not None else None
+
+    def sync(self) -> builtins.list[int]:
+        """Copy to the slow tier (the store's URL) every step the fast tier holds and it lacks
+        (e.g. after an upload failed), now, in this thread; then apply ``fast_keep_last``.
+
+        Returns:
+            The steps uploaded (ascending); ``[]`` for a store without a fast tier.
+        Raises:
+            StoreError: an upload failed (the fast tier keeps the step; call again later).
+        """
+        h = self._pipe.inflight
+        if h is not None:
+            h._event.wait()  # noqa: SLF001
+        if self._tiers is None:
+            return []
+        with self._lock:
+            done = _tiered.upload_missing(self)
+        self._pipe.forget_failure("upload")  # retried and done: nothing left to report
+        return done
 
     # ------------------------------------------------------------------ listing
+    def _tier_records(self, backend: Backend, cache: dict[str, tuple[int, str | None, StepInfo]]) -> dict[int, StepInfo]:
+        """The commit records on one backend (cached by size and version), by step, ascending."""
+        objs = [o for o in backend.list(_COMMITS) if _STEP_RE.match(o.key[len(_COMMITS) :])]
+        with self._rec_lock:
+            todo = [o for o in objs if o.version is None or cache.get(o.key, (None, None))[:2] != (o.size, o.version)]
+
+            def fetch(key: str) -> tuple[str, StepInfo]:
+                return key, _parse_record(backend.get(key), key, backend.url)
+
+            if todo:
+                if len(todo) == 1:
+                    got = [fetch(todo[0].key)]
+                else:
+                    with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+                        got = list(pool.map(fetch, [o.key for o in todo]))
+                sizes = {o.key: (o.size, o.version) for o in todo}
+                for key, rec in got:
+                    cache[key] = (*sizes[key], rec)
+            live = {o.key for o in objs}
+            for k in list(cache):
+                if k not in live:
+                    del cache[k]
+            return dict(sorted((cache[k][2].step, cache[k][2]) for k in live))
+
+    def _tier_views(self) -> tuple[dict[int, StepInfo], dict[int, StepInfo]]:
+        """(fast tier's records, slow tier's records) of a tiered store."""
+        assert self._tiers is not None
+        return self._tier_records(self._tiers.fast, self._tiers.records), self._tier_records(self.backend, self._records)
+
+    def _forget_record(self, backend: Backend, key: str) -> None:
+        with self._rec_lock:
+            (self._tiers.records if self._tiers is not None and backend is self._tiers.fast else self._records).pop(key, None)
+
     def _read_records(self) -> dict[int, StepInfo]:
-        objs = [o for o in self.backend.list(_COMMITS) if _STEP_RE.match(o.key[len(_COMMITS) :])]
+        recs = self._tier_records(self.backend, self._records)
         pins = {
             int(m.group(1))
             for o in self.backend.list(_PINS)
             if (m := _STEP_RE.match(o.key[len(_PINS) :]))
         }
-        todo = [o for o in objs if o.version is None or self._records.get(o.key, (None, None))[:2] != (o.size, o.version)]
-
-        def fetch(key: str) -> tuple[str, StepInfo]:
-            return key, _parse_record(self.backend.get(key), key, self.backend.url)
-
-        if todo:
-            if len(todo) == 1:
-                got = [fetch(todo[0].key)]
-            else:
-                with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
-                    got = list(pool.map(fetch, [o.key for o in todo]))
-            sizes = {o.key: (o.size, o.version) for o in todo}
-            for key, rec in got:
-                self._records[key] = (*sizes[key], rec)
-        live = {o.key for o in objs}
-        for k in list(self._records):
-            if k not in live:
-                del self._records[k]
+        if self._tiers is not None:  # the union; the fast tier's record is the newer one
+            fast = self._tier_records(self._tiers.fast, self._tiers.records)
+            slow = recs
+            recs = {}
+            for s in sorted(set(fast) | set(slow)):
+                r = fast.get(s) or slow[s]
+                where = tuple(t for t, rs in (("fast", fast), ("slow", slow)) if s in rs and rs[s].object == r.object)
+                recs[s] = _replace(r, tiers=where)
         out = {}
-        for key in live:
-            rec = self._records[key][2]
-            pinned = rec.step in pins or rec.step in self.pinned
-            out[rec.step] = rec if rec.pinned == pinned else _replace(rec, pinned=pinned)
-        return dict(sorted(out.items()))
+        for s, rec in recs.items():
+            pinned = s in pins or s in self.pinned
+            out[s] = rec if rec.pinned == pinned else _replace(rec, pinned=pinned)
+        return out
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -472,7 +702,15 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ reading
     def _open(self, key: str, *, whole: bool, expect: int | None = None, what: str = "") -> ContainerReader:
-        rr: RangeReader = self.backend.fetch(key) if whole else self.backend.open_range(key)
+        rr: RangeReader | None = None
+        if self._tiers is not None:  # the fast tier's copy when it has one
+            fast = self._tiers.fast
+            try:
+                rr = fast.fetch(key) if whole else fast.open_range(key)
+            except CheckpointNotFoundError:
+                rr = None
+        if rr is None:
+            rr = self.backend.fetch(key) if whole else self.backend.open_range(key)
         try:
             if expect is not None and rr.size != expect:
                 raise TruncatedError(
@@ -487,6 +725,7 @@ class CheckpointStore:
         reader._fp = _Closer(rr.close)  # type: ignore[assignment]  # noqa: SLF001
         return reader
 
+    @_after_saves
     def load(
         self,
         step: int | None = None,
@@ -516,12 +755,36 @@ class CheckpointStore:
             >>> st.load(1)["w"].tolist()
             [1.0, 1.0, 1.0]
         """
-        recs = self._read_records()
-        rec = self._record(step, recs)
-        obj, raws, reader = self._load_record(rec, map_location, threads)
-        latest = max(recs)
-        if rec.step == latest and self.delta and self.keyframe_every > 1:
-            self._remember(rec, reader.manifest, raws)
+        from s4w_core import obs
+
+        t0 = time.perf_counter()
+        timer = obs.StageTimer()
+        rec: StepInfo | None = None
+        try:
+            with timer.stage("list"):
+                recs = self._read_records()
+                rec = self._record(step, recs)
+            with timer.stage("decode"):  # reads and decodes the step and the bases its deltas need
+                obj, raws, reader = self._load_record(rec, map_location, threads)
+            latest = max(recs)
+            if rec.step == latest and self.delta and self.keyframe_every > 1:
+                with timer.stage("cache"):
+                    self._remember(rec, reader.manifest, raws)
+        except BaseException as e:
+            total = time.perf_counter() - t0
+            obs.record(obs.OpEvent(
+                op="load", url=self.backend.url, step=rec.step if rec is not None else step, raw_bytes=0,
+                stored_bytes=0, blocked_s=total, total_s=total, stages=timer.stages,
+                kind=rec.kind if rec is not None else None, mode="blocking", ok=False,
+                error=f"{type(e).__name__}: {e}",
+            ))
+            raise
+        total = time.perf_counter() - t0
+        obs.record(obs.OpEvent(
+            op="load", url=self.backend.url, step=rec.step, raw_bytes=rec.raw_bytes, stored_bytes=rec.object_bytes,
+            blocked_s=total, total_s=total, stages=timer.stages, kind=rec.kind, mode="blocking",
+            extra={"depth": rec.depth, "chain_objects": len(rec.objects), "profile": rec.profile},
+        ))
         return obj
 
     def _load_record(
@@ -571,10 +834,34 @@ class CheckpointStore:
             d = api.info(reader)  # type: ignore[arg-type]  # open_reader takes readers too
         finally:
             reader.close()
-        d["path"] = self.backend.describe(rec.object)
+        d["path"] = reader.name if self._tiers is not None else self.backend.describe(rec.object)
         return d
 
     # ------------------------------------------------------------------ writing
+    @overload
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        extra: Mapping[str, Any] | None = ...,
+        keyframe: bool = ...,
+        overwrite: bool = ...,
+        blocking: Literal[True] = ...,
+    ) -> StepInfo: ...
+
+    @overload
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        extra: Mapping[str, Any] | None = ...,
+        keyframe: bool = ...,
+        overwrite: bool = ...,
+        blocking: Literal[False],
+    ) -> SaveHandle: ...
+
     def save(
         self,
         state: Any,
@@ -583,7 +870,8 @@ class CheckpointStore:
         extra: Mapping[str, Any] | None = None,
         keyframe: bool = False,
         overwrite: bool = False,
-    ) -> StepInfo:
+        blocking: bool = True,
+    ) -> StepInfo | SaveHandle:
         """Save ``state`` as ``step``; it becomes visible only once all its data is durable.
 
         Args:
@@ -594,12 +882,17 @@ class CheckpointStore:
             keyframe: force a full checkpoint (no delta).
             overwrite: replace an existing commit of ``step`` (the old data stays as long as a
                 later delta needs it).
+            blocking: ``False`` is :meth:`save_async` (returns its :class:`SaveHandle`).
         Returns:
-            The :class:`StepInfo` of the committed step.
+            The :class:`StepInfo` of the committed step.  With a fast tier, the step is then
+            committed there and its upload to the store's URL runs in the background (see
+            :meth:`wait`, :meth:`sync`).
         Raises:
             ConflictError: ``step`` is already committed and ``overwrite`` is False.
             UnsupportedTypeError: ``state`` holds a value that cannot be stored without pickle.
             StoreError: the backend failed; nothing committed before is changed.
+            AsyncSaveError: an earlier non-blocking save or upload failed (this save did not run).
+            SaveInProgressError: a non-blocking save is running and the store has ``on_busy="error"``.
         Example:
             >>> import torch, tempfile
             >>> from s4w_core import CheckpointStore
@@ -607,23 +900,315 @@ class CheckpointStore:
             >>> st.save({"w": torch.zeros(8, dtype=torch.bfloat16)}, step=0).kind
             'keyframe'
         """
+        if not blocking:
+            return self.save_async(state, step, extra=extra, keyframe=keyframe, overwrite=overwrite)
         step = _check_step(step)
+        with self._pipe.front:
+            handle = SaveHandle(step, "blocking", self.backend.url)
+            self._begin(handle)
+            return self._save_blocking(handle, state, step, extra, keyframe, overwrite)
+
+    def save_async(
+        self,
+        state: Any,
+        step: int,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        keyframe: bool = False,
+        overwrite: bool = False,
+    ) -> SaveHandle:
+        """Save ``state`` as ``step`` without waiting for it to be durable: returns once
+        ``state`` may be modified; encoding, writing, uploading and the commit run on the store's
+        worker thread.  One save is in flight at a time: this call first waits for the previous
+        one (or raises, with ``on_busy="error"``).
+
+        How the state is made safe (``handle.mode``): CUDA tensors with a usable GPU backend
+        are encoded on the GPU now, into host memory (``"async-gpu"``); otherwise every storage
+        is copied (``"async-snapshot"``, ~10 GB/s on a CPU, much faster than encoding).  A
+        save that alone needs more than ``max_pending_bytes`` runs blocking (``"blocking"``,
+        with a warning).  Nothing partial is ever visible: the commit record is written last.
+
+        Args:
+            state, step, extra, keyframe, overwrite: as for :meth:`save`.
+        Returns:
+            A :class:`SaveHandle`: ``done()``, ``result(timeout)`` (the :class:`StepInfo`, or
+            the background error), ``blocked_s``, ``host_bytes``, ``mode``.
+        Raises:
+            UnsupportedTypeError: ``state`` holds a value that cannot be stored (raised now).
+            ConflictError: ``step`` is known to be committed and ``overwrite`` is False (else
+                the background save fails with it).
+            AsyncSaveError: the previous non-blocking save or upload failed (this save did not run).
+            SaveInProgressError: a save is running and the store has ``on_busy="error"``.
+        Example:
+            >>> import torch, tempfile
+            >>> from s4w_core import CheckpointStore
+            >>> st = CheckpointStore(tempfile.mkdtemp())
+            >>> w = torch.ones(4)
+            >>> h = st.save_async({"w": w}, step=1)
+            >>> w.zero_()  # safe: the save holds its own copy
+            tensor([0., 0., 0., 0.])
+            >>> h.result().step, st.load(1)["w"].tolist()
+            (1, [1.0, 1.0, 1.0, 1.0])
+        """
+        step = _check_step(step)
+        with self._pipe.front:
+            handle = SaveHandle(step, "async-snapshot", self.backend.url)
+            self._begin(handle)
+            try:
+                col = engine.Collector()
+                tree = encode_tree(state, col.add)  # values that cannot be stored fail here, in the caller
+                mode = _async.choose_mode(col.jobs, self.profile)
+                if mode == "async-gpu" and api._resolve_profile(self.profile, col.jobs) == "fast":  # noqa: SLF001
+                    mode = "async-pinned"
+                if not overwrite and self._known_committed(step):
+                    raise ConflictError(
+                        f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
+                    )
+                need = sum(j.raw.numel() for j in col.jobs)
+                bound = self._pipe.max_pending_bytes
+                blocking = bound is not None and need > bound
+                if not blocking:
+                    handle.mode = mode
+                    if mode == "async-pinned":
+                        # the state's bytes to pinned host buffers (one copy per storage, one
+                        # synchronize); the GPU codes them in the background, and they become the
+                        # next save's delta base without another copy
+                        pre = None
+                        t = time.perf_counter()
+                        raws = _async.host_copies([j.raw for j in col.jobs], self._pinned_pool)
+                        for j, r in zip(col.jobs, raws):
+                            j.raw = r
+                        state = api.Collected(col, tree, "fast")
+                        handle.stages["snapshot"] = time.perf_counter() - t
+                        handle.host_bytes = hold = sum(r.numel() for r in raws)
+                    elif mode == "async-gpu":
+                        pre = self._encode_ahead(handle, state, step, col, extra, keyframe, overwrite)
+                        hold = handle.host_bytes
+                    else:
+                        pre = None
+                        t = time.perf_counter()
+                        state, handle.host_bytes, handle.device_bytes = _async.snapshot(state, col)
+                        handle.stages["snapshot"] = time.perf_counter() - t
+                        hold = handle.host_bytes + handle.device_bytes
+                del col
+            except BaseException as e:
+                handle.blocked_s = time.perf_counter() - handle._t0  # noqa: SLF001
+                self._record_save(handle, None, e)
+                raise
+            if blocking:
+                log.warning(
+                    "s4weights: step %d needs %d bytes held in flight, more than max_pending_bytes=%d of %s: "
+                    "saving it blocking",
+                    step, need, bound, self.backend.url,
+                )
+                handle.mode = "blocking"
+                self._save_blocking(handle, state, step, extra, keyframe, overwrite)
+                return handle
+            log.debug("s4weights: step %d of %s: %s save, %d bytes held", step, self.backend.url, mode, hold)
+            handle.blocked_s = time.perf_counter() - handle._t0  # noqa: SLF001
+            job = functools.partial(
+                self._background_save, handle, state if pre is None else None, step, extra, keyframe, overwrite, pre
+            )
+            del state
+            self._pipe.submit(handle, job, hold)
+            return handle
+
+    def _begin(self, handle: SaveHandle) -> None:
+        waited = self._pipe.begin()
+        if waited:
+            handle.waited_s = waited
+            handle.stages["wait"] = waited
+
+    def _known_committed(self, step: int) -> bool:
+        """Is ``step`` committed?  Asks the backend only when the record caches say so (a cheap
+        check for the caller's thread; the worker checks again before it commits)."""
+        key = _commit_key(step)
+        with self._rec_lock:
+            cached = key in self._records or (self._tiers is not None and key in self._tiers.records)
+        return cached and step in self._read_records()
+
+    def _save_blocking(
+        self, handle: SaveHandle, state: Any, step: int, extra: Mapping[str, Any] | None, keyframe: bool, overwrite: bool
+    ) -> StepInfo:
+        """The save in the caller's thread; with a fast tier, the upload then runs behind."""
+        try:
+            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages)
+        except BaseException as e:
+            handle.blocked_s = time.perf_counter() - handle._t0  # noqa: SLF001
+            handle._finish(None, e)  # noqa: SLF001
+            handle._observed = True  # noqa: SLF001 - raised to the caller right here
+            self._record_save(handle, None, e)
+            raise
+        handle.blocked_s = time.perf_counter() - handle._t0  # noqa: SLF001
+        if self._tiers is None:
+            handle._finish(info, None)  # noqa: SLF001
+            self._record_save(handle, info)
+            return info
+        self._pipe.submit(handle, functools.partial(self._upload_job, handle, info), 0)
+        return info
+
+    def _upload_job(self, handle: SaveHandle, info: StepInfo) -> StepInfo:
+        try:
+            self._upload(handle)
+        except BaseException as e:
+            self._record_save(handle, info, e)
+            raise
+        self._record_save(handle, info)
+        return info
+
+    def _upload(self, handle: SaveHandle) -> None:
+        assert self._tiers is not None
+        t = time.perf_counter()
+        try:
+            with self._lock:
+                _tiered.upload_missing(self)
+        except BaseException:
+            handle.what = f"upload to {self.backend.url}"
+            handle.hint = (
+                f"it is committed on the fast tier {self._tiers.fast.url}; store.sync() or the next save retries"
+            )
+            raise
+        finally:
+            handle.stages["upload"] = time.perf_counter() - t
+
+    def _background_save(
+        self,
+        handle: SaveHandle,
+        state: Any,
+        step: int,
+        extra: Mapping[str, Any] | None,
+        keyframe: bool,
+        overwrite: bool,
+        pre: _PreEncoded | None,
+    ) -> StepInfo:
+        info: StepInfo | None = None
+        try:
+            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, owned=True, pre=pre)
+            del state
+            if self._tiers is not None:
+                self._upload(handle)
+        except BaseException as e:
+            self._record_save(handle, info, e)
+            raise
+        self._record_save(handle, info)
+        return info
+
+    def _record_save(self, handle: SaveHandle, info: StepInfo | None, error: BaseException | None = None) -> None:
+        """One observability event per save, once it is durable (or failed)."""
+        total = time.perf_counter() - handle._t0  # noqa: SLF001
+        extra: dict[str, Any] = {"waited_s": round(handle.waited_s, 6)} if handle.waited_s else {}
+        if info is not None:
+            extra.update(depth=info.depth, profile=info.profile)
+        if handle.device_bytes:
+            extra["device_bytes"] = handle.device_bytes
+        if self._tiers is not None:
+            extra["fast_tier"] = self._tiers.fast.url
+        obs.record(
+            obs.OpEvent(
+                op="save",
+                url=self.backend.url,
+                step=handle.step,
+                raw_bytes=info.raw_bytes if info is not None else 0,
+                stored_bytes=info.object_bytes if info is not None else 0,
+                blocked_s=handle.blocked_s,
+                total_s=total,
+                stages=dict(handle.stages),
+                kind=info.kind if info is not None else None,
+                mode=handle.mode + ("+tiered" if self._tiers is not None else ""),
+                host_bytes=handle.host_bytes,
+                ok=error is None,
+                error=None if error is None else f"{type(error).__name__}: {error}",
+                extra=extra,
+            )
+        )
+
+    def _save_locked(
+        self,
+        state: Any,
+        step: int,
+        extra: Mapping[str, Any] | None,
+        keyframe: bool,
+        overwrite: bool,
+        stages: dict[str, float],
+        *,
+        owned: bool = False,
+        pre: _PreEncoded | None = None,
+    ) -> StepInfo:
+        """Encode (unless ``pre``), write and commit ``step``, then retention; under the lock."""
         with self._lock:
             recs = self._read_records()
             if step in recs and not overwrite:
                 raise ConflictError(
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
-            info = self._save(state, step, recs, extra=extra, keyframe=keyframe, replace=step in recs)
+            info = self._save(
+                state, step, recs, extra=extra, keyframe=keyframe, replace=step in recs, stages=stages, owned=owned, pre=pre
+            )
+            t = time.perf_counter()
             if step in recs:
                 self._reclaim(recs[step].objects)
             if self.keep_last is not None:
                 self.apply_retention()
+            stages["retention"] = time.perf_counter() - t
             return info
 
     def _base_for(self, step: int, recs: Mapping[int, StepInfo]) -> StepInfo | None:
         earlier = [s for s in recs if s < step]
         return recs[max(earlier)] if earlier else None
+
+    def _plan(self, step: int, recs: Mapping[int, StepInfo], keyframe: bool) -> tuple[StepInfo | None, _BaseProvider | None]:
+        """The base of ``step`` and, when a delta may pay, the provider of its bytes."""
+        base = self._base_for(step, recs)
+        use_delta = self.delta and not keyframe and base is not None and base.depth + 1 < self.keyframe_every
+        return base, (_BaseProvider(self, base) if use_delta and base is not None else None)
+
+    def _caching(self) -> bool:
+        return self.delta and self.keyframe_every > 1
+
+    def _encode_ahead(
+        self,
+        handle: SaveHandle,
+        state: Any,
+        step: int,
+        col: engine.Collector,
+        extra: Mapping[str, Any] | None,
+        keyframe: bool,
+        overwrite: bool,
+    ) -> _PreEncoded:
+        """``async-gpu``: encode the whole container now into host memory, and copy the state's
+        bytes to pinned host buffers for the next save's base (one synchronize)."""
+        with self._lock:
+            recs = self._read_records()
+            if step in recs and not overwrite:
+                raise ConflictError(
+                    f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
+                )
+            base, provider = self._plan(step, recs, keyframe)
+            key = _data_key(step)
+            buf = _async.HostBuffer()
+            t = time.perf_counter()
+            try:
+                manifest, size, prof = api._encode(  # noqa: SLF001
+                    state,
+                    buf,  # type: ignore[arg-type]
+                    self.profile,
+                    self.threads,
+                    provider.lookup if provider is not None else None,
+                    {**(extra or {}), "step": step},
+                )
+            finally:
+                if provider is not None:
+                    provider.close()
+            handle.stages["encode"] = time.perf_counter() - t
+            handle.host_bytes = buf.nbytes
+            cache = None
+            total = sum(j.raw.numel() for j in col.jobs)
+            if self._caching() and (self.base_cache_bytes is None or total <= self.base_cache_bytes):
+                t = time.perf_counter()
+                raws = _async.host_copies([j.raw for j in col.jobs], self._pinned_pool)
+                cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True)
+                handle.stages["cache"] = time.perf_counter() - t
+            return _PreEncoded(base, key, manifest, size, prof, buf, cache)
 
     def _save(
         self,
@@ -634,84 +1219,124 @@ class CheckpointStore:
         extra: Mapping[str, Any] | None,
         keyframe: bool,
         replace: bool,
+        stages: dict[str, float] | None = None,
+        owned: bool = False,
+        pre: _PreEncoded | None = None,
     ) -> StepInfo:
-        base = self._base_for(step, recs)
-        use_delta = (
-            self.delta and not keyframe and base is not None and base.depth + 1 < self.keyframe_every
-        )
-        provider: _BaseProvider | None = None
-        if use_delta:
-            assert base is not None
-            provider = _BaseProvider(self, base)
-        key = f"{_DATA}step_{step:012d}.{uuid.uuid4().hex[:12]}.s4w"
+        """Write and commit one step to the fast tier (if any) or the store.  ``pre``: already
+        encoded (``async-gpu``); ``owned``: ``state`` is a snapshot nobody else holds, so its
+        storages become the cached base without a copy."""
+        stages = {} if stages is None else stages
+        backend = self._tiers.fast if self._tiers is not None else self.backend
         prog = _Progress(self.progress, f"save step {step}")
         try:
-            with self.backend.writer(key) as f:
-                cw = _CountingWriter(f, prog, f"{self.backend.url}/{key}")
-                manifest, size, prof = api._encode(  # noqa: SLF001
-                    state,
-                    cw,  # type: ignore[arg-type]
-                    self.profile,
-                    self.threads,
-                    provider.lookup if provider is not None else None,
-                    {**(extra or {}), "step": step},
-                )
+            if pre is None:
+                base, provider = self._plan(step, recs, keyframe)
+                key = _data_key(step)
+                t = time.perf_counter()
+                try:
+                    with backend.writer(key) as f:
+                        cw = _CountingWriter(f, prog, backend.describe(key))
+                        manifest, size, prof = api._encode(  # noqa: SLF001
+                            state,
+                            cw,  # type: ignore[arg-type]
+                            self.profile,
+                            self.threads,
+                            provider.lookup if provider is not None else None,
+                            {**(extra or {}), "step": step},
+                        )
+                finally:
+                    if provider is not None:
+                        provider.close()
+                stages["encode"] = time.perf_counter() - t  # the bytes stream out while encoding
+            else:
+                base, key, manifest, size, prof = pre.base, pre.key, pre.manifest, pre.size, pre.profile
+                if any(s.get("delta") for s in manifest["storages"]):
+                    assert base is not None
+                    now = recs.get(base.step)
+                    if now is None or now.object != base.object:
+                        raise BaseMismatchError(
+                            f"{self.backend.url}: step {step} was coded against step {base.step}, which was "
+                            "deleted or replaced while the save was in flight; save it again"
+                        )
+                t = time.perf_counter()
+                with backend.writer(key) as f:
+                    pre.buf.write_to(_CountingWriter(f, prog, backend.describe(key)))
+                stages["write"] = time.perf_counter() - t
+        except BaseException:
+            if pre is not None:
+                self._unpool(pre.cache)
+            raise
         finally:
             prog.close()
-            if provider is not None:
-                provider.close()
-        groups, _dtypes, kinds, raw, stored, ndelta = api.summarize(manifest)
-        is_delta = ndelta > 0
-        assert base is not None or not is_delta
-        info = StepInfo(
-            step=step,
-            kind="delta" if is_delta else "keyframe",
-            depth=base.depth + 1 if is_delta and base is not None else 0,
-            base_step=base.step if is_delta and base is not None else None,
-            object=key,
-            object_bytes=size,
-            raw_bytes=raw,
-            stored_bytes=stored,
-            objects=tuple([key, *(base.objects if is_delta and base is not None else ())]),
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            profile=prof,
-            kinds={k: v.as_dict() for k, v in kinds.items()},
-            groups={k: v.as_dict() for k, v in groups.items()},
-            extra=dict(extra or {}),
-            delta_ops=_count_ops(manifest),
-        )
+        info = _step_info(step, key, size, manifest, prof, base, extra)
         body = json.dumps(info._record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
+        t = time.perf_counter()
         try:
-            self.backend.put(_commit_key(step), body, if_absent=not replace)  # the commit point
-            self._records.pop(_commit_key(step), None)
+            backend.put(_commit_key(step), body, if_absent=not replace)  # the commit point
+            self._forget_record(backend, _commit_key(step))
         except BaseException:
             # the data object is unreferenced: remove it (best effort; gc() would too)
             try:
-                self.backend.delete(key)
+                backend.delete(key)
             except S4WError:
                 pass
+            if pre is not None:
+                self._unpool(pre.cache)
             raise
-        # remember this step's bytes as the next save's base
-        self._cache = None
-        if self.delta and self.keyframe_every > 1:
-            col = engine.Collector()
-            encode_tree(state, col.add)
-            self._remember(info, manifest, [j.raw for j in col.jobs])
+        stages["commit"] = time.perf_counter() - t
+        # this step's bytes become the next save's base
+        old, self._cache = self._cache, None
+        self._unpool(old)
+        if self._caching():
+            t = time.perf_counter()
+            if pre is not None:
+                self._cache = pre.cache
+            elif isinstance(state, api.Collected):  # an async-pinned snapshot: its buffers
+                raws = [j.raw for j in state.col.jobs]
+                self._cache = self._make_cache(info.step, info.object, manifest, raws, copy=False, pooled=True)
+                if self._cache is None:
+                    self._pinned_pool.give([r for r in raws if r.is_pinned()])
+            else:
+                col = engine.Collector()
+                encode_tree(state, col.add)
+                self._cache = self._make_cache(info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned)
+            stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
         return info
 
-    def _remember(self, rec: StepInfo, manifest: Mapping[str, Any], raws: builtins.list[torch.Tensor]) -> None:
-        """Keep copies of a committed step's storages (within ``base_cache_bytes``)."""
-        self._cache = None
+    def _unpool(self, cache: _CachedBase | None) -> None:
+        """Give a pooled cache's pinned buffers back for the next GPU save's copy."""
+        if cache is not None and cache.pooled:
+            self._pinned_pool.give([t for t, _, _ in cache.storages.values() if t.is_pinned()])
+
+    def _make_cache(
+        self,
+        step: int,
+        obj: str,
+        manifest: Mapping[str, Any],
+        raws: builtins.list[torch.Tensor],
+        *,
+        copy: bool = True,
+        pooled: bool = False,
+    ) -> _CachedBase | None:
+        """Host copies of a step's storages by path (None beyond ``base_cache_bytes``); with
+        ``copy=False`` CPU ``raws`` are kept as they are (a snapshot, or pinned copies)."""
         total = sum(r.numel() for r in raws)
         if self.base_cache_bytes is not None and total > self.base_cache_bytes:
-            return
+            return None
         storages: dict[str, tuple[torch.Tensor, dict[str, Any], str]] = {}
         for i, (s, raw) in enumerate(zip(manifest["storages"], raws)):
             if s["path"] in storages or raw.numel() != s["nbytes"]:
                 continue
-            ref = {"object": rec.object, "storage": i, "checksum": s["checksum"]}
-            storages[s["path"]] = (raw.detach().to("cpu", copy=True).view(-1), ref, s["dtype"])
-        self._cache = _CachedBase(rec.step, rec.object, storages, total)
+            ref = {"object": obj, "storage": i, "checksum": s["checksum"]}
+            t = raw.detach() if not copy and raw.device.type == "cpu" else raw.detach().to("cpu", copy=True)
+            storages[s["path"]] = (t.view(-1), ref, s["dtype"])
+        return _CachedBase(step, obj, storages, total, pooled)
+
+    def _remember(self, rec: StepInfo, manifest: Mapping[str, Any], raws: builtins.list[torch.Tensor]) -> None:
+        """Keep copies of a committed step's storages (within ``base_cache_bytes``)."""
+        self._cache = None
+        self._cache = self._make_cache(rec.step, rec.object, manifest, raws)
 
     # ------------------------------------------------------------------ pins, retention, deletion
     def pin(self, step: int) -> None:
@@ -751,26 +1376,50 @@ class CheckpointStore:
         with self._lock:
             recs = self._read_records()
             rec = self._record(step, recs)
-            before = {o for r in recs.values() for o in r.objects}
+            before = self._all_objects()
             if rebase:
+                rebased = False
                 for s in sorted(recs):
                     if s != step and rec.object in recs[s].objects:
                         self._rebase(s, exclude=step)
                         recs = self._read_records()
+                        rebased = True
+                if rebased and self._tiers is not None:  # the slow tier's records still name ``step``'s data
+                    _tiered.upload_missing(self)
+            if self._tiers is not None:
+                self._tiers.fast.delete(_commit_key(step))
+                self._forget_record(self._tiers.fast, _commit_key(step))
             self.backend.delete(_commit_key(step))  # the step is gone from here on
             self.backend.delete(_pin_key(step))
             self.pinned.discard(step)
             if self._cache is not None and self._cache.step == step:
                 self._cache = None
-            self._records.pop(_commit_key(step), None)
+            self._forget_record(self.backend, _commit_key(step))
             self._reclaim(before)
 
+    def _all_objects(self) -> set[str]:
+        """Every data object some commit record (on either tier) lists."""
+        if self._tiers is None:
+            return {o for r in self._tier_records(self.backend, self._records).values() for o in r.objects}
+        fast, slow = self._tier_views()
+        return {o for recs in (fast, slow) for r in recs.values() for o in r.objects}
+
     def _reclaim(self, candidates: Iterable[str]) -> None:
-        """Delete those of ``candidates`` (data objects once committed) no commit needs now."""
-        recs = self._read_records()
-        live = {o for r in recs.values() for o in r.objects}
-        for o in sorted(set(candidates) - live):
+        """Delete those of ``candidates`` (data objects once committed) no commit needs now.  With
+        a fast tier: on the slow tier, an object stays while a record on either tier lists it (a
+        step still to upload needs its bases); on the fast tier, while a fast record lists it."""
+        cands = set(candidates)
+        if self._tiers is None:
+            live = self._all_objects()
+            for o in sorted(cands - live):
+                self.backend.delete(o)
+            return
+        fast, _ = self._tier_views()
+        live_fast = {o for r in fast.values() for o in r.objects}
+        for o in sorted(cands - self._all_objects()):
             self.backend.delete(o)
+        for o in sorted(cands - live_fast):
+            self._tiers.fast.delete(o)
 
     def _rebase(self, step: int, *, exclude: int) -> StepInfo:
         """Re-code ``step`` against the newest kept step below it (never ``exclude``)."""
@@ -787,23 +1436,28 @@ class CheckpointStore:
 
     def gc(self, *, grace_seconds: float = 3600.0) -> int:
         """Delete data objects no commit record needs and leftovers of crashed writers older than
-        ``grace_seconds`` (younger ones may belong to a save in progress). Returns bytes freed."""
+        ``grace_seconds`` (younger ones may belong to a save in progress). Returns bytes freed.
+        With a fast tier, both tiers (see :meth:`_reclaim` for what is live where)."""
         recs = self._read_records()
-        live = {o for r in recs.values() for o in r.objects}
+        places: builtins.list[tuple[Backend, set[str]]] = [(self.backend, self._all_objects())]
+        if self._tiers is not None:
+            fast, _ = self._tier_views()
+            places.append((self._tiers.fast, {o for r in fast.values() for o in r.objects}))
         now = time.time()
         freed = 0
-        for o in self.backend.list(_DATA):
-            if o.key in live:
-                continue
-            if o.mtime is not None and now - o.mtime < grace_seconds:
-                continue
-            self.backend.delete(o.key)
-            freed += o.size
-        tmps = getattr(self.backend, "list_temporaries", None)
-        if tmps is not None:
-            for o in tmps():
-                if o.mtime is not None and now - o.mtime >= grace_seconds:
-                    self.backend.delete(o.key)
+        for backend, live in places:
+            for o in backend.list(_DATA):
+                if o.key in live:
+                    continue
+                if o.mtime is not None and now - o.mtime < grace_seconds:
+                    continue
+                backend.delete(o.key)
+                freed += o.size
+            tmps = getattr(backend, "list_temporaries", None)
+            if tmps is not None:
+                for o in tmps():
+                    if o.mtime is not None and now - o.mtime >= grace_seconds:
+                        backend.delete(o.key)
         pins = self.backend.list(_PINS)
         for o in pins:
             m = _STEP_RE.match(o.key[len(_PINS) :])

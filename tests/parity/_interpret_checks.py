@@ -80,6 +80,13 @@ def _planes_roundtrip(raw: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
 
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=g)
+    from s4w_core import delta
+
+    # the sub op (an arithmetic delta) against its torch definition in s4w_core.delta
+    sub = tk.split_planes(raw, dtype, base, "sub")
+    exp_sub = ref.split_planes(delta.forward("sub", raw, base, dtype), dtype)
+    assert torch.equal(sub, exp_sub), f"split sub {dtype}"
+    assert torch.equal(tk.merge_planes(exp_sub, dtype, base, "sub"), raw), f"merge sub {dtype}"
     for b in (None, base):
         p = tk.split_planes(raw, dtype, b)
         r = ref.split_planes(raw, dtype, b)
@@ -168,6 +175,13 @@ def gather_copy_ranges() -> None:
             exp[b : b + n] = src[a : a + n]
         k.gather_copy(src, dst, so, do, ln)
         assert torch.equal(dst, exp), aligned
+    # pad_ok: whole 16-byte granules (lengths not multiples of 16; rounded tails land in padding)
+    so, do, ln = [0, 32, 4096, 160_000], [0, 20_000, 48_000, 100_000], [5, 19_999, 9985, 33]
+    dst = torch.zeros(150_000, dtype=torch.uint8)
+    k.gather_copy(src, dst, so, do, ln, pad_ok=True)
+    for a, b, n in zip(so, do, ln):
+        assert torch.equal(dst[b : b + n], src[a : a + n]), (a, b, n)
+        assert torch.equal(dst[b + n : -(-(b + n) // 16) * 16], src[a + n : a + -(-n // 16) * 16]), "granule tail"
     try:
         k.gather_copy(src, dst, [0], [149_999], [2])
     except ValueError:
@@ -430,13 +444,18 @@ def pipeline_delta() -> None:
 
     obj = {"w": w1, "e": e0, "i": i1}
     seen_ops = set()
-    for forced in (None, "xor"):
+    for forced in (None, "xor", "sub"):
         with contextlib.ExitStack() as stack:
             stack.enter_context(simulated_gpu())
-            if forced:
-                orig = _encode._choose_delta_op
-                _encode._choose_delta_op = lambda job, tr, f=forced, o=orig: f if o(job, tr) else None  # type: ignore[assignment]
-                stack.callback(setattr, _encode, "_choose_delta_op", orig)
+            if forced:  # the op the writer chose, replaced by ``forced`` on float storages
+                orig = _encode._choose_delta_ops
+
+                def force(cands: Any, pool: Any, f: str = forced, o: Any = orig, **kw: Any) -> list[Any]:
+                    ops = o(cands, pool, **kw)
+                    return [f if op is not None and c[1] == "planes-rotl1" else op for c, op in zip(cands, ops)]
+
+                _encode._choose_delta_ops = force  # type: ignore[assignment]
+                stack.callback(setattr, _encode, "_choose_delta_ops", orig)
             buf = io.BytesIO()
             s4w_core.save(obj, buf, profile="fast", _base_lookup=lookup)
             back, m = _decode_all_gpu_sim(buf.getvalue(), resolve)
@@ -447,7 +466,7 @@ def pipeline_delta() -> None:
             buf2 = io.BytesIO()
             s4w_core.save(obj, buf2, profile="portable", _base_lookup=lookup)
         assert_same(obj, s4w_core.load(buf2.getvalue(), _resolve_base=resolve))  # the CPU reader
-    assert "xor" in seen_ops
+    assert {"xor", "sub"} <= seen_ops, seen_ops
 
 
 @check

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from s4w_core import checksum as ck
+from s4w_core import delta
 from s4w_core.planes import reference as ref
 from tests.parity._interpret_checks import all16, fp32_patterns
 
@@ -24,13 +25,14 @@ def _check(tk, raw_cpu: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     base_cpu = torch.randint(0, 256, (raw_cpu.numel(),), dtype=torch.uint8, generator=g)
     raw = raw_cpu.cuda()
-    for b_cpu in (None, base_cpu):
+    for b_cpu, op in ((None, "xor"), (base_cpu, "xor"), (base_cpu, "sub")):
         b = b_cpu.cuda() if b_cpu is not None else None
-        planes = tk.split_planes(raw, dtype, b)
-        exp = ref.split_planes(raw_cpu, dtype, b_cpu)
-        assert torch.equal(planes.cpu(), exp)
-        back = tk.merge_planes(exp.cuda(), dtype, b)
-        assert torch.equal(back.cpu(), raw_cpu)
+        planes = tk.split_planes(raw, dtype, b, op)
+        resid = delta.forward(op, raw_cpu, b_cpu, dtype) if b_cpu is not None else raw_cpu
+        exp = ref.split_planes(resid, dtype)
+        assert torch.equal(planes.cpu(), exp), op
+        back = tk.merge_planes(exp.cuda(), dtype, b, op)
+        assert torch.equal(back.cpu(), raw_cpu), op
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

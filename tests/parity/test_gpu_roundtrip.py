@@ -186,25 +186,30 @@ def test_corrupt_chunk_refused_before_gpu_decoder(monkeypatch):
     assert_same({"w": s4w_core.load(bytes(data))["w"]}, s4w_core.load(bytes(data)))
 
 
-@pytest.mark.parametrize("forced", [None, "xor"])
+@pytest.mark.parametrize("forced", [None, "xor", "sub"])
 def test_delta_on_gpu(monkeypatch, forced):
     from s4w_core.gpu import _encode
 
-    if forced:
-        orig = _encode._choose_delta_op
-        monkeypatch.setattr(_encode, "_choose_delta_op", lambda job, tr: forced if orig(job, tr) else None)
+    if forced:  # the writer's choice, replaced by ``forced`` wherever it chose a delta
+        orig = _encode._choose_delta_ops
+        monkeypatch.setattr(
+            _encode, "_choose_delta_ops", lambda cands, pool, **kw: [forced if op else None for op in orig(cands, pool, **kw)]
+        )
     g = torch.Generator().manual_seed(31)
     w0 = torch.randn(1_000_000, generator=g).to(torch.bfloat16)
     w1 = (w0.float() + 1e-3 * torch.randn(1_000_000, generator=g)).to(torch.bfloat16)
-    base = w0.view(torch.uint8).cuda()
-
-    def lookup(path, nbytes, dtype):
-        return (base, {"ref": "b"}) if nbytes == base.numel() else None
+    # the base on the device, or in (pinned) host memory like the store's cache of the last step
+    bases = {"cuda": w0.view(torch.uint8).cuda(), "cpu": w0.view(torch.uint8).clone().pin_memory()}
 
     def resolve(ref, nbytes):
-        return base
+        return bases["cuda"]
 
-    for profile in ("fast", "portable"):
+    for profile, where in (("fast", "cuda"), ("fast", "cpu"), ("portable", "cuda")):
+        base = bases[where]
+
+        def lookup(path, nbytes, dtype, base=base):
+            return (base, {"ref": "b"}) if nbytes == base.numel() else None
+
         buf = io.BytesIO()
         s4w_core.save({"w": w1.cuda()}, buf, profile=profile, _base_lookup=lookup)
         m = s4w_core.api.open_reader(buf.getvalue()).manifest

@@ -1,0 +1,400 @@
+"""Non-blocking saves for :class:`~s4w_core.store.CheckpointStore` (docs/STORE.md, "Non-blocking
+saves").
+
+The caller's thread does only what makes the state safe to modify, then one background worker per
+store does the rest, in order:
+
+* ``async-pinned``: the state holds CUDA tensors and the profile is ``fast``: every storage is
+  copied to pinned host buffers (reused across saves; one synchronize): the caller is blocked for
+  the device-to-host copy only; the GPU codes the copies in the background (host-to-device per
+  batch), and they become the next save's delta base without another copy;
+* ``async-gpu``: the state holds CUDA tensors, the GPU backend is usable, the profile ``portable``: the whole container
+  is encoded in the caller's thread into host memory (:class:`HostBuffer`); the worker writes the
+  bytes and commits.
+* ``async-snapshot``: otherwise: every storage is copied (:func:`snapshot`: a ``clone`` per
+  storage, same device, views and sharing kept); the worker encodes the copy, writes and commits.
+* ``blocking``: the save alone needs more than ``max_pending_bytes``: it runs in the caller's
+  thread, as :meth:`~s4w_core.store.CheckpointStore.save` does (a warning says so).
+
+At most one save is in flight per store: the next one waits for it (``on_busy="wait"``) or raises
+:class:`~s4w_core.errors.SaveInProgressError` (``on_busy="error"``).  A background failure is kept
+and raised, wrapped in :class:`~s4w_core.errors.AsyncSaveError`, by the store's next call; at
+interpreter exit every store's in-flight save is waited for and a failure is logged at ERROR.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import copy
+import functools
+import logging
+import queue
+import threading
+import time
+import traceback
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from s4w_core import api, engine
+from s4w_core.errors import AsyncSaveError, SaveInProgressError
+
+if TYPE_CHECKING:
+    from s4w_core.store.store import StepInfo
+
+__all__ = ["SaveHandle", "MODES", "ON_BUSY", "choose_mode", "snapshot", "HostBuffer", "PinnedPool"]
+
+log = logging.getLogger("s4w_core.store")
+
+#: how a save ran (``SaveHandle.mode``).
+MODES = ("blocking", "async-pinned", "async-gpu", "async-snapshot")
+ON_BUSY = ("wait", "error")
+
+
+class SaveHandle:
+    """A save handed to the background (from :meth:`CheckpointStore.save_async`).
+
+    Attributes:
+        step: the step being saved.
+        mode: ``"async-gpu"``, ``"async-snapshot"`` or ``"blocking"`` (it ran in the caller's
+            thread because it alone needs more host memory than ``max_pending_bytes``).
+        blocked_s: seconds the caller was blocked (including ``waited_s``).
+        waited_s: of those, seconds spent waiting for the previous save.
+        host_bytes: host memory this save held while in flight (snapshot or encoded bytes).
+        device_bytes: device memory it held (a device-side snapshot; 0 otherwise).
+        total_s: seconds from the call until durable (None while running).
+        stages: seconds per stage (``wait``, ``snapshot``, ``encode``, ``write``, ``commit``,
+            ``retention``, ``upload``).
+    """
+
+    def __init__(self, step: int, mode: str, url: str, what: str = "save") -> None:
+        self.step = step
+        self.mode = mode
+        self.url = url
+        self.what = what
+        self.hint = ""
+        self.blocked_s = 0.0
+        self.waited_s = 0.0
+        self.total_s: float | None = None
+        self.host_bytes = 0
+        self.device_bytes = 0
+        self.stages: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+        self._event = threading.Event()
+        self._info: StepInfo | None = None
+        self._error: BaseException | None = None
+        self._observed = False
+
+    def done(self) -> bool:
+        """True once the save is durable or has failed."""
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> StepInfo:
+        """Wait until the save is durable and return its :class:`StepInfo`.
+
+        Args:
+            timeout: seconds to wait; ``None`` waits as long as it takes.
+        Returns:
+            The committed step's :class:`StepInfo`.
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds.
+            Exception: the error the background save failed with (then the store does not raise
+                it again on its next call).
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"the save of step {self.step} to {self.url} is still running after {timeout} s")
+        if self._error is not None:
+            self._observed = True
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error the save failed with, or None (waits like :meth:`result`)."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"the save of step {self.step} to {self.url} is still running after {timeout} s")
+        if self._error is not None:
+            self._observed = True
+        return self._error
+
+    def _finish(self, info: StepInfo | None, error: BaseException | None) -> None:
+        self._info, self._error = info, error
+        self.total_s = time.perf_counter() - self._t0
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error is not None else "done")
+        return (
+            f"SaveHandle(step={self.step}, mode={self.mode!r}, {state}, blocked_s={self.blocked_s:.3f}, "
+            f"host_bytes={self.host_bytes})"
+        )
+
+
+# ----------------------------------------------------------------------------- the worker
+def _run(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    while True:
+        fn = q.get()
+        if fn is None:
+            return
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - jobs report their own errors; never let the thread die
+            log.exception("s4weights: background save job raised")
+        del fn
+
+
+class Pipeline:
+    """The background side of one store: its worker thread, the save in flight, the first
+    failure nobody has seen yet, and the host memory held."""
+
+    def __init__(self, url: str, max_pending_bytes: int | None, on_busy: str) -> None:
+        if max_pending_bytes is not None and (type(max_pending_bytes) is not int or max_pending_bytes < 0):
+            raise ValueError(f"max_pending_bytes must be a non-negative integer or None, got {max_pending_bytes!r}")
+        if on_busy not in ON_BUSY:
+            raise ValueError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
+        self.url = url
+        self.max_pending_bytes = max_pending_bytes
+        self.on_busy = on_busy
+        self.front = threading.RLock()  # one save call at a time enters the foreground part
+        self._lock = threading.Lock()
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.inflight: SaveHandle | None = None
+        self.failed: SaveHandle | None = None
+        self.pending_bytes = 0
+        self.peak_pending_bytes = 0
+        _PIPELINES.add(self)
+
+    # -- foreground
+    def begin(self) -> float:
+        """Before a save: wait for the one in flight (or raise SaveInProgressError), then raise a
+        failure not yet reported.  Returns the seconds waited."""
+        h = self.inflight
+        waited = 0.0
+        if h is not None and not h.done():
+            if self.on_busy == "error":
+                raise SaveInProgressError(
+                    f"{self.url}: the {h.what} of step {h.step} is still running in the background; "
+                    "call store.wait() first, or open the store with on_busy='wait'"
+                )
+            t = time.perf_counter()
+            h._event.wait()  # noqa: SLF001
+            waited = time.perf_counter() - t
+        self.raise_failed()
+        return waited
+
+    def wait(self, timeout: float | None = None) -> None:
+        h = self.inflight
+        if h is not None and not h._event.wait(timeout):  # noqa: SLF001
+            raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
+        self.raise_failed()
+
+    def raise_failed(self) -> None:
+        with self._lock:
+            h, self.failed = self.failed, None
+        if h is not None and not h._observed:  # noqa: SLF001
+            h._observed = True  # noqa: SLF001
+            e = h._error  # noqa: SLF001
+            raise AsyncSaveError(
+                f"{self.url}: the background {h.what} of step {h.step} failed ({type(e).__name__}: {e}); "
+                + (f"{h.hint}; " if h.hint else "")
+                + "steps committed before it are intact"
+            ) from e
+
+    def forget_failure(self, what_prefix: str) -> None:
+        """Drop an unreported failure whose ``what`` starts with ``what_prefix`` (it was retried)."""
+        with self._lock:
+            if self.failed is not None and self.failed.what.startswith(what_prefix):
+                self.failed = None
+
+    def submit(self, handle: SaveHandle, job: Callable[[], StepInfo], hold_bytes: int) -> None:
+        """Run ``job`` on the worker; ``hold_bytes`` of host/device memory stay counted until it ends."""
+        with self._lock:
+            self.pending_bytes += hold_bytes
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+            self.inflight = handle
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=_run, args=(self._q,), name=f"s4w-save {self.url}", daemon=True)
+                self._thread.start()
+        self._q.put(functools.partial(self._execute, handle, job, hold_bytes))
+
+    def _execute(self, handle: SaveHandle, job: Callable[[], StepInfo], hold_bytes: int) -> None:
+        info: StepInfo | None = None
+        error: BaseException | None = None
+        try:
+            info = job()
+        except BaseException as e:  # noqa: BLE001 - kept and raised by the store's next call
+            error = _detached(e)
+        # a kept error's frames lead back here (f_back): hold nothing here that holds the store
+        del job
+        with self._lock:
+            self.pending_bytes -= hold_bytes
+            if error is not None:
+                if self.failed is None or self.failed._observed:  # noqa: SLF001
+                    self.failed = handle
+                else:  # pragma: no cover - one save in flight at a time: cannot happen today
+                    log.error("s4weights: %s of step %d to %s failed: %r", handle.what, handle.step, self.url, error)
+        handle._finish(info, error)  # noqa: SLF001
+
+    def stop(self) -> None:
+        """End the worker thread once its queue is empty (a later submit starts a new one)."""
+        with self._lock:
+            t, self._thread = self._thread, None
+        if t is not None:
+            self._q.put(None)
+
+    # -- exit and garbage collection
+    def drain_quietly(self, why: str) -> None:
+        """Wait for the save in flight; log (ERROR) a failure nobody has seen.  Never raises."""
+        try:
+            h = self.inflight
+            if h is not None and not h.done():
+                log.info("s4weights: %s: waiting for the background %s of step %d to %s", why, h.what, h.step, self.url)
+                h._event.wait()  # noqa: SLF001
+            with self._lock:
+                f, self.failed = self.failed, None
+            if f is not None and not f._observed:  # noqa: SLF001
+                e = f._error  # noqa: SLF001
+                log.error(
+                    "s4weights: the background %s of step %d to %s failed (%s: %s); it was never reported "
+                    "to the program (%s)",
+                    f.what, f.step, self.url, type(e).__name__, e, why,
+                    exc_info=(type(e), e, e.__traceback__) if e is not None else None,
+                )
+        except Exception:  # noqa: BLE001 - at exit or in a finalizer nothing may raise
+            pass
+        self.stop()
+
+
+def _detached(e: BaseException) -> BaseException:
+    """``e`` with the locals of its traceback's finished frames cleared (files and lines stay):
+    a kept error must not keep the store (a job's ``self``) alive."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.__traceback__ is not None:
+            traceback.clear_frames(x.__traceback__)
+        todo += [y for y in (x.__cause__, x.__context__) if y is not None]
+    return e
+
+
+_PIPELINES: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+def _drain_all_at_exit() -> None:
+    for p in list(_PIPELINES):
+        p.drain_quietly("at interpreter exit")
+
+
+# The saves in flight must finish before concurrent.futures refuses new work at exit (the CPU
+# encoder runs on a ThreadPoolExecutor): threading's own exit hooks run before atexit's, newest
+# first, so this one, registered after concurrent.futures.thread's, runs before it.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_drain_all_at_exit)
+else:  # pragma: no cover - every CPython we support has it
+    atexit.register(_drain_all_at_exit)
+
+
+# ----------------------------------------------------------------------------- strategy
+def choose_mode(jobs: list[engine.StorageJob], profile: str) -> str:
+    """``async-gpu`` when the state holds CUDA tensors and the GPU backend is usable (the
+    container is then encoded on the GPU in the caller's thread, which is fast), else
+    ``async-snapshot``.  Raises BackendUnavailableError for ``profile="fast"`` without a GPU."""
+    prof = api._resolve_profile(profile, jobs)  # noqa: SLF001
+    on_cuda = any(j.raw.device.type == "cuda" for j in jobs)
+    if on_cuda and prof in ("fast", "portable") and api._gpu() is not None:  # noqa: SLF001
+        return "async-gpu"
+    return "async-snapshot"
+
+
+def snapshot(state: Any, col: engine.Collector) -> tuple[Any, int, int]:
+    """A copy of ``state`` (collected into ``col``) that the caller may no longer change: every
+    storage cloned once on its own device, every tensor rebuilt as the same view (dtype, shape,
+    stride, offset, Parameter, requires_grad) of its storage's clone, so sharing is kept; the
+    containers around them deep-copied with their types.  Encoding it gives the container
+    encoding ``state`` would have given at this moment.  Returns (copy, host bytes, device bytes)."""
+    clones = [j.raw.clone() for j in col.jobs]
+    host = sum(c.numel() for c in clones if c.device.type == "cpu")
+    dev = sum(c.numel() for c in clones) - host
+    memo: dict[int, Any] = {}
+    for tid, idx in col._by_id.items():  # noqa: SLF001
+        e = col.tensors[idx]
+        src = clones[e["storage"]]
+        dt = engine.dtype_from_name(e["dtype"])
+        x = torch.empty(0, dtype=dt, device=src.device).set_(src.untyped_storage(), e["offset"], e["shape"], e["stride"])
+        if e["param"]:
+            x = torch.nn.Parameter(x, requires_grad=bool(e["requires_grad"]))
+        elif e["requires_grad"]:
+            x.requires_grad_(True)
+        memo[tid] = x
+    return copy.deepcopy(state, memo), host, dev
+
+
+class HostBuffer:
+    """A write-only in-memory file the encoder writes a whole container into (each write is
+    copied: the GPU writer reuses its staging buffers)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        b = bytes(data)
+        self.chunks.append(b)
+        self.nbytes += len(b)
+        return len(b)
+
+    def write_to(self, f: Any) -> None:
+        for c in self.chunks:
+            f.write(c)
+
+
+class PinnedPool:
+    """Pinned host buffers for the base cache of GPU saves, reused across saves when the storage
+    sizes repeat.  Two generations live at most: the cache in use (the base of the save being
+    encoded) and the one being filled."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, sizes: list[int]) -> list[torch.Tensor]:
+        out = []
+        with self._lock:
+            free, self._free = self._free, {}  # buffers not reused now are dropped
+        for n in sizes:
+            lst = free.get(n)
+            out.append(lst.pop() if lst else torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        return out
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                self._free.setdefault(b.numel(), []).append(b)
+
+
+def host_copies(raws: list[torch.Tensor], pool: PinnedPool) -> list[torch.Tensor]:
+    """Host copies of ``raws`` (1-D uint8): CUDA ones into pinned buffers from ``pool`` with
+    ``non_blocking=True`` and one synchronize per device; CPU ones cloned."""
+    cuda = [r for r in raws if r.device.type == "cuda"]
+    bufs = iter(pool.take([r.numel() for r in cuda]))
+    out = []
+    devices = set()
+    for r in raws:
+        if r.device.type == "cuda":
+            b = next(bufs)
+            b.copy_(r, non_blocking=True)
+            devices.add(r.device)
+            out.append(b)
+        else:
+            out.append(r.detach().clone())
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return out

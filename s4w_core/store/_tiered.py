@@ -1,0 +1,128 @@
+"""Tiers for :class:`~s4w_core.store.CheckpointStore` (docs/STORE.md, "Tiers").
+
+``CheckpointStore("s3://b/run", fast_tier="/local/nvme/run", fast_keep_last=2)``: a save commits
+to the fast tier (same layout: data objects, then the commit record), then the worker copies the
+same objects to the slow tier (the store's URL), data first, commit record last; a read of a data
+object takes the fast tier's copy when it has one.  The fast tier keeps the newest
+``fast_keep_last`` steps, and never drops a step the slow tier has not committed or an object a
+step it keeps still needs.  Liveness for reclaiming: a slow-tier object is live while a commit
+record on either tier lists it (a step still to upload needs its bases); a fast-tier object is
+live while a fast-tier commit lists it.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import TYPE_CHECKING
+
+from s4w_core.errors import CheckpointNotFoundError, S4WError, StoreError
+from s4w_core.store._backend import Backend
+
+if TYPE_CHECKING:
+    from s4w_core.store.store import CheckpointStore, StepInfo
+
+__all__ = ["Tiers", "copy_object", "upload_missing", "prune_fast"]
+
+_COPY_BLOCK = 8 << 20
+
+
+class Tiers:
+    """The fast tier of a store: its backend, retention and record cache."""
+
+    def __init__(self, fast: Backend, keep_last: int | None) -> None:
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ValueError(f"fast_keep_last must be a positive integer or None, got {keep_last!r}")
+        self.fast = fast
+        self.keep_last = keep_last
+        self.records: dict[str, tuple[int, str | None, StepInfo]] = {}
+
+
+def copy_object(src: Backend, dst: Backend, key: str) -> int:
+    """Stream one object from ``src`` to ``dst`` (atomic on ``dst``, as every backend write is).
+    Returns its size.  Backend errors become StoreError naming both ends."""
+    rr = src.fetch(key)
+    try:
+        with dst.writer(key) as f:
+            for off in range(0, rr.size, _COPY_BLOCK):
+                data = rr.read(off, min(_COPY_BLOCK, rr.size - off))
+                try:
+                    f.write(data)
+                except OSError as e:
+                    if isinstance(e, S4WError):
+                        raise
+                    raise StoreError(f"cannot write {dst.describe(key)}: {e}") from e
+        return rr.size
+    finally:
+        rr.close()
+
+
+def upload_missing(store: CheckpointStore) -> builtins.list[int]:
+    """Copy every step the fast tier has committed and the slow tier has not (ascending): its
+    chain's data objects the slow tier lacks, then its commit record.  Then apply the fast tier's
+    retention.  Returns the steps uploaded.  Caller holds ``store._lock``."""
+    from s4w_core.store.store import _DATA
+
+    assert store._tiers is not None  # noqa: SLF001
+    slow_b = store.backend
+    fast, slow = store._tier_views()  # noqa: SLF001
+    todo = [s for s, r in fast.items() if s not in slow or slow[s].object != r.object]
+    done: builtins.list[int] = []
+    try:
+        if todo:
+            on_slow = {o.key for o in slow_b.list(_DATA)}
+            for step in todo:
+                _upload_step(store, step, fast[step], slow.get(step), on_slow)
+                done.append(step)
+    except BaseException:
+        try:  # what did reach the slow tier may still leave the fast one
+            prune_fast(store)
+        except Exception:  # noqa: BLE001 - the upload's error is the one to report
+            pass
+        raise
+    prune_fast(store)
+    return done
+
+
+def _upload_step(store: CheckpointStore, step: int, rec: StepInfo, old: StepInfo | None, on_slow: set[str]) -> None:
+    from s4w_core.store.store import _commit_key
+
+    tiers = store._tiers  # noqa: SLF001
+    assert tiers is not None
+    fast_b, slow_b = tiers.fast, store.backend
+    for key in reversed(rec.objects):  # bases first; the commit record last
+        if key in on_slow:
+            continue
+        try:
+            copy_object(fast_b, slow_b, key)
+        except CheckpointNotFoundError as e:
+            raise StoreError(
+                f"cannot upload step {step} to {slow_b.url}: its chain's data object {key} is on neither tier ({e})"
+            ) from e
+        on_slow.add(key)
+    slow_b.put(_commit_key(step), fast_b.get(_commit_key(step)), if_absent=old is None)
+    store._forget_record(slow_b, _commit_key(step))  # noqa: SLF001
+    if old is not None:  # an overwrite: the old chain's objects may be free now
+        store._reclaim(old.objects)  # noqa: SLF001
+
+
+def prune_fast(store: CheckpointStore) -> builtins.list[int]:
+    """Drop from the fast tier every step but its newest ``fast_keep_last``, only those the slow
+    tier has committed (same data object); then reclaim fast-tier objects no fast commit lists.
+    Returns the steps dropped from the fast tier."""
+    from s4w_core.store.store import _commit_key
+
+    tiers = store._tiers  # noqa: SLF001
+    assert tiers is not None
+    if tiers.keep_last is None:
+        return []
+    fast, slow = store._tier_views()  # noqa: SLF001
+    keep = set(builtins.list(fast)[-tiers.keep_last :])
+    doomed = [s for s, r in fast.items() if s not in keep and s in slow and slow[s].object == r.object]
+    if not doomed:
+        return []
+    candidates = {o for s in doomed for o in fast[s].objects}
+    for s in doomed:
+        tiers.fast.delete(_commit_key(s))
+        store._forget_record(tiers.fast, _commit_key(s))  # noqa: SLF001
+    store._reclaim(candidates)  # noqa: SLF001
+    return doomed

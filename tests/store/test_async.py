@@ -1,0 +1,415 @@
+"""Non-blocking saves (:meth:`CheckpointStore.save_async`): every step loads bit for bit as it was
+when the call returned although the caller changes the state at once; saves run in order, one at
+a time; ``on_busy="error"``; a background failure surfaces on the next call, on ``wait()``, on
+``close()`` and at interpreter exit; ``max_pending_bytes`` is respected and reported."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import gc
+import io
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import s4w_core
+from s4w_core import api, engine, obs
+from s4w_core.errors import (
+    AsyncSaveError,
+    ConflictError,
+    SaveInProgressError,
+    StoreError,
+    UnsupportedTypeError,
+)
+from s4w_core.skeleton import encode_tree
+from s4w_core.store import CheckpointStore, SaveHandle, open_backend
+from s4w_core.store._async import snapshot
+from s4w_core.store._backend import Backend
+
+from .helpers import Crash, FaultyBackend, bits_equal, make_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _mutate(state: dict[str, Any]) -> None:
+    """What a training loop does right after the save returns: every tensor changed in place
+    (the shared view's storage too) and new Python values."""
+    m = state["model"]
+    m["w32"].add_(1.0)
+    m["emb"].mul_(2)
+    m["buf"].zero_()
+    st = state["optimizer"]["state"][0]
+    st["exp_avg"].fill_(float("nan"))
+    st["exp_avg_sq"].neg_()
+    st["step"].add_(1)
+    group = state["optimizer"]["param_groups"][0]
+    group["lr"] = 123.0
+    group["betas"] = (0.0, 0.0)
+    group["params"].append(99)
+    state["note"] = "mutated"
+    state["step"] = -1
+
+
+class Gated(FaultyBackend):
+    """Data writes wait for ``gate``; commit records are logged in order."""
+
+    def __init__(self, inner: Backend, fail: Any = None) -> None:
+        super().__init__(inner, fail or (lambda verb, key: False))
+        self.gate = threading.Event()
+        self.gate.set()
+        self.commits: list[str] = []
+
+    def writer(self, key: str) -> Any:
+        if key.startswith("data/"):
+            assert self.gate.wait(60), "gate never opened"
+        return super().writer(key)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        super().put(key, data, if_absent=if_absent)
+        if key.startswith("commits/"):
+            self.commits.append(key)
+
+
+# ----------------------------------------------------------------------------- bit-exact chains
+def test_async_chain_bit_exact_while_caller_mutates(store_url: str) -> None:
+    run = make_run(6)
+    ref_run = copy.deepcopy(run)
+    st = CheckpointStore(store_url, profile="portable", keyframe_every=4)
+    expected, handles = [], []
+    for i, s in enumerate(run):
+        expected.append(copy.deepcopy(s))
+        h = st.save_async(s, i, extra={"i": i})
+        _mutate(s)  # at once, while the save runs in the background
+        handles.append(h)
+    infos = [h.result(timeout=120) for h in handles]
+    assert [i.step for i in infos] == list(range(6))
+    assert {h.mode for h in handles} == {"async-snapshot"}
+    assert all(h.host_bytes == infos[0].raw_bytes and h.blocked_s >= 0 for h in handles)
+    recs = st.list()
+    assert recs[0].kind == "keyframe" and "delta" in {r.kind for r in recs} and max(r.depth for r in recs) < 4
+    for i in range(6):
+        assert bits_equal(st.load(i), expected[i]), f"step {i}"
+    # the same states saved blocking make the same chain: async is the reference path, later
+    ref = CheckpointStore(store_url.rstrip("/") + "-ref", profile="portable", keyframe_every=4)
+    for i, s in enumerate(ref_run):
+        ref.save(s, i, extra={"i": i})
+    shape = [(r.kind, r.depth, r.base_step, r.object_bytes, r.delta_ops) for r in ref.list()]
+    assert [(r.kind, r.depth, r.base_step, r.object_bytes, r.delta_ops) for r in recs] == shape
+    st.close()
+    ref.close()
+
+
+def test_snapshot_encodes_exactly_like_the_state_did() -> None:
+    class Cfg(dict):
+        pass
+
+    s4w_core.register_dict_type(Cfg)
+    base = torch.arange(24, dtype=torch.float32)
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    c = torch.randn(4, dtype=torch.complex64)
+    state = {
+        "base": base,
+        "strided": base[2:20:3],
+        "transposed": base.view(4, 6).t(),
+        "p": p,
+        "same": [p, p],
+        "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+        "grad": torch.ones(3, requires_grad=True),
+        "conj": c.conj(),
+        "empty": torch.empty(0, 3),
+        "bf16": (1, torch.ones(5, dtype=torch.bfloat16)),
+        "od": collections.OrderedDict(b=2, a=torch.arange(3)),
+        "cfg": Cfg(lr=0.1),
+        "ns": argparse.Namespace(x=1),
+        "set": {3, 1, 2},
+        "bytes": b"\x00\xff",
+        "np": np.arange(5, dtype=np.int16),
+        "meta": [torch.float16, torch.device("cpu"), torch.Size([2, 3])],
+        7: "int key",
+    }
+
+    def encode(obj: Any) -> dict[str, Any]:
+        m, _, _ = api._encode(obj, io.BytesIO(), "portable", 1, None, None)  # noqa: SLF001
+        m.pop("created")
+        return m  # chunk offsets, lengths and checksums: equal manifests mean equal bytes
+
+    want = encode(state)
+    col = engine.Collector()
+    encode_tree(state, col.add)
+    snap, host, dev = snapshot(state, col)
+    assert host == sum(j.raw.numel() for j in col.jobs) and dev == 0
+    base.add_(1)
+    p.data.mul_(3)
+    c.zero_()
+    state["od"]["a"].add_(5)
+    state["cfg"]["lr"] = 9
+    state["np"][:] = 0
+    assert encode(snap) == want
+    assert snap["same"][0] is snap["same"][1] and snap["strided"].untyped_storage().data_ptr() == snap["base"].data_ptr()
+    assert type(snap["p"]) is torch.nn.Parameter and snap["grad"].requires_grad and type(snap["cfg"]) is Cfg
+
+
+# ----------------------------------------------------------------------------- order, busy
+def test_next_save_waits_for_the_previous_one(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    gb = Gated(open_backend(url))
+    st = CheckpointStore(url, profile="portable", _backend=gb)
+    run = make_run(3)
+    gb.gate.clear()
+    h0 = st.save_async(run[0], 0)
+    assert not h0.done() and st.in_flight is h0 and st.pending_bytes == h0.host_bytes > 0
+    threading.Timer(0.3, gb.gate.set).start()
+    h1 = st.save_async(run[1], 1)  # waits for step 0 to be committed: its base
+    assert h0.done() and h1.waited_s >= 0.2 and "wait" in h1.stages and h1.blocked_s >= h1.waited_s
+    st.save(run[2], 2)  # a blocking save waits for the one in flight too
+    assert gb.commits == [f"commits/step_{i:012d}.json" for i in range(3)]
+    assert [r.base_step for r in st.list()] == [None, 0, 1]
+    assert st.pending_bytes == 0 and st.peak_pending_bytes == h0.host_bytes
+    for i in range(3):
+        assert bits_equal(st.load(i), run[i])
+
+
+def test_on_busy_error_raises_and_runs_nothing(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    gb = Gated(open_backend(url))
+    st = CheckpointStore(url, profile="portable", on_busy="error", _backend=gb)
+    run = make_run(2)
+    gb.gate.clear()
+    h0 = st.save_async(run[0], 0)
+    with pytest.raises(SaveInProgressError, match="step 0 is still running"):
+        st.save_async(run[1], 1)
+    with pytest.raises(SaveInProgressError):
+        st.save(run[1], 1)
+    assert isinstance(SaveInProgressError("x"), StoreError)
+    gb.gate.set()
+    st.wait()
+    assert h0.done() and st.steps() == [0]
+    st.save_async(run[1], 1).result(timeout=60)
+    assert st.steps() == [0, 1]
+    with pytest.raises(ValueError, match="on_busy"):
+        CheckpointStore(url, on_busy="drop")  # type: ignore[arg-type]
+
+
+def test_caller_errors_are_raised_at_once(tmp_path: Path) -> None:
+    st = CheckpointStore(str(tmp_path / "s"), profile="portable")
+    with pytest.raises(UnsupportedTypeError):
+        st.save_async({"x": object()}, 0)
+    assert st.in_flight is None and st.steps() == []
+    st.save({"w": torch.ones(3)}, 0)
+    st.save({"w": torch.ones(3)}, 1)
+    with pytest.raises(ConflictError):  # known committed: raised in the caller; else by the worker
+        st.save_async({"w": torch.ones(3)}, 1).result(timeout=60)
+    h = st.save_async({"w": torch.zeros(3)}, 1, overwrite=True)
+    assert h.result(timeout=60).step == 1 and st.load(1)["w"].tolist() == [0.0, 0.0, 0.0]
+    h = st.save({"w": torch.ones(3)}, 2, blocking=False)
+    assert isinstance(h, SaveHandle) and h.result(timeout=60).step == 2
+
+
+# ----------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("surface", ["save", "save_async", "load", "wait", "close"])
+def test_background_failure_surfaces_on_the_next_call(store_url: str, surface: str) -> None:
+    run = make_run(3)
+    doomed = "commits/step_000000000001.json"
+    fb = FaultyBackend(open_backend(store_url), lambda verb, key: verb == "put" and key == doomed)
+    st = CheckpointStore(store_url, profile="portable", _backend=fb)
+    st.save(run[0], 0)
+    h = st.save_async(run[1], 1)
+    while not h.done():  # done() does not report the error
+        h._event.wait(0.05)  # noqa: SLF001
+    call = {
+        "save": lambda: st.save(run[2], 2),
+        "save_async": lambda: st.save_async(run[2], 2),
+        "load": lambda: st.load(0),
+        "wait": st.wait,
+        "close": st.close,
+    }[surface]
+    with pytest.raises(AsyncSaveError, match="step 1") as ei:
+        call()
+    assert isinstance(ei.value.__cause__, Crash) and isinstance(ei.value, StoreError)
+    # reported once; nothing partial is visible; the store goes on from the last commit
+    st2 = CheckpointStore(store_url, profile="portable") if surface == "close" else st
+    assert st2.steps() == [0]
+    assert not [o.key for o in st2.backend.list("data/") if "step_000000000001" in o.key]
+    st2.save_async(run[2], 2).result(timeout=60)
+    assert st2.info(2).base_step == 0
+    assert bits_equal(st2.load(2), run[2]) and bits_equal(st2.load(0), run[0])
+    st2.close()
+
+
+def test_failure_seen_through_the_handle_is_not_raised_again(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    fb = FaultyBackend(open_backend(url), lambda verb, key: verb == "writer" and "step_000000000000" in key, 10)
+    st = CheckpointStore(url, profile="portable", _backend=fb)
+    h = st.save_async(make_run(1)[0], 0)
+    with pytest.raises(Crash):
+        h.result(timeout=60)
+    st.wait()  # nothing to report
+    st.save({"w": torch.ones(2)}, 1)
+    assert st.steps() == [1]
+
+
+def test_errors_at_exit_are_logged_and_saves_in_flight_finish(tmp_path: Path) -> None:
+    ok, bad = str(tmp_path / "ok"), str(tmp_path / "bad")
+    script = textwrap.dedent(
+        """
+        import logging, sys, time
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+        from s4w_core.store import CheckpointStore, open_backend
+        from tests.store.helpers import FaultyBackend, make_run
+
+        class Slow(FaultyBackend):
+            def writer(self, key):
+                time.sleep(0.5)
+                return super().writer(key)
+
+        run = make_run(2)
+        never = lambda verb, key: False
+        commit = lambda verb, key: verb == "put" and key.startswith("commits/")
+        good = CheckpointStore(sys.argv[1], profile="portable", _backend=Slow(open_backend(sys.argv[1]), never))
+        bad = CheckpointStore(sys.argv[2], profile="portable", _backend=FaultyBackend(open_backend(sys.argv[2]), commit))
+        bad.save_async(run[0], 7)
+        good.save_async(run[1], 5)
+        print("returned", flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    p = subprocess.run(
+        [sys.executable, "-c", script, ok, bad], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert "returned" in p.stdout
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("ERROR s4w_core.store")]
+    assert err and "step 7" in err[0] and "Crash" in err[0] and "at interpreter exit" in err[0], p.stderr
+    assert CheckpointStore(ok).steps() == [5] and bits_equal(CheckpointStore(ok).load(5), make_run(2)[1])
+    assert CheckpointStore(bad).steps() == []
+
+
+def test_store_is_not_kept_alive_and_its_unseen_error_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = str(tmp_path / "s")
+    fb = FaultyBackend(open_backend(url), lambda verb, key: verb == "put" and key.startswith("commits/"))
+    st = CheckpointStore(url, profile="portable", _backend=fb)
+    h = st.save_async({"w": torch.ones(4)}, 3)
+    while not h.done():
+        h._event.wait(0.05)  # noqa: SLF001
+    ref = weakref.ref(st)
+    with caplog.at_level(logging.ERROR, logger="s4w_core.store"):
+        del st
+        gc.collect()
+        assert ref() is None
+    assert "step 3" in caplog.text and "garbage-collected" in caplog.text
+
+
+# ----------------------------------------------------------------------------- memory bound
+def test_max_pending_bytes_falls_back_to_blocking_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = make_run(2)
+    need = sum(j.raw.numel() for j in _jobs(run[0]))
+    small = CheckpointStore(str(tmp_path / "a"), profile="portable", max_pending_bytes=need - 1)
+    with caplog.at_level(logging.WARNING, logger="s4w_core.store"):
+        h = small.save_async(run[0], 0)
+    assert h.mode == "blocking" and h.done() and h.host_bytes == 0
+    assert "max_pending_bytes" in caplog.text and "blocking" in caplog.text
+    assert h.result().raw_bytes == need and small.peak_pending_bytes == 0
+    assert bits_equal(small.load(0), run[0])
+
+    url = str(tmp_path / "b")
+    gb = Gated(open_backend(url))
+    fits = CheckpointStore(url, profile="portable", max_pending_bytes=need, _backend=gb)
+    gb.gate.clear()
+    h = fits.save_async(run[0], 0)
+    assert h.mode == "async-snapshot" and h.host_bytes == need and fits.pending_bytes == need
+    gb.gate.set()
+    fits.wait()
+    assert fits.pending_bytes == 0 and fits.peak_pending_bytes == need <= fits.max_pending_bytes  # type: ignore[operator]
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        CheckpointStore(url, max_pending_bytes=-1)
+
+
+def _jobs(state: Any) -> list[engine.StorageJob]:
+    col = engine.Collector()
+    encode_tree(state, col.add)
+    return col.jobs
+
+
+# ----------------------------------------------------------------------------- reporting
+def test_one_event_per_save_when_durable(tmp_path: Path) -> None:
+    events: list[obs.OpEvent] = []
+    obs.subscribe(events.append)
+    try:
+        url = str(tmp_path / "s")
+        fb = FaultyBackend(open_backend(url), lambda verb, key: verb == "put" and "step_000000000002" in key)
+        st = CheckpointStore(url, profile="portable", _backend=fb)
+        run = make_run(3)
+        st.save(run[0], 0)
+        h1 = st.save_async(run[1], 1)
+        st.wait()
+        saves = [e for e in events if e.op == "save"]
+        assert [(e.step, e.mode, e.ok) for e in saves] == [(0, "blocking", True), (1, "async-snapshot", True)]
+        e1 = saves[1]
+        assert e1.host_bytes == h1.host_bytes and e1.raw_bytes == run_bytes(run[1]) and e1.kind == "delta"
+        assert {"snapshot", "encode", "commit"} <= set(e1.stages) and e1.blocked_s <= e1.total_s
+        st.save_async(run[2], 2)
+        with pytest.raises(AsyncSaveError):
+            st.wait()
+        last = [e for e in events if e.op == "save"][-1]
+        assert (last.step, last.ok) == (2, False) and "Crash" in (last.error or "")
+    finally:
+        obs.unsubscribe(events.append)
+
+
+def run_bytes(state: Any) -> int:
+    return sum(j.raw.numel() for j in _jobs(state))
+
+
+def test_save_checkpoint_non_blocking(tmp_path: Path) -> None:
+    from s4w_core.store import api as store_api
+
+    d = str(tmp_path / "s")
+    w = torch.arange(6, dtype=torch.float32)
+    h = s4w_core.save_checkpoint({"w": w}, 1, d, blocking=False, profile="portable")
+    w.zero_()
+    assert isinstance(h, SaveHandle)
+    store_api.close_stores()  # waits for it
+    assert h.done() and s4w_core.load_checkpoint(d, 1)["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_async_gpu_chain_bit_exact_while_caller_mutates(tmp_path: Path) -> None:
+    if api._gpu() is None:  # noqa: SLF001
+        pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    run = [
+        {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in s["model"].items()} | {"step": s["step"]}
+        for s in make_run(5, n=200_000)
+    ]
+    st = CheckpointStore(str(tmp_path / "s"), keyframe_every=3)
+    expected, handles = [], []
+    for i, s in enumerate(run):
+        expected.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
+        h = st.save_async(s, i)
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1)
+        handles.append(h)
+    for h in handles:
+        h.result(timeout=120)
+    assert {h.mode for h in handles} == {"async-gpu"}
+    assert "delta" in {r.kind for r in st.list()}
+    for i in range(5):
+        got = st.load(i, map_location="cpu")
+        assert bits_equal(got, expected[i]), f"step {i}"
