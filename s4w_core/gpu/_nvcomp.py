@@ -120,13 +120,19 @@ def synchronize(device: torch.device) -> None:
     stream_for(device).synchronize()
 
 
+#: default raw bytes per batch. A batch's working set on the device is about 4x this (planes,
+#: coded slots, the compact output, staged delta bases), which is the fixed part of the bound on a
+#: save's extra device memory (docs/PERFORMANCE.md); larger batches buy little speed.
+DEFAULT_BATCH_BYTES = 128 << 20
+
+
 def batch_bytes(device: torch.device) -> int:
-    """Raw bytes per batch: ``S4W_GPU_BATCH_BYTES`` or min(1 GiB, free device memory / 8)."""
+    """Raw bytes per batch: ``S4W_GPU_BATCH_BYTES`` or min(128 MiB, free device memory / 8)."""
     env = os.environ.get("S4W_GPU_BATCH_BYTES")
     if env:
         return max(1 << 20, int(env))
     free, _total = torch.cuda.mem_get_info(device)
-    return max(64 << 20, min(1 << 30, free // 8))
+    return max(16 << 20, min(DEFAULT_BATCH_BYTES, free // 8))
 
 
 def codec(algorithm: str, device: torch.device, chunk_bytes: int, **opts: Any) -> Any:

@@ -390,14 +390,15 @@ def test_save_checkpoint_non_blocking(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-def test_async_gpu_chain_bit_exact_while_caller_mutates(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("profile", "mode"), [("auto", "async-pinned"), ("portable", "async-gpu")])
+def test_async_gpu_chain_bit_exact_while_caller_mutates(tmp_path: Path, profile: str, mode: str) -> None:
     if api._gpu() is None:  # noqa: SLF001
         pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
     run = [
         {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in s["model"].items()} | {"step": s["step"]}
         for s in make_run(5, n=200_000)
     ]
-    st = CheckpointStore(str(tmp_path / "s"), keyframe_every=3)
+    st = CheckpointStore(str(tmp_path / "s"), keyframe_every=3, profile=profile)
     expected, handles = [], []
     for i, s in enumerate(run):
         expected.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
@@ -408,8 +409,10 @@ def test_async_gpu_chain_bit_exact_while_caller_mutates(tmp_path: Path) -> None:
         handles.append(h)
     for h in handles:
         h.result(timeout=120)
-    assert {h.mode for h in handles} == {"async-gpu"}
+    assert {h.mode for h in handles} == {mode}
     assert "delta" in {r.kind for r in st.list()}
     for i in range(5):
         got = st.load(i, map_location="cpu")
         assert bits_equal(got, expected[i]), f"step {i}"
+    on_gpu = st.load(4)  # tensors come back where they were saved from
+    assert all(v.device.type == "cuda" for v in on_gpu.values() if isinstance(v, torch.Tensor))
