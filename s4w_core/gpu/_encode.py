@@ -20,6 +20,9 @@ profile: small non-float storages, where zstd beats order-0 ANS) are encoded by
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +97,10 @@ class _RecordingWriter:
 
 
 class _OrderedSink:
-    """Appends chunks to the container strictly in manifest order as they become ready."""
+    """Appends chunks to the container strictly in manifest order as they become ready.
+
+    Thread-safe for one draining thread (the writer's I/O thread) and any number of threads adding
+    jobs and chunks; the container writes (checksums, file I/O) happen outside the lock."""
 
     def __init__(self, writer: ContainerWriter) -> None:
         self.writer = writer
@@ -103,31 +109,79 @@ class _OrderedSink:
         self.ready: dict[tuple[int, int], tuple[str, Any]] = {}
         self.ji = 0
         self.ci = 0
+        self.lock = threading.Lock()
 
     def add_job(self, entry: dict[str, Any], nchunks: int) -> int:
-        self.entries.append(entry)
-        self.nchunks.append(nchunks)
-        return len(self.entries) - 1
+        with self.lock:
+            self.entries.append(entry)
+            self.nchunks.append(nchunks)
+            return len(self.entries) - 1
 
     def put(self, ji: int, ci: int, codec_id: str, data: Any) -> None:
-        self.ready[(ji, ci)] = (codec_id, data)
+        with self.lock:
+            self.ready[(ji, ci)] = (codec_id, data)
 
     def drain(self) -> None:
-        while self.ji < len(self.entries):
-            if self.ci == self.nchunks[self.ji]:
-                self.ji += 1
-                self.ci = 0
-                continue
-            item = self.ready.pop((self.ji, self.ci), None)
-            if item is None:
-                return
+        while True:
+            with self.lock:
+                if self.ji >= len(self.entries):
+                    return
+                if self.ci == self.nchunks[self.ji]:
+                    self.ji += 1
+                    self.ci = 0
+                    continue
+                item = self.ready.pop((self.ji, self.ci), None)
+                if item is None:
+                    return
+                ji = self.ji
             codec_id, data = item
             off, length, h = self.writer.add_chunk(data)
-            self.entries[self.ji]["chunks"].append([codec_id, off, length, h])
-            self.ci += 1
+            with self.lock:
+                self.entries[ji]["chunks"].append([codec_id, off, length, h])
+                self.ci += 1
 
     def done(self) -> bool:
-        return self.ji == len(self.entries) and not self.ready
+        with self.lock:
+            return self.ji == len(self.entries) and not self.ready
+
+
+class _Writer:
+    """Runs the container writes of finished batches on one I/O thread, in order, so the GPU codes
+    batch k+1 while the host checksums and writes batch k. At most ``depth`` batches wait (their
+    pinned host buffers are the memory this holds); errors surface at the next submit or at finish."""
+
+    def __init__(self, sink: _OrderedSink, depth: int = 2) -> None:
+        self.sink = sink
+        self.depth = depth
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4w-write")
+        self.pending: collections.deque[Any] = collections.deque()
+
+    def submit(self, items: list[tuple[int, int, str, Any]], keep: Any = None) -> None:
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().result()
+
+        def run(items: list[tuple[int, int, str, Any]] = items, keep: Any = keep) -> None:
+            for ji, ci, cid, data in items:
+                self.sink.put(ji, ci, cid, data)
+            self.sink.drain()
+            del keep  # the pinned buffer the views point into lives until they are written
+
+        self.pending.append(self.pool.submit(run))
+
+    def finish(self) -> None:
+        try:
+            while self.pending:
+                self.pending.popleft().result()
+        finally:
+            self.pool.shutdown(wait=True)
+        self.sink.drain()
+
+    def close(self) -> None:
+        """Stop without raising (after an error elsewhere: queued writes are dropped)."""
+        for f in self.pending:
+            f.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True)
 
 
 @dataclass
@@ -265,7 +319,10 @@ def encode_storages(
     entries: list[dict[str, Any]] = []
     fold_slots: list[tuple[int, int]] = []  # (entry index, nbytes)
     fold_items: list[tuple[torch.Tensor, int]] = []
-    with _nvcomp.on_stream(dev):
+    io = _Writer(sink)
+    with contextlib.ExitStack() as stack:
+        stack.callback(io.close)  # on an error: stop the I/O thread (its error, if any, is dropped)
+        stack.enter_context(_nvcomp.on_stream(dev))
         acc = torch.zeros(max(1, len(jobs)), dtype=torch.int64, device=dev)
         # where each storage is coded, and the delta op of every GPU-coded storage (one transfer)
         plan: list[tuple[str, int, bool]] = []
@@ -289,10 +346,8 @@ def encode_storages(
                 codecs = [c[0] for c in entry["chunks"]]
                 entry["chunks"] = []
                 ji = sink.add_job(entry, len(codecs))
-                for ci, (cid, data) in enumerate(zip(codecs, rec.chunks)):
-                    sink.put(ji, ci, cid, data)
+                io.submit([(ji, ci, cid, data) for ci, (cid, data) in enumerate(zip(codecs, rec.chunks))])
                 entries.append(entry)
-                sink.drain()
                 continue
             raw = job.raw if job.raw.device == dev else job.raw.to(dev)
             n = nbytes // w
@@ -328,7 +383,7 @@ def encode_storages(
                 if room <= 0 and not batch.pieces:
                     room = 1
                 if room <= 0:
-                    _run_batch(batch, prof, dev, sink)
+                    _run_batch(batch, prof, dev, io)
                     batch = _Batch()
                     continue
                 take = min(nseg - s, room)
@@ -337,11 +392,11 @@ def encode_storages(
                 batch.nbytes += (e1 - e0) * w
                 s += take
         if batch.pieces:
-            _run_batch(batch, prof, dev, sink)
+            _run_batch(batch, prof, dev, io)
         if fold_items:
             fold64_batched(fold_items, acc)
         sums = acc.cpu().tolist() if fold_slots else []
-    sink.drain()
+        io.finish()
     assert sink.done(), "GPU writer: chunks left unwritten"
     for i, nb in fold_slots:
         entries[i]["checksum"] = f"fold64:{fold64_finish(int(sums[i]), nb):016x}"
@@ -364,16 +419,17 @@ class _Encoded:
         return sum(self.out_len)
 
 
-def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, sink: _OrderedSink) -> None:
+def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, io: _Writer) -> None:
     r = _encode_batch_device(batch, prof, dev)
-    # one copy to pinned host memory, then the container, in order
+    # one copy to pinned host memory; the I/O thread appends the chunks to the container, in order
     host = _nvcomp.host_empty(r.compact.numel())
     host.copy_(r.compact, non_blocking=True)
     _nvcomp.synchronize(dev)
     mv = memoryview(host.numpy())
-    for i, (ji, ci) in enumerate(r.owner):
-        sink.put(ji, ci, r.codec_ids[i], mv[r.out_off[i] : r.out_off[i] + r.out_len[i]])
-    sink.drain()
+    io.submit(
+        [(ji, ci, r.codec_ids[i], mv[r.out_off[i] : r.out_off[i] + r.out_len[i]]) for i, (ji, ci) in enumerate(r.owner)],
+        keep=host,
+    )
 
 
 def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") -> _Encoded:

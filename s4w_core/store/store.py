@@ -794,6 +794,8 @@ class CheckpointStore:
         prog = _Progress(self.progress, f"load step {rec.step}")
         try:
             reader = ctx.reader(rec.object, rec.object_bytes, rec.step)
+            if reader.manifest and any(e.get("delta") for e in reader.manifest["storages"]):
+                ctx.open_all(rec.objects[1:])  # the bases, in parallel
             if prog.bar is not None:
                 read = reader._read  # noqa: SLF001
 
@@ -1188,18 +1190,7 @@ class CheckpointStore:
             key = _data_key(step)
             buf = _async.HostBuffer()
             t = time.perf_counter()
-            try:
-                manifest, size, prof = api._encode(  # noqa: SLF001
-                    state,
-                    buf,  # type: ignore[arg-type]
-                    self.profile,
-                    self.threads,
-                    provider.lookup if provider is not None else None,
-                    {**(extra or {}), "step": step},
-                )
-            finally:
-                if provider is not None:
-                    provider.close()
+            manifest, size, prof = self._encode_into(state, buf, provider, step, extra)
             handle.stages["encode"] = time.perf_counter() - t
             handle.host_bytes = buf.nbytes
             cache = None
@@ -1210,6 +1201,23 @@ class CheckpointStore:
                 cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True)
                 handle.stages["cache"] = time.perf_counter() - t
             return _PreEncoded(base, key, manifest, size, prof, buf, cache)
+
+    def _encode_into(
+        self, state: Any, fp: Any, provider: _BaseProvider | None, step: int, extra: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any], int, str]:
+        """:func:`api._encode` of ``state`` into ``fp`` against ``provider``'s base (closed after)."""
+        try:
+            return api._encode(  # noqa: SLF001
+                state,
+                fp,
+                self.profile,
+                self.threads,
+                provider.lookup if provider is not None else None,
+                {**(extra or {}), "step": step},
+            )
+        finally:
+            if provider is not None:
+                provider.close()
 
     def _save(
         self,
@@ -1235,20 +1243,9 @@ class CheckpointStore:
                 base, provider = self._plan(step, recs, keyframe)
                 key = _data_key(step)
                 t = time.perf_counter()
-                try:
-                    with backend.writer(key) as f:
-                        cw = _CountingWriter(f, prog, backend.describe(key))
-                        manifest, size, prof = api._encode(  # noqa: SLF001
-                            state,
-                            cw,  # type: ignore[arg-type]
-                            self.profile,
-                            self.threads,
-                            provider.lookup if provider is not None else None,
-                            {**(extra or {}), "step": step},
-                        )
-                finally:
-                    if provider is not None:
-                        provider.close()
+                with backend.writer(key) as f:
+                    cw = _CountingWriter(f, prog, backend.describe(key))
+                    manifest, size, prof = self._encode_into(state, cw, provider, step, extra)
                 stages["encode"] = time.perf_counter() - t  # the bytes stream out while encoding
             else:
                 base, key, manifest, size, prof = pre.base, pre.key, pre.manifest, pre.size, pre.profile
@@ -1520,6 +1517,26 @@ class _Chain:
                 r = self.store._open(key, whole=True, expect=expect, what=what)  # noqa: SLF001
                 self.readers[key] = r
             return r
+
+    def open_all(self, keys: Iterable[str]) -> None:
+        """Read the chain's data objects in parallel (I/O bound: a delta at depth d needs d+1 whole
+        objects). A key that fails to open is left for :meth:`reader` to open again, so its error
+        is raised where it is understood (a missing base becomes a BaseMismatchError)."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self.readers]
+        if len(todo) < 2:
+            return
+
+        def one(key: str) -> tuple[str, ContainerReader | None]:
+            try:
+                return key, self.store._open(key, whole=True, what=f" (a base of step {self.rec.step})")  # noqa: SLF001
+            except S4WError:
+                return key, None
+
+        with ThreadPoolExecutor(max_workers=min(4, len(todo)), thread_name_prefix="s4w-read") as ex:
+            for key, r in ex.map(one, todo):
+                if r is not None:
+                    with self._lock:
+                        self.readers.setdefault(key, r)
 
     def _entry(self, ref: Mapping[str, Any], nbytes: int) -> tuple[ContainerReader, dict[str, Any], str, int]:
         """The base storage a delta names, checked against its reference (BaseMismatchError)."""

@@ -470,6 +470,34 @@ def pipeline_delta() -> None:
 
 
 @check
+def pipeline_write_error_surfaces() -> None:
+    """A failing write on the writer's I/O thread (disk full) reaches the caller; nothing hangs."""
+    import s4w_core
+
+    class Full(io.RawIOBase):
+        def __init__(self) -> None:
+            self.n = 0
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            self.n += len(b)
+            if self.n > 200_000:
+                raise OSError(28, "No space left on device")
+            return len(b)
+
+    obj = {f"w{i}": torch.randn(300_000).to(torch.bfloat16) for i in range(4)}
+    with simulated_gpu(batch_bytes=300_000):
+        try:
+            s4w_core.save(obj, Full(), profile="fast")
+        except OSError as e:
+            assert e.errno == 28, e
+        else:
+            raise AssertionError("the write error was swallowed")
+
+
+@check
 def pipeline_corrupt_chunk_refused_before_decoding() -> None:
     import s4w_core
     from s4w_core.gpu import _nvcomp
