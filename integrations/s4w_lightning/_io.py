@@ -237,6 +237,7 @@ class _S4CheckpointIOImpl:
         self.rebase_on_delete = rebase_on_delete
         self.store_options = dict(store_options or {})
         self._stores: dict[str, CheckpointStore] = {}
+        self._last_step: dict[str, int] = {}  # last step number handed out per store (async saves)
         self._backends: dict[str, Any] = {}
         self._lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
@@ -347,8 +348,37 @@ class _S4CheckpointIOImpl:
                 "S4CheckpointIO.save_checkpoint does not take storage_options; configure S4CheckpointIO(...) instead"
             )
         path = _norm(path)
+        if self.async_save and self.delta:
+            # the store's non-blocking save makes the state safe (GPU: one copy to reused pinned
+            # host buffers; CPU: a snapshot) and codes, writes and commits it on its own worker;
+            # the pointer file follows on this plugin's queue, in call order with removes
+            self._raise_pending()
+            url, ref = self._store_for(path)
+            st = self._store(url)
+            gs, ep = checkpoint.get("global_step"), checkpoint.get("epoch")
+            with self._lock:
+                last = self._last_step.get(url)
+                if last is None:
+                    latest = st.latest()
+                    last = -1 if latest is None else latest
+                step = last + 1
+                self._last_step[url] = step
+                extra = {"path": path, "global_step": gs, "epoch": ep, "writer": "s4w_lightning"}
+                handle = st.save_async(_pack(checkpoint), step, extra=extra)
+            self._submit(self._after_save, handle, path, url, ref, step, gs, ep)
+            return
         state = _pack(_snapshot(checkpoint) if self.async_save else checkpoint)
         self._submit(self._save_now, state, path, checkpoint.get("global_step"), checkpoint.get("epoch"))
+
+    def _after_save(self, handle: Any, path: str, url: str, ref: str, step: int, global_step: Any, epoch: Any) -> None:
+        """Background part of an ``async_save`` delta save: wait for the store's commit, then write
+        the pointer at ``path`` and drop the step the old pointer named (as :meth:`_save_now`)."""
+        old = self._pointer_at(path)
+        self.last_info = handle.result()
+        pointer = {_POINTER: {"version": 1, "store": ref, "step": step, "global_step": global_step, "epoch": epoch}}
+        self._write_file(path, pointer, "portable")
+        if old is not None and self._resolve_store(path, old["store"]) == url and old["step"] != step:
+            self._forget(url, int(old["step"]), path)
 
     def _save_now(self, state: dict[str, Any], path: str, global_step: Any, epoch: Any) -> None:
         if not self.delta:
@@ -360,6 +390,7 @@ class _S4CheckpointIOImpl:
         with self._lock:
             last = st.latest()
             step = 0 if last is None else last + 1
+            self._last_step[url] = step
             extra = {"path": path, "global_step": global_step, "epoch": epoch, "writer": "s4w_lightning"}
             self.last_info = st.save(state, step, extra=extra)
         pointer = {_POINTER: {"version": 1, "store": ref, "step": step, "global_step": global_step, "epoch": epoch}}
@@ -470,8 +501,13 @@ S4CheckpointIO = type(
         delta: code each checkpoint against the previous one where that pays (default). With
             ``False``, each path holds a self-contained compressed checkpoint and no store is used.
         keyframe_every: a full checkpoint at least every that many saves (bounds restore reads).
-        async_save: save in a background thread (tensors are cloned on the caller thread first;
-            saves and removes run in call order; ``load_checkpoint``/``teardown`` wait).
+        async_save: return before the checkpoint is durable. With ``delta`` (the default) this is
+            :meth:`CheckpointStore.save_async`: the training thread waits only until the state is
+            safe to modify (GPU state: one copy to reused pinned host buffers; CPU state: a
+            snapshot), coding, writing and the commit run in the background; with ``delta=False``
+            tensors are cloned on their device and the file is written in a background thread.
+            Saves and removes run in call order; errors surface on the next call;
+            ``load_checkpoint``/``teardown`` wait.
         map_location: default device mapping on load (``"auto"``: saved device if present, else CPU).
         rebase_on_delete: when Lightning removes a checkpoint that a kept one is a delta on, re-code
             the kept one (against an older kept step, or as a keyframe) so the removed data is

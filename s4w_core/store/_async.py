@@ -58,7 +58,7 @@ class SaveHandle:
 
     Attributes:
         step: the step being saved.
-        mode: ``"async-gpu"``, ``"async-snapshot"`` or ``"blocking"`` (it ran in the caller's
+        mode: ``"async-pinned"``, ``"async-gpu"``, ``"async-snapshot"`` or ``"blocking"`` (it ran in the caller's
             thread because it alone needs more host memory than ``max_pending_bytes``).
         blocked_s: seconds the caller was blocked (including ``waited_s``).
         waited_s: of those, seconds spent waiting for the previous save.

@@ -925,9 +925,12 @@ class CheckpointStore:
         worker thread.  One save is in flight at a time: this call first waits for the previous
         one (or raises, with ``on_busy="error"``).
 
-        How the state is made safe (``handle.mode``): CUDA tensors with a usable GPU backend
-        are encoded on the GPU now, into host memory (``"async-gpu"``); otherwise every storage
-        is copied (``"async-snapshot"``, ~10 GB/s on a CPU, much faster than encoding).  A
+        How the state is made safe (``handle.mode``): CUDA tensors with the ``fast`` profile are
+        copied to reused pinned host buffers and coded on the GPU in the background
+        (``"async-pinned"``: the caller waits for one device-to-host copy); with the ``portable``
+        profile they are encoded on the GPU now, into host memory (``"async-gpu"``); otherwise
+        every storage is copied (``"async-snapshot"``, ~10 GB/s on a CPU, much faster than
+        encoding).  A
         save that alone needs more than ``max_pending_bytes`` runs blocking (``"blocking"``,
         with a warning).  Nothing partial is ever visible: the commit record is written last.
 

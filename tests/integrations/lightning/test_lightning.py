@@ -256,3 +256,30 @@ def test_s3_store_and_s3_paths(s3_url, tmp_path):
     assert not diff(_state(*c), _state(*ref))
     with pytest.raises(s4w_core.CheckpointNotFoundError):
         io_.load_checkpoint(f"{d}/epoch=0-step=2.ckpt")
+
+
+def test_own_async_save_goes_through_the_store_non_blocking(tmp_path):
+    """async_save=True with deltas: CheckpointStore.save_async (the caller may change the state as
+    soon as save_checkpoint returns), pointers written in order, removes after saves, each path
+    loads the bits it was saved with."""
+    io_ = S4CheckpointIO(async_save=True)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(50_000, generator=g).to(torch.bfloat16)
+    saved = {}
+    for i in range(4):
+        path = tmp_path / f"epoch={i}.ckpt"
+        ck = {"state_dict": {"w": w}, "global_step": 10 * i, "epoch": i}
+        io_.save_checkpoint(ck, path)
+        saved[path] = w.clone()
+        w.add_(torch.randn(50_000, generator=g).to(torch.bfloat16) * 1e-3)  # right after the call
+        if i == 2:
+            io_.remove_checkpoint(tmp_path / "epoch=0.ckpt")
+    io_.teardown()
+    st = io_._store(io_._store_for(str(tmp_path / "epoch=1.ckpt"))[0])  # noqa: SLF001
+    assert st.steps() == [1, 2, 3] and "delta" in {r.kind for r in st.list()}
+    assert not (tmp_path / "epoch=0.ckpt").exists()
+    for path, want in saved.items():
+        if path.exists():
+            got = io_.load_checkpoint(path)["state_dict"]["w"]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), path
+    assert io_.last_info.step == 3
