@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["PLANE_DTYPES", "plane_width", "split_planes", "merge_planes"]
@@ -21,6 +22,36 @@ def plane_width(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+_UINT = {2: np.uint16, 4: np.uint32}
+
+
+def _split_np(raw: np.ndarray, w: int, base: np.ndarray | None) -> np.ndarray:
+    """:func:`split_planes` on the CPU with numpy's unsigned arithmetic (logical shifts, wrap-around;
+    about 3x faster than torch's signed int16 kernels on one core)."""
+    u = _UINT[w]
+    v = raw.view(u)
+    if base is not None:
+        v = v ^ base.view(u)
+    bits = 8 * w
+    r = (v << u(1)) | (v >> u(bits - 1))
+    out = np.empty((w, v.size), dtype=np.uint8)
+    for j in range(w):
+        np.right_shift(r, u(8 * (w - 1 - j)), out=out[j], casting="unsafe")  # keeps the low byte
+    return out
+
+
+def _merge_np(planes: np.ndarray, w: int, base: np.ndarray | None) -> np.ndarray:
+    u = _UINT[w]
+    bits = 8 * w
+    r = planes[w - 1].astype(u)
+    for j in range(w - 1):
+        r |= planes[j].astype(u) << u(8 * (w - 1 - j))
+    x = (r >> u(1)) | (r << u(bits - 1))
+    if base is not None:
+        x ^= base.view(u)
+    return x.view(np.uint8)
+
+
 def split_planes(
     raw_u8: torch.Tensor, dtype: torch.dtype, base_u8: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -34,14 +65,20 @@ def split_planes(
         ``(w, n)`` uint8 tensor on the same device; row ``j`` is plane ``j``.
     """
     w = plane_width(dtype)
+    if raw_u8.device.type == "cpu" and (base_u8 is None or base_u8.device.type == "cpu"):
+        return torch.from_numpy(_split_np(raw_u8.numpy(), w, None if base_u8 is None else base_u8.numpy()))
     itype = PLANE_DTYPES[dtype]
     x = raw_u8.view(itype)
     if base_u8 is not None:
         x = x ^ base_u8.view(itype)
     bits = 8 * w
     r = (x << 1) | ((x >> (bits - 1)) & 1)
-    # little-endian bytes of r: column k is byte k; plane j is byte w-1-j
-    return r.view(torch.uint8).view(-1, w).flip(1).t().contiguous()
+    # plane j is byte w-1-j of the little-endian r: bits 8(w-1-j) .. 8(w-j)-1 (element-wise
+    # shifts and masks: no strided transpose, ~5x faster on a CPU than viewing r as (n, w) bytes)
+    out = torch.empty((w, x.numel()), dtype=torch.uint8, device=raw_u8.device)
+    for j in range(w):
+        out[j].copy_((r >> (8 * (w - 1 - j))) & 0xFF)
+    return out
 
 
 def merge_planes(
@@ -49,9 +86,13 @@ def merge_planes(
 ) -> torch.Tensor:
     """Inverse of :func:`split_planes`: ``(w, n)`` uint8 planes to ``n * w`` raw bytes (1-D uint8)."""
     w = plane_width(dtype)
+    if planes.device.type == "cpu" and (base_u8 is None or base_u8.device.type == "cpu"):
+        return torch.from_numpy(_merge_np(planes.contiguous().numpy(), w, None if base_u8 is None else base_u8.numpy()))
     itype = PLANE_DTYPES[dtype]
-    r = planes.t().flip(1).contiguous().view(-1).view(itype)
     bits = 8 * w
+    r = planes[0].to(itype) << (8 * (w - 1))  # wraps into the sign bit, like the transform's bits
+    for j in range(1, w):
+        r |= planes[j].to(itype) << (8 * (w - 1 - j))
     x = ((r >> 1) & _SIGN_MASK[w]) | (r << (bits - 1))
     if base_u8 is not None:
         x = x ^ base_u8.view(itype)

@@ -1,0 +1,170 @@
+"""CPU path per core: s4weights (portable profile) against ZipNN and zstd, one thread each.
+
+Issue 5's CPU target: compression and decompression throughput *per core* at least ZipNN's on the
+same machine and data, at a ratio at least ZipNN's.  Both run on one thread (``torch`` intra-op
+threads 1, s4w ``threads=1``, ZipNN ``threads=1``, zstd single-threaded) on the tensors of a real
+training state: a GPT (benchmarks/_train_gpt.py, "mini": 4 layers, d=256) trained ``--steps`` on
+real text with AdamW, weights + exp_avg + exp_avg_sq, bf16 and fp32.  Every codec's output is
+decoded and compared bit for bit; times are medians of ``--repeats`` (after one warm-up run).
+
+    python benchmarks/bench_cpu_core.py --out benchmarks/results/cpu_core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import s4w_core  # noqa: E402
+from _train_gpt import MODELS, Trainer  # noqa: E402
+
+MB = 1e6
+
+
+def med(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def tensors_of(state: dict) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in state["model"].items()}
+    for pid, st in state["optimizer"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"opt.{pid}.{k}"] = st[k]
+    return {k: v.detach().cpu().contiguous() for k, v in out.items() if v.is_floating_point() and v.numel() > 1}
+
+
+def run(ts: dict[str, torch.Tensor], dtype: str, repeats: int) -> dict[str, Any]:
+    raw = sum(t.numel() * t.element_size() for t in ts.values())
+    res: dict[str, Any] = {"tensors": len(ts), "raw_bytes": raw}
+    buf = io.BytesIO()
+    s4w_core.save(ts, buf, profile="portable", threads=1)
+    data = buf.getvalue()
+    back = s4w_core.load(data, threads=1)
+    exact = all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in ts.items())
+    te = med(lambda: s4w_core.save(ts, io.BytesIO(), profile="portable", threads=1), repeats)
+    td = med(lambda: s4w_core.load(data, threads=1), repeats)
+    res["s4w_portable"] = {"ratio": raw / len(data), "enc_MBps": raw / te / MB, "dec_MBps": raw / td / MB, "exact": exact}
+    try:
+        import zipnn
+
+        name = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+        z = zipnn.ZipNN(bytearray_dtype=name, input_format="torch", threads=1)
+        comp = [z.compress(t.clone()) for t in ts.values()]  # ZipNN reorders its input in place
+        exact = all(
+            torch.equal(z.decompress(c).contiguous().reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+            for c, t in zip(comp, ts.values())
+        )
+
+        def enc() -> None:
+            for t in clones:
+                z.compress(t)
+
+        times = []
+        for _ in range(repeats + 1):
+            clones = [t.clone() for t in ts.values()]
+            t0 = time.perf_counter()
+            enc()
+            times.append(time.perf_counter() - t0)
+        te = statistics.median(times[1:])
+        td = med(lambda: [z.decompress(c) for c in comp], repeats)
+        res["zipnn"] = {
+            "ratio": raw / sum(map(len, comp)),
+            "enc_MBps": raw / te / MB,
+            "dec_MBps": raw / td / MB,
+            "exact": exact,
+            "version": getattr(zipnn, "__version__", None),
+        }
+    except ImportError:
+        res["zipnn"] = {"skipped": "zipnn not installed"}
+    import zstandard
+
+    blobs = [t.view(torch.uint8).numpy().tobytes() for t in ts.values()]
+    cz, dz = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    comp = [cz.compress(b) for b in blobs]
+    te = med(lambda: [cz.compress(b) for b in blobs], repeats)
+    td = med(lambda: [dz.decompress(c) for c in comp], repeats)
+    res["zstd3"] = {
+        "ratio": raw / sum(map(len, comp)),
+        "enc_MBps": raw / te / MB,
+        "dec_MBps": raw / td / MB,
+        "exact": all(dz.decompress(c) == b for c, b in zip(comp, blobs)),
+    }
+    z = res.get("zipnn", {})
+    if "enc_MBps" in z:
+        s = res["s4w_portable"]
+        res["vs_zipnn"] = {
+            "enc": s["enc_MBps"] / z["enc_MBps"],
+            "dec": s["dec_MBps"] / z["dec_MBps"],
+            "ratio": s["ratio"] / z["ratio"],
+        }
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="mini", choices=sorted(MODELS))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--variants", default="bf16,fp32")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {
+        "meta": {
+            "date": dt.date.today().isoformat(),
+            "host": platform.node(),
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "s4weights": s4w_core.__version__,
+            "model": a.model,
+            "steps": a.steps,
+            "threads": 1,
+        },
+        "variants": {},
+    }
+    m = MODELS[a.model]
+    for v in a.variants.split(","):
+        tr = Trainer(v, a.steps, layers=m["layers"], d=m["d"], ctx=m["ctx"], batch=m["batch"])
+        for _ in range(a.steps):
+            tr.step()
+        result["variants"][v] = r = run(tensors_of(tr.state()), v, a.repeats)
+        print(f"== {v}: {r['tensors']} tensors, {r['raw_bytes'] / MB:.1f} MB, one thread each ==")
+        for k in ("s4w_portable", "zipnn", "zstd3"):
+            x = r.get(k, {})
+            if "enc_MBps" in x:
+                print(
+                    f"  {k:13s} ratio {x['ratio']:.4f}  enc {x['enc_MBps']:7.1f} MB/s  dec {x['dec_MBps']:7.1f} MB/s"
+                    f"  exact {x['exact']}"
+                )
+        if "vs_zipnn" in r:
+            q = r["vs_zipnn"]
+            print(f"  s4w / ZipNN per core: encode {q['enc']:.2f}x  decode {q['dec']:.2f}x  ratio {q['ratio']:.4f}x")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
