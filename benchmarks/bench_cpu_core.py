@@ -28,8 +28,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import s4w_core  # noqa: E402
 from _train_gpt import MODELS, Trainer  # noqa: E402
+
+import s4w_core  # noqa: E402
 
 MB = 1e6
 

@@ -22,7 +22,7 @@ def plane_width(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-_UINT = {2: np.uint16, 4: np.uint32}
+_UINT: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
 
 
 def _split_np(raw: np.ndarray, w: int, base: np.ndarray | None) -> np.ndarray:
@@ -36,7 +36,7 @@ def _split_np(raw: np.ndarray, w: int, base: np.ndarray | None) -> np.ndarray:
     r = (v << u(1)) | (v >> u(bits - 1))
     out = np.empty((w, v.size), dtype=np.uint8)
     for j in range(w):
-        np.right_shift(r, u(8 * (w - 1 - j)), out=out[j], casting="unsafe")  # keeps the low byte
+        np.right_shift(r, np.asarray(8 * (w - 1 - j), dtype=u), out=out[j], casting="unsafe")  # keeps the low byte
     return out
 
 
