@@ -33,6 +33,7 @@ from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW, get_codec
 from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.gpu import _nvcomp
+from s4w_core.gpu._encode import TRACE_MARKS, _mark
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy
 from s4w_core.planes.triton_kernels import merge_planes_batched
 
@@ -184,8 +185,6 @@ def decode_device(
     """Device part of decoding (call under ``_nvcomp.on_stream``): chunks already on the device in
     ``staged`` to ``outs``. Returns the fold64 word sums per entry (0 for xxh3 entries); reading
     them back is the one synchronization."""
-    from s4w_core.gpu._encode import TRACE_MARKS, _mark
-
     TRACE_MARKS.clear()
     _mark("start", dev)
     width = np.array([e["_width"] for e in entries], dtype=np.int64)

@@ -265,9 +265,7 @@ def _choose_delta_ops(
                 buf[off[k] : off[k] + c].copy_(r)
         for w, items in by_width.items():
             split_planes_batched(items, w, buf)
-        hist = torch.bincount(seg + buf[:pos].to(torch.int32), minlength=nplanes * 256).view(nplanes, 256)
-        p = hist.to(torch.float32) / plane_len.to(dev, torch.float32)[:, None]
-        bits = (-(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)).clamp_min(1e-3)
+        bits = _entropy_bits(seg + buf[:pos].to(torch.int32), nplanes, plane_len.to(dev, torch.float32)).clamp_min(1e-3)
         costs.append(bits * plane_len.to(dev, torch.float32) / 8)
     per_plane = torch.stack(costs).cpu()  # (3, nplanes): the one read-back
     out: list[str | None] = []
@@ -449,6 +447,14 @@ def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") ->
         return _encode_batch_device(batch, prof, batch.pieces[0].raw.device)
 
 
+def _entropy_bits(keys: torch.Tensor, groups: int, counts: torch.Tensor) -> torch.Tensor:
+    """Order-0 entropy in bits per byte of each group, on the device: ``keys`` are
+    ``group * 256 + byte``; ``counts`` the bytes in each group (float32)."""
+    hist = torch.bincount(keys, minlength=groups * 256).view(groups, 256).to(torch.float32)
+    p = hist / counts[:, None]
+    return -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
+
+
 #: bytes sampled per chunk by the probe (16 runs of 256 bytes spread over the chunk)
 PROBE_BYTES = 4096
 #: the probe sends a chunk other than a first (exponent) plane's to the coder only if its sample's
@@ -473,11 +479,8 @@ def _worth_coding(
     starts = src_off[cand][:, None] + step[:, None] * np.arange(runs)[None, :]
     table = torch.from_numpy(starts.reshape(-1)).to(dev, non_blocking=True)
     index = (table[:, None] + torch.arange(run, device=dev)[None, :]).view(len(cand), -1)
-    sample = planes[index].to(torch.int64)
-    keys = sample + (torch.arange(len(cand), device=dev) * 256)[:, None]
-    counts = torch.bincount(keys.view(-1), minlength=len(cand) * 256).view(len(cand), 256).to(torch.float32)
-    p = counts / PROBE_BYTES
-    bits = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)  # per byte
+    keys = planes[index].to(torch.int32) + (torch.arange(len(cand), dtype=torch.int32, device=dev) * 256)[:, None]
+    bits = _entropy_bits(keys.view(-1), len(cand), torch.full((len(cand),), float(PROBE_BYTES), device=dev))
     keep = (bits < 8.0 * (1.0 - PROBE_MIN_GAIN)).cpu().numpy()
     todo[cand] = keep
     return todo

@@ -119,44 +119,12 @@ def gather_copy(
         _gather_copy_kernel[grid](src, dst, table[0], table[1], table[2], ALIGNED=aligned, BLOCK=block, num_warps=4)
 
 
-@triton.jit
-def _fold64_kernel(x_ptr, nbytes, acc_ptr, slot, WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    w = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    nwords = (nbytes + 3) // 4
-    valid = w < nwords
-    if WORDS:  # nbytes % 4 == 0 and x_ptr is an int32 view
-        word = tl.load(x_ptr + w, mask=valid, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-    else:
-        b = w * 4
-        b0 = tl.load(x_ptr + b, mask=b < nbytes, other=0).to(tl.uint64) & 0xFF
-        b1 = tl.load(x_ptr + b + 1, mask=b + 1 < nbytes, other=0).to(tl.uint64) & 0xFF
-        b2 = tl.load(x_ptr + b + 2, mask=b + 2 < nbytes, other=0).to(tl.uint64) & 0xFF
-        b3 = tl.load(x_ptr + b + 3, mask=b + 3 < nbytes, other=0).to(tl.uint64) & 0xFF
-        word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
-    x = word + (w + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-    x = x ^ (x >> 33)
-    x = x * 0xFF51AFD7ED558CCD
-    x = x ^ (x >> 33)
-    x = x * 0xC4CEB9FE1A85EC53
-    x = x ^ (x >> 33)
-    x = tl.where(valid, x, 0)
-    s = tl.sum(x, axis=0)
-    tl.atomic_add(acc_ptr + slot, s.to(tl.int64, bitcast=True))
-
-
 def fold64_into(flat_u8: torch.Tensor, acc: torch.Tensor, slot: int) -> None:
     """Add the word sum of ``fold64(flat_u8)`` into ``acc[slot]`` (int64, same device; start at 0).
 
     Finish with :func:`fold64_finish`. Enqueued on the current stream; no host synchronization.
     """
-    n = flat_u8.numel()
-    if n == 0:
-        return
-    words = n % 4 == 0 and flat_u8.data_ptr() % 4 == 0
-    x = flat_u8.view(torch.int32) if words else flat_u8
-    grid = (triton.cdiv((n + 3) // 4, _FOLD_BLOCK),)
-    _fold64_kernel[grid](x, n, acc, slot, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
+    fold64_batched([(flat_u8, slot)], acc)
 
 
 def fold64_finish(word_sum: int, nbytes: int) -> int:
@@ -172,13 +140,14 @@ def fold64(flat_u8: torch.Tensor) -> int:
 
 
 @triton.jit
-def _fold64_batched_kernel(items_ptr, blocks_ptr, acc_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
+def _fold64_batched_kernel(items_ptr, map_ptr, acc_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    item = tl.load(blocks_ptr + 2 * b)
-    start = tl.multiple_of(tl.load(blocks_ptr + 2 * b + 1), BLOCK)  # lets Triton vectorize
-    addr = tl.load(items_ptr + 3 * item)
-    nbytes = tl.load(items_ptr + 3 * item + 1)
-    slot = tl.load(items_ptr + 3 * item + 2)
+    item = tl.load(map_ptr + b)
+    row = items_ptr + 4 * item
+    addr = tl.load(row)
+    nbytes = tl.load(row + 1)
+    slot = tl.load(row + 2)
+    start = tl.multiple_of((b - tl.load(row + 3)) * BLOCK, BLOCK)  # lets Triton vectorize
     w = start + tl.arange(0, BLOCK)
     nwords = (nbytes + 3) // 4
     valid = w < nwords
@@ -205,25 +174,29 @@ def _fold64_batched_kernel(items_ptr, blocks_ptr, acc_ptr, WORDS: tl.constexpr, 
 
 
 def fold64_batched(items: list[tuple[torch.Tensor, int]], acc: torch.Tensor) -> None:
-    """:func:`fold64_into` for many ``(flat_u8, slot)`` pairs in at most two launches."""
-    import numpy as np
-
+    """:func:`fold64_into` for many ``(flat_u8, slot)`` pairs in at most two launches (aligned whole
+    words, and the rest). A small item table goes to the device in one copy; the program-to-item
+    map is built there, so no host work grows with the bytes checked."""
     for words in (True, False):
-        rows = []
+        rows: list[list[int]] = []
+        counts: list[int] = []
+        first = 0
         for x, slot in items:
             n = x.numel()
-            if n == 0:
+            if n == 0 or (n % 4 == 0 and x.data_ptr() % 4 == 0) != words:
                 continue
-            if (n % 4 == 0 and x.data_ptr() % 4 == 0) == words:
-                rows.append((x.data_ptr(), n, slot))
+            nb = -(-((n + 3) // 4) // _FOLD_BLOCK)
+            rows.append([x.data_ptr(), n, slot, first])
+            counts.append(nb)
+            first += nb
         if not rows:
             continue
-        it = np.asarray(rows, dtype=np.int64)
-        nb = ((it[:, 1] + 3) // 4 + _FOLD_BLOCK - 1) // _FOLD_BLOCK
-        total = int(nb.sum())
-        item_of = np.repeat(np.arange(len(it), dtype=np.int64), nb)
-        start = (np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)) * _FOLD_BLOCK
-        t = torch.from_numpy(np.concatenate([it.reshape(-1), np.stack([item_of, start], axis=1).reshape(-1)]))
+        table = torch.tensor(rows, dtype=torch.int64).view(-1)
+        nbs = torch.tensor(counts, dtype=torch.int64)
         if acc.device.type == "cuda":
-            t = t.pin_memory().to(acc.device, non_blocking=True)
-        _fold64_batched_kernel[(total,)](t[: it.size], t[it.size :], acc, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
+            both = torch.cat([table, nbs]).pin_memory().to(acc.device, non_blocking=True)
+            table, nbs = both[: table.numel()], both[table.numel() :]
+        prog_map = torch.repeat_interleave(
+            torch.arange(len(rows), dtype=torch.int32, device=acc.device), nbs, output_size=first
+        )
+        _fold64_batched_kernel[(first,)](table, prog_map, acc, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
