@@ -416,3 +416,104 @@ def test_async_gpu_chain_bit_exact_while_caller_mutates(tmp_path: Path, profile:
         assert bits_equal(got, expected[i]), f"step {i}"
     on_gpu = st.load(4)  # tensors come back where they were saved from
     assert all(v.device.type == "cuda" for v in on_gpu.values() if isinstance(v, torch.Tensor))
+
+
+def _cuda_state(n: int = 3 << 20) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(n, generator=g).to(torch.bfloat16).cuda(),
+        "m": torch.randn(n // 2, generator=g).cuda(),
+        "small": torch.randn(100, generator=g).cuda(),
+    }
+
+
+@pytest.mark.gpu
+def test_pinned_slab_is_pinned_and_unregistered_when_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from s4w_core.store import _async
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gone: list[int] = []
+    real = _async._unregister  # noqa: SLF001
+    monkeypatch.setattr(_async, "_unregister", lambda p: (gone.append(p), real(p)))
+    big = _async.pinned_slab(64 << 20)
+    assert big.is_pinned() and big.numel() == 64 << 20
+    src = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+    view = big[4096 : 4096 + src.numel()]
+    view.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(view, src.cpu())
+    ptr = big.data_ptr()
+    del big
+    gc.collect()
+    assert gone == []  # a view still holds the slab
+    del view
+    gc.collect()
+    assert gone == [ptr]  # unregistered before its memory is unmapped
+    dev = torch.device("cuda", torch.cuda.current_device())
+    bufs = _async.pinned_buffers([100, 9 << 20, 3], dev)
+    assert [b.numel() for b in bufs] == [100, 9 << 20, 3]
+    assert all(b.is_pinned() for b in bufs)
+    assert all(b.data_ptr() % 512 == 0 for b in bufs)
+
+
+@pytest.mark.gpu
+def test_pinned_pool_allocates_the_next_generation_ahead_and_reuses_two() -> None:
+    from s4w_core.store._async import PinnedPool
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sizes = [9 << 20, 100, 1 << 20]
+    need = sum(sizes)
+    pool = PinnedPool()
+    pool.reserve(sizes, dev)  # generation 1, in the background
+    a = pool.take(sizes, dev)  # waits for it; starts generation 2
+    assert [t.numel() for t in a] == sizes and all(t.is_pinned() for t in a)
+    b = pool.take(sizes, dev)  # generation 2, allocated ahead: nothing allocated now
+    assert {t.data_ptr() for t in a}.isdisjoint(t.data_ptr() for t in b)
+    assert pool.live_bytes == 2 * need
+    pool.give(a)
+    c = pool.take(sizes, dev)  # generation 1 again; no third generation
+    assert [t.data_ptr() for t in c] == [t.data_ptr() for t in a]
+    assert pool.live_bytes == 2 * need
+    del a, b, c
+    gc.collect()
+    assert pool.live_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delta", [True, False])
+def test_gpu_saves_reuse_pinned_buffers(tmp_path: Path, delta: bool) -> None:
+    """Blocking saves of a GPU state keep the next base in one reused pinned generation;
+    save_async keeps two, also when the store does not delta-code (its snapshots are reused)."""
+    if api._gpu() is None:  # noqa: SLF001
+        pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    sd = _cuda_state()
+    raw = sum(v.untyped_storage().nbytes() for v in sd.values())
+    st = CheckpointStore(str(tmp_path / "blocking"), delta=delta, profile="fast")
+    expected = []
+    for i in range(4):
+        st.save(sd, step=i)
+        expected.append({k: v.cpu() for k, v in sd.items()})
+        for v in sd.values():
+            v.add_(1)
+    assert st._pinned_pool.live_bytes == (raw if delta else 0)  # noqa: SLF001
+    for i in range(4):
+        assert bits_equal(st.load(i, map_location="cpu"), expected[i])
+    st.close()
+
+    st = CheckpointStore(str(tmp_path / "async"), delta=delta, profile="fast")
+    st.reserve(sd)
+    expected = []
+    for i in range(4):
+        h = st.save_async(sd, i)
+        assert h.mode == "async-pinned"
+        expected.append({k: v.cpu() for k, v in sd.items()})
+        for v in sd.values():
+            v.add_(1)
+        h.result(timeout=120)
+    assert st._pinned_pool.live_bytes == 2 * raw  # noqa: SLF001
+    for i in range(4):
+        assert bits_equal(st.load(i, map_location="cpu"), expected[i])
+    st.close()

@@ -1,0 +1,207 @@
+"""Host-side costs under a GPU save and load, measured side by side: pinned-memory allocation
+methods (the first ``save_async`` waits for them) and disk read patterns (a load reads whole
+containers cold).
+
+Pinned allocation of a training state's storage sizes, then one device-to-host copy into it:
+  * ``torch-pinned``: ``torch.empty(n, pin_memory=True)`` per storage (torch's caching host allocator)
+  * ``slab-register``: one pageable slab, its pages touched by ``--threads`` threads, then one
+    ``cudaHostRegister`` (what ``s4w_core``'s pinned pool does)
+  * ``slab-register-thp``: the same on an anonymous mmap advised ``MADV_HUGEPAGE``
+Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
+  * 512 KiB preads from 8 threads in chunk order (the loader before this change)
+  * 16 MiB sequential preads, 1 thread; 4 threads on interleaved 16 MiB blocks; each into
+    ``bytes`` or ``readinto`` a pinned buffer
+
+Usage: python benchmarks/bench_host_io.py [--model medium] [--dir /tmp] [--file-gb 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from _train_gpt import MODELS, Trainer  # noqa: E402
+from bench_peers import evict  # noqa: E402
+
+
+def _sizes(model: str) -> list[int]:
+    tr = Trainer("bf16", 1, device="cuda", corpus_bytes=1 << 20, **MODELS[model])
+    tr.step()
+    seen: set[int] = set()
+    out = []
+    for t in list(tr.model.state_dict().values()) + [
+        v for s in tr.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]:
+        p = t.untyped_storage().data_ptr()
+        if p not in seen:
+            seen.add(p)
+            out.append(t.untyped_storage().nbytes())
+    return out
+
+
+def _touch(t: torch.Tensor, threads: int) -> None:
+    n = t.numel()
+    step = -(-n // threads)
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda i: t[i * step : (i + 1) * step].fill_(0), range(threads)))
+
+
+def _register(t: torch.Tensor) -> None:
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister: {rc}")
+
+
+def alloc_torch(sizes: list[int], threads: int) -> list[torch.Tensor]:
+    return [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+
+
+def alloc_slab(sizes: list[int], threads: int, thp: bool = False) -> list[torch.Tensor]:
+    offs, pos = [], 0
+    for n in sizes:
+        offs.append(pos)
+        pos += -(-n // 512) * 512
+    if thp:
+        mm = mmap.mmap(-1, pos)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+        slab = torch.frombuffer(mm, dtype=torch.uint8)
+        slab._keep = mm  # type: ignore[attr-defined]
+    else:
+        slab = torch.empty(pos, dtype=torch.uint8)
+    _touch(slab, threads)
+    _register(slab)
+    return [slab[o : o + n] for o, n in zip(offs, sizes)]
+
+
+def _free(bufs: list[torch.Tensor], registered: bool) -> None:
+    if registered and bufs:
+        base = bufs[0]._base if bufs[0]._base is not None else bufs[0]
+        torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
+
+
+def pinned(sizes: list[int], threads: int) -> list[dict[str, Any]]:
+    srcs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    rows = []
+    methods: list[tuple[str, Callable[[], list[torch.Tensor]], bool]] = [
+        ("torch-pinned", lambda: alloc_torch(sizes, threads), False),
+        ("slab-register", lambda: alloc_slab(sizes, threads), True),
+        ("slab-register-thp", lambda: alloc_slab(sizes, threads, thp=True), True),
+    ]
+    for name, fn, reg in methods:
+        for rep in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                bufs = fn()
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rows.append({"method": name, "error": f"{type(e).__name__}: {e}"})
+                break
+            t1 = time.perf_counter()
+            for s, b in zip(srcs, bufs):
+                b.copy_(s, non_blocking=True)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            assert all(b.is_pinned() for b in bufs[:3])
+            rows.append({"method": name, "rep": rep, "alloc_s": round(t1 - t0, 4), "copy_s": round(t2 - t1, 4)})
+            print(f"pinned {name} rep {rep}: alloc {t1 - t0:.3f}s, D2H {t2 - t1:.3f}s", flush=True)
+            _free(bufs, reg)
+            del bufs
+    return rows
+
+
+def reads(path: str, size: int) -> list[dict[str, Any]]:
+    rows = []
+
+    def run(name: str, fn: Callable[[int], None]) -> None:
+        evict(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            fn(fd)
+            t = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        rows.append({"pattern": name, "s": round(t, 4), "GBps": round(size / t / 1e9, 3)})
+        print(f"read {name}: {t:.3f}s = {size / t / 1e9:.2f} GB/s", flush=True)
+
+    def small8(fd: int) -> None:
+        ck = 512 << 10
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(lambda o: os.pread(fd, ck, o), range(0, size, ck)))
+
+    def seq(fd: int, blk: int = 16 << 20) -> None:
+        for o in range(0, size, blk):
+            os.pread(fd, blk, o)
+
+    def par(fd: int, threads: int = 4, blk: int = 16 << 20) -> None:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda o: os.pread(fd, blk, o), range(0, size, blk)))
+
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    mv = memoryview(host.numpy())
+
+    def par_into(fd: int, threads: int = 4, blk: int = 16 << 20) -> None:
+        def one(o: int) -> None:
+            n = os.preadv(fd, [mv[o : o + blk]], o)
+            assert n == min(blk, size - o)
+
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(one, range(0, size, blk)))
+
+    def willneed_into(fd: int) -> None:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        par_into(fd, 4)
+
+    run("512KiB x 8 threads", small8)
+    run("16MiB sequential", seq)
+    run("16MiB x 4 threads", par)
+    run("16MiB x 8 threads", lambda fd: par(fd, 8))
+    run("16MiB x 4 threads readinto pinned", par_into)
+    run("64MiB x 4 threads readinto pinned", lambda fd: par_into(fd, 4, 64 << 20))
+    run("WILLNEED + 16MiB x 4 readinto", willneed_into)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="medium", choices=sorted(MODELS))
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--file-gb", type=float, default=2.0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a GPU")
+        return 2
+    sizes = _sizes(args.model)
+    print(f"{torch.cuda.get_device_name()}: {len(sizes)} storages, {sum(sizes) / 1e9:.3f} GB", flush=True)
+    pinned(sizes, args.threads)
+    size = int(args.file_gb * 1e9) // (16 << 20) * (16 << 20)
+    fd, path = tempfile.mkstemp(dir=args.dir)
+    try:
+        blk = os.urandom(16 << 20)
+        t0 = time.perf_counter()
+        for _ in range(size // len(blk)):
+            os.write(fd, blk)
+        os.fsync(fd)
+        os.close(fd)
+        print(f"write+fsync {size / 1e9:.2f} GB: {size / (time.perf_counter() - t0) / 1e9:.2f} GB/s", flush=True)
+        reads(path, size)
+    finally:
+        os.unlink(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
