@@ -7,6 +7,8 @@ Pinned allocation of a training state's storage sizes, then one device-to-host c
   * ``slab-register``: one pageable slab, its pages touched by ``--threads`` threads, then one
     ``cudaHostRegister`` (what ``s4w_core``'s pinned pool does)
   * ``slab-register-thp``: the same on an anonymous mmap advised ``MADV_HUGEPAGE``
+  * ``s4w pinned_buffers``: the library's allocator (an anonymous mmap, pages touched by 8
+    threads, one ``cudaHostRegister``; unregistered when its last view is gone)
 Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
   * 512 KiB preads from 8 threads in chunk order (the loader before this change)
   * 16 MiB sequential preads, 1 thread; 4 threads on interleaved 16 MiB blocks; each into
@@ -34,6 +36,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _train_gpt import MODELS, Trainer  # noqa: E402
 from bench_peers import evict  # noqa: E402
+
+from s4w_core.store._async import pinned_buffers  # noqa: E402
 
 
 def _sizes(model: str) -> list[int]:
@@ -98,6 +102,7 @@ def pinned(sizes: list[int], threads: int) -> list[dict[str, Any]]:
         ("torch-pinned", lambda: alloc_torch(sizes, threads), False),
         ("slab-register", lambda: alloc_slab(sizes, threads), True),
         ("slab-register-thp", lambda: alloc_slab(sizes, threads, thp=True), True),
+        ("s4w pinned_buffers (mmap slab)", lambda: pinned_buffers(sizes, torch.device("cuda"))[0], False),
     ]
     for name, fn, reg in methods:
         for rep in range(2):

@@ -360,8 +360,6 @@ class HostBuffer:
             f.write(c)
 
 
-#: slabs smaller than this come from torch's pinned allocator (registration pays off in GBs).
-_SLAB_MIN_BYTES = 8 << 20
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
 
 
@@ -370,57 +368,84 @@ def _unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def pinned_slab(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
-    """``nbytes`` of page-locked host memory as one uint8 tensor.
+def _release(mm: mmap.mmap, ptr: int, on_free: Callable[[], None] | None) -> None:
+    """The last tensor on a slab is gone: unregister it while ``mm`` still maps it (this
+    reference is the mapping's last; it is unmapped when the finalizer lets go of it)."""
+    _unregister(ptr)
+    if on_free is not None:
+        on_free()
+    del mm
 
-    Large slabs are an anonymous mapping whose pages several threads touch at once, registered
-    with CUDA in one ``cudaHostRegister`` call: 0.40 s for a 1.82 GB training state on an H100
-    host against 1.37 s for torch's pinned allocator (``benchmarks/bench_host_io.py``).  Small
-    ones, and any slab the driver refuses to register, come from torch's pinned allocator.
-    ``device``: the CUDA device whose context registers the memory (a background thread must not
-    create a context on device 0 of a multi-GPU node)."""
-    if nbytes < _SLAB_MIN_BYTES:
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+
+def pinned_slab(
+    nbytes: int, device: torch.device | None = None, on_free: Callable[[], None] | None = None
+) -> tuple[torch.Tensor, bool]:
+    """``nbytes`` of page-locked host memory as one uint8 tensor, and whether it is a registered
+    slab (False: torch's pinned allocator gave it, after registration failed).
+
+    A slab is an anonymous mapping whose pages several threads fault in at once, registered with
+    CUDA in one ``cudaHostRegister`` call: 0.40 s for a 1.82 GB training state on an H100 host
+    against 1.37 s for torch's pinned allocator (``benchmarks/bench_host_io.py``).  It is
+    unregistered, then unmapped, when the last tensor on its storage is gone (views, detached
+    ones included: the storage holds the memoryview the finalizer watches); ``on_free`` is called
+    then.  ``device``: the CUDA device whose context registers the memory (a background thread
+    must not create a context on device 0 of a multi-GPU node)."""
+    nbytes = max(nbytes, 1)
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         mm = mmap.mmap(-1, nbytes)
-        slab = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive
-        del mm
-        threads = max(1, min(8, os.cpu_count() or 1))
+        mv = memoryview(mm)
+        slab = torch.frombuffer(mv, dtype=torch.uint8)  # the storage holds ``mv``, ``mv`` the mapping
+        threads = max(1, min(8, os.cpu_count() or 1, -(-nbytes // (4 << 20))))
         step = -(-nbytes // threads)
         step = -(-step // mmap.PAGESIZE) * mmap.PAGESIZE
-        with ThreadPoolExecutor(threads, thread_name_prefix="s4w-pin") as ex:  # fault the pages in, in parallel
-            list(ex.map(lambda i: slab[i * step : (i + 1) * step].fill_(0), range(threads)))
+        if threads == 1:
+            slab.fill_(0)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="s4w-pin") as ex:  # fault the pages in, in parallel
+                list(ex.map(lambda i: slab[i * step : (i + 1) * step].fill_(0), range(threads)))
         ptr = slab.data_ptr()
         rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE)
         if int(rc) != 0:
-            log.debug("s4weights: cudaHostRegister of %d bytes failed (%s): torch's pinned allocator", nbytes, rc)
-            del slab
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    # unregistered when the last view is gone (views keep the slab's tensor alive through ._base)
-    weakref.finalize(slab, _unregister, ptr).atexit = False
-    return slab
+            log.warning("s4weights: cudaHostRegister of %d bytes failed (%s): using torch's pinned allocator", nbytes, rc)
+            del slab, mv, mm
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
+    weakref.finalize(mv, _release, mm, ptr, on_free).atexit = False
+    return slab, True
 
 
-def pinned_buffers(sizes: list[int], device: torch.device | None = None) -> list[torch.Tensor]:
-    """One pinned slab cut into buffers of ``sizes`` bytes (each 512-byte aligned)."""
+def pinned_buffers(
+    sizes: list[int], device: torch.device | None = None, on_free: Callable[[], None] | None = None
+) -> tuple[list[torch.Tensor], bool]:
+    """One :func:`pinned_slab` cut into buffers of ``sizes`` bytes (each 512-byte aligned)."""
     offs, pos = [], 0
     for n in sizes:
         offs.append(pos)
         pos += -(-max(n, 1) // 512) * 512
-    slab = pinned_slab(pos, device)
-    return [slab[o : o + n] for o, n in zip(offs, sizes)]
+    slab, registered = pinned_slab(pos, device, on_free)
+    return [slab[o : o + n] for o, n in zip(offs, sizes)], registered
 
 
 class _Live:
-    """Bytes of pinned buffers a pool allocated that are still alive (shared with finalizers)."""
+    """The registered slabs a pool allocated that are still alive: storage address -> bytes
+    (shared with the slabs' finalizers, which do not keep the pool alive)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.bytes = 0
+        self.slabs: dict[int, int] = {}
 
-    def add(self, n: int) -> None:
+    @property
+    def bytes(self) -> int:
         with self.lock:
-            self.bytes += n
+            return sum(self.slabs.values())
+
+    def add(self, ptr: int, n: int) -> None:
+        with self.lock:
+            self.slabs[ptr] = n
+
+    def drop(self, cell: list[int]) -> None:
+        with self.lock:
+            if cell:
+                self.slabs.pop(cell[0], None)
 
 
 class PinnedPool:
@@ -438,18 +463,29 @@ class PinnedPool:
         self._lock = threading.Lock()
         self._live = _Live()
         self._ahead: threading.Thread | None = None
+        #: slabs allocated so far (tests and diagnostics)
+        self.allocations = 0
 
     @property
     def live_bytes(self) -> int:
-        """Pinned bytes this pool allocated that are still alive (in use or free)."""
+        """Bytes of the registered slabs this pool allocated that are still alive (in use or free)."""
         return self._live.bytes
 
     def _alloc(self, sizes: list[int], device: torch.device | None) -> list[torch.Tensor]:
-        bufs = pinned_buffers(sizes, device)
-        n = sum(b.numel() for b in bufs)
-        self._live.add(n)
-        weakref.finalize(bufs[0]._base if bufs[0]._base is not None else bufs[0], self._live.add, -n).atexit = False
+        cell: list[int] = []
+        bufs, registered = pinned_buffers(sizes, device, functools.partial(self._live.drop, cell))
+        with self._lock:
+            self.allocations += 1
+        if registered:
+            ptr = bufs[0].untyped_storage().data_ptr()
+            cell.append(ptr)
+            self._live.add(ptr, sum(b.numel() for b in bufs))
         return bufs
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Is ``t`` a view of a slab this pool allocated (and that is still alive)?"""
+        with self._live.lock:
+            return t.untyped_storage().data_ptr() in self._live.slabs
 
     def reserve(self, sizes: list[int], device: torch.device | None = None, *, wait: bool = False) -> None:
         """Allocate buffers of ``sizes`` on a background thread (no-op when one is running);
@@ -499,8 +535,10 @@ class PinnedPool:
         return out  # type: ignore[return-value]
 
     def give(self, bufs: list[torch.Tensor]) -> None:
+        """Buffers free for the next :meth:`take`; tensors the pool did not hand out are ignored."""
+        mine = [b for b in bufs if self.owns(b)]
         with self._lock:
-            for b in bufs:
+            for b in mine:
                 self._free.setdefault(b.numel(), []).append(b)
 
 

@@ -1317,7 +1317,7 @@ class CheckpointStore:
         old, self._cache = self._cache, None
         self._unpool(old)
         if not self._caching() and isinstance(state, api.Collected):  # its pinned buffers, for the next save
-            self._pinned_pool.give([j.raw for j in state.col.jobs if j.raw.is_pinned()])
+            self._pinned_pool.give([j.raw for j in state.col.jobs])
         if self._caching():
             t = time.perf_counter()
             if pre is not None:
@@ -1326,7 +1326,7 @@ class CheckpointStore:
                 raws = [j.raw for j in state.col.jobs]
                 self._cache = self._make_cache(info.step, info.object, manifest, raws, copy=False, pooled=True)
                 if self._cache is None:
-                    self._pinned_pool.give([r for r in raws if r.is_pinned()])
+                    self._pinned_pool.give(raws)
             else:
                 col = engine.Collector()
                 encode_tree(state, col.add)
@@ -1340,7 +1340,7 @@ class CheckpointStore:
                     hosts = _async.host_copies(raws, self._pinned_pool, ahead=False)  # one generation: the old one is free
                     self._cache = self._make_cache(info.step, info.object, manifest, hosts, copy=False, pooled=True)
                     if self._cache is None:
-                        self._pinned_pool.give([h for h in hosts if h.is_pinned()])
+                        self._pinned_pool.give(hosts)
                 else:
                     self._cache = self._make_cache(info.step, info.object, manifest, raws, copy=not owned)
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
@@ -1349,7 +1349,7 @@ class CheckpointStore:
     def _unpool(self, cache: _CachedBase | None) -> None:
         """Give a pooled cache's pinned buffers back for the next GPU save's copy."""
         if cache is not None and cache.pooled:
-            self._pinned_pool.give([t for t, _, _ in cache.storages.values() if t.is_pinned()])
+            self._pinned_pool.give([t for t, _, _ in cache.storages.values()])
 
     def _make_cache(
         self,
@@ -1376,9 +1376,18 @@ class CheckpointStore:
         return _CachedBase(step, obj, storages, total, pooled)
 
     def _remember(self, rec: StepInfo, manifest: Mapping[str, Any], raws: builtins.list[torch.Tensor]) -> None:
-        """Keep copies of a committed step's storages (within ``base_cache_bytes``)."""
+        """Keep copies of a committed step's storages (within ``base_cache_bytes``): CUDA ones in
+        pinned buffers of the pool (a fresh process's pageable copy faults its pages in at ~1.2
+        GB/s; a registered slab is faulted in by several threads), which the next save reuses."""
         old, self._cache = self._cache, None
         self._unpool(old)
+        total = sum(r.numel() for r in raws)
+        if any(r.device.type == "cuda" for r in raws) and (self.base_cache_bytes is None or total <= self.base_cache_bytes):
+            hosts = _async.host_copies(raws, self._pinned_pool, ahead=False)
+            self._cache = self._make_cache(rec.step, rec.object, manifest, hosts, copy=False, pooled=True)
+            if self._cache is None:
+                self._pinned_pool.give(hosts)
+            return
         self._cache = self._make_cache(rec.step, rec.object, manifest, raws)
 
     # ------------------------------------------------------------------ pins, retention, deletion

@@ -434,25 +434,26 @@ def test_pinned_slab_is_pinned_and_unregistered_when_dropped(monkeypatch: pytest
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gone: list[int] = []
+    freed: list[int] = []
     real = _async._unregister  # noqa: SLF001
     monkeypatch.setattr(_async, "_unregister", lambda p: (gone.append(p), real(p)))
-    big = _async.pinned_slab(64 << 20)
-    assert big.is_pinned() and big.numel() == 64 << 20
+    big, registered = _async.pinned_slab(64 << 20, on_free=lambda: freed.append(1))
+    assert registered and big.is_pinned() and big.numel() == 64 << 20
     src = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
-    view = big[4096 : 4096 + src.numel()]
+    view = big[4096 : 4096 + src.numel()].detach().view(-1)  # a detached view: no ._base link
     view.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(view, src.cpu())
     ptr = big.data_ptr()
     del big
     gc.collect()
-    assert gone == []  # a view still holds the slab
+    assert gone == [] and view.is_pinned()  # the view still holds the slab's storage: still registered
     del view
     gc.collect()
-    assert gone == [ptr]  # unregistered before its memory is unmapped
+    assert gone == [ptr] and freed == [1]  # unregistered (while still mapped) once the last view is gone
     dev = torch.device("cuda", torch.cuda.current_device())
-    bufs = _async.pinned_buffers([100, 9 << 20, 3], dev)
-    assert [b.numel() for b in bufs] == [100, 9 << 20, 3]
+    bufs, registered = _async.pinned_buffers([100, 9 << 20, 3], dev)
+    assert registered and [b.numel() for b in bufs] == [100, 9 << 20, 3]
     assert all(b.is_pinned() for b in bufs)
     assert all(b.data_ptr() % 512 == 0 for b in bufs)
 
@@ -476,8 +477,13 @@ def test_pinned_pool_allocates_the_next_generation_ahead_and_reuses_two() -> Non
     pool.give(a)
     c = pool.take(sizes, dev)  # generation 1 again; no third generation
     assert [t.data_ptr() for t in c] == [t.data_ptr() for t in a]
-    assert pool.live_bytes == 2 * need
-    del a, b, c
+    assert pool.live_bytes == 2 * need and pool.allocations == 2
+    d = [t.detach().view(-1) for t in c]  # what a base cache keeps: detached views
+    assert all(pool.owns(t) for t in d) and not pool.owns(torch.empty(3))
+    pool.give(d)
+    e = pool.take(sizes, dev)
+    assert [t.data_ptr() for t in e] == [t.data_ptr() for t in a] and pool.allocations == 2
+    del a, b, c, d, e
     gc.collect()
     assert pool.live_bytes == 0
 
@@ -498,7 +504,8 @@ def test_gpu_saves_reuse_pinned_buffers(tmp_path: Path, delta: bool) -> None:
         expected.append({k: v.cpu() for k, v in sd.items()})
         for v in sd.values():
             v.add_(1)
-    assert st._pinned_pool.live_bytes == (raw if delta else 0)  # noqa: SLF001
+    pool = st._pinned_pool  # noqa: SLF001
+    assert (pool.live_bytes, pool.allocations) == ((raw, 1) if delta else (0, 0))
     for i in range(4):
         assert bits_equal(st.load(i, map_location="cpu"), expected[i])
     st.close()
@@ -513,7 +520,8 @@ def test_gpu_saves_reuse_pinned_buffers(tmp_path: Path, delta: bool) -> None:
         for v in sd.values():
             v.add_(1)
         h.result(timeout=120)
-    assert st._pinned_pool.live_bytes == 2 * raw  # noqa: SLF001
+    pool = st._pinned_pool  # noqa: SLF001
+    assert (pool.live_bytes, pool.allocations) == (2 * raw, 2)
     for i in range(4):
         assert bits_equal(st.load(i, map_location="cpu"), expected[i])
     st.close()
