@@ -1008,7 +1008,9 @@ class CheckpointStore:
                         # next save's delta base without another copy
                         pre = None
                         t = time.perf_counter()
-                        raws = _async.host_copies([j.raw for j in col.jobs], self._pinned_pool)
+                        # a second generation only when the copy becomes the cached base (a store
+                        # that does not delta-code gets its buffers back before the next save)
+                        raws = _async.host_copies([j.raw for j in col.jobs], self._pinned_pool, ahead=self._caching())
                         for j, r in zip(col.jobs, raws):
                             j.raw = r
                         state = api.Collected(col, tree, "fast")

@@ -492,7 +492,7 @@ def test_pinned_pool_allocates_the_next_generation_ahead_and_reuses_two() -> Non
 @pytest.mark.parametrize("delta", [True, False])
 def test_gpu_saves_reuse_pinned_buffers(tmp_path: Path, delta: bool) -> None:
     """Blocking saves of a GPU state keep the next base in one reused pinned generation;
-    save_async keeps two, also when the store does not delta-code (its snapshots are reused)."""
+    save_async keeps two (snapshot and cached base), or one when the store does not delta-code."""
     if api._gpu() is None:  # noqa: SLF001
         pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
     sd = _cuda_state()
@@ -521,7 +521,8 @@ def test_gpu_saves_reuse_pinned_buffers(tmp_path: Path, delta: bool) -> None:
             v.add_(1)
         h.result(timeout=120)
     pool = st._pinned_pool  # noqa: SLF001
-    assert (pool.live_bytes, pool.allocations) == (2 * raw, 2)
+    # two generations when the snapshot becomes the cached base, else one
+    assert (pool.live_bytes, pool.allocations) == ((2 * raw, 2) if delta else (raw, 1))
     for i in range(4):
         assert bits_equal(st.load(i, map_location="cpu"), expected[i])
     st.close()
