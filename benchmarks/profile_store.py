@@ -90,6 +90,7 @@ def _load_targets() -> list[tuple[Any, str, str]]:
         (api, "_decode_storages", "api._decode_storages (the step itself)"),
         (api, "_build_tensors", "api._build_tensors"),
         (container.ContainerReader, "read_chunk", "reader.read_chunk (I/O, all threads)"),
+        (container.ContainerReader, "read_into", "reader.read_into (I/O, all threads)"),
         (checksum, "xxh3_hex", "xxh3 of chunks (all threads)"),
     ]
     try:

@@ -138,7 +138,7 @@ class _Folder:
 
                 rr = self._s3().fetch(name)
                 try:
-                    reader: Any = ContainerReader(rr.read, rr.size, rr.name)  # api.load accepts a reader
+                    reader: Any = ContainerReader(rr.read, rr.size, rr.name, readinto=rr.readinto)  # api.load accepts a reader
                     return api.load(reader, map_location=map_location, threads=threads)
                 finally:
                     rr.close()

@@ -13,12 +13,13 @@ without seeking back.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import struct
 import threading
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Sequence
 
 import xxhash
 
@@ -53,6 +54,34 @@ _HEADER = struct.Struct("<8sHHI")
 _TRAILER = struct.Struct("<QQQ8s")
 
 ReadRange = Callable[[int, int], bytes]
+#: ``readinto(offset, buffers) -> int``: fill ``buffers`` in turn with consecutive bytes from
+#: ``offset`` on (a scatter read, like ``preadv``); returns the bytes read, fewer than the buffers
+#: hold only at the end of the object. Thread-safe.
+ReadInto = Callable[[int, Sequence[memoryview]], int]
+
+#: buffers one ``os.preadv`` call takes (IOV_MAX on Linux and macOS)
+_IOV_MAX = 1024
+
+
+def pread_into(fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
+    """:data:`ReadInto` over a file descriptor: ``os.preadv`` straight into ``bufs`` (at most
+    ``IOV_MAX`` buffers a call, again after a short read) until they are full or the file ends.
+    Returns the bytes read. ``OSError`` propagates."""
+    views = [b.cast("B") for b in bufs if b.nbytes]
+    total = i = 0
+    while i < len(views):
+        n = os.preadv(fd, views[i : i + _IOV_MAX], offset + total)
+        if n == 0:  # end of file
+            break
+        total += n
+        while n:  # skip the buffers this call filled; a partly filled one keeps its rest
+            k = views[i].nbytes
+            if n < k:
+                views[i] = views[i][n:]
+                break
+            n -= k
+            i += 1
+    return total
 
 
 class ContainerWriter:
@@ -86,14 +115,19 @@ class ContainerWriter:
 class ContainerReader:
     """Random-access reader over a container of known ``size``.
 
-    ``read_range(offset, length)`` returns exactly those bytes (a file, an mmap, an S3 ranged GET).
+    ``read_range(offset, length)`` returns exactly those bytes (a file, an mmap, an S3 ranged GET);
+    ``readinto`` (optional, :data:`ReadInto`) reads into the caller's buffers instead, which
+    :meth:`read_into` uses when it is given (no intermediate ``bytes``).
     The constructor reads and checks header, trailer and manifest checksum; it does not read data.
     """
 
-    def __init__(self, read_range: ReadRange, size: int, name: str = "<container>") -> None:
+    def __init__(
+        self, read_range: ReadRange, size: int, name: str = "<container>", *, readinto: ReadInto | None = None
+    ) -> None:
         self.name = name
         self.size = size
         self._read = read_range
+        self._readinto = readinto
         self._fp: IO[bytes] | None = None
         if size < HEADER_SIZE + TRAILER_SIZE:
             raise TruncatedError(
@@ -141,15 +175,43 @@ class ContainerReader:
     def _exact(self, offset: int, length: int) -> bytes:
         data = self._read(offset, length)
         if len(data) != length:
-            raise TruncatedError(
-                f"{self.name}: wanted {length} bytes at offset {offset}, got {len(data)}: truncated"
-            )
+            raise self._truncated(offset, length, len(data))
         return data
 
-    def read_chunk(self, offset: int, length: int) -> bytes:
+    def _truncated(self, offset: int, length: int, got: int) -> TruncatedError:
+        return TruncatedError(f"{self.name}: wanted {length} bytes at offset {offset}, got {got}: truncated")
+
+    def check_range(self, offset: int, length: int) -> None:
+        """Raise :class:`ManifestError` unless ``[offset, +length)`` lies inside the data section."""
         if offset < self.data_start or offset + length > self.data_end:
             raise ManifestError(f"{self.name}: chunk [{offset}, +{length}) lies outside the data section")
+
+    def read_chunk(self, offset: int, length: int) -> bytes:
+        self.check_range(offset, length)
         return self._exact(offset, length)
+
+    def read_into(self, offset: int, bufs: memoryview | Sequence[memoryview]) -> None:
+        """Fill ``bufs`` (one writable buffer, or several filled in turn: consecutive bytes of the
+        container scattered to separate places) with the data-section bytes from ``offset`` on.
+
+        Raises :class:`ManifestError` when the range leaves the data section (as :meth:`read_chunk`)
+        and :class:`TruncatedError` when the object ends first.
+        """
+        views = [bufs] if isinstance(bufs, memoryview) else list(bufs)
+        length = sum(v.nbytes for v in views)
+        self.check_range(offset, length)
+        if self._readinto is not None:
+            got = self._readinto(offset, views)
+        else:
+            data = memoryview(self._read(offset, length))
+            got = data.nbytes
+            if got == length:
+                pos = 0
+                for v in views:
+                    v.cast("B")[:] = data[pos : pos + v.nbytes]
+                    pos += v.nbytes
+        if got != length:
+            raise self._truncated(offset, length, got)
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
@@ -165,10 +227,13 @@ class ContainerReader:
             fd = fp.fileno()
         except (AttributeError, OSError, io.UnsupportedOperation):
             fd = -1
+        readinto: ReadInto | None = None
         if fd >= 0:
 
             def read_range(o: int, n: int) -> bytes:  # pread: safe from many threads at once
                 return os.pread(fd, n, o)
+
+            readinto = functools.partial(pread_into, fd)
 
         else:
             lock = threading.Lock()
@@ -178,7 +243,7 @@ class ContainerReader:
                     fp.seek(o)
                     return fp.read(n)
 
-        reader = cls(read_range, size, name or str(getattr(fp, "name", "<file>")))
+        reader = cls(read_range, size, name or str(getattr(fp, "name", "<file>")), readinto=readinto)
         reader._fp = fp  # keeps the file (and its descriptor) open as long as the reader lives
         return reader
 

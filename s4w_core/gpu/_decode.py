@@ -2,11 +2,14 @@
 
 Order of work for a batch of storage entries:
 
-1. host, thread pool: read every chunk, check its xxh3 against the manifest (a mismatch raises
-   :class:`ChecksumMismatchError` before any byte reaches a GPU decoder: FACTS, nvCOMP can crash or
-   hang on corrupt input); zstd chunks are decoded right there (and deflate chunks too when
-   ``S4W_GPU_INFLATE=0``);
-2. pack all chunks into one pinned buffer (16-byte aligned slots), one host-to-device copy;
+1. host, thread pool: read the batch's chunks by a few large scatter reads (chunks back to back in
+   the file, or nearly, share a read; each chunk lands straight in its own 16-byte aligned slot of
+   one pinned buffer: the container packs chunks without padding, and nvCOMP's batched decoders
+   want aligned buffers, ANS up to 16 bytes), then check each chunk's xxh3 against the manifest
+   (a mismatch raises :class:`ChecksumMismatchError` before any byte reaches a GPU decoder: FACTS,
+   nvCOMP can crash or hang on corrupt input); zstd chunks are decoded right there (and deflate
+   chunks too when ``S4W_GPU_INFLATE=0``) into slots after the others;
+2. one host-to-device copy of the pinned buffer;
 3. one nvCOMP call per codec (ANS for ``nvcomp-ans``, Deflate for ``deflate``: nvCOMP's inflater
    reads zlib's Huffman-only streams and its own, checked on the device) decodes every chunk
    straight into its place in a planes buffer (``planes[j * plane_stride + s0]``; chunks whose
@@ -15,14 +18,17 @@ Order of work for a batch of storage entries:
 4. merge planes into each output tensor (the delta op, ``xor`` or ``sub``, undone against the base
    in the same kernel), then check each storage's raw
    checksum: ``fold64`` on the GPU (one read-back for the batch), ``xxh3-64`` on the host.
+
+Batches are pipelined: a stager thread reads and checks batch ``i + 1`` (step 1) while batch ``i``
+runs steps 2-4.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +47,18 @@ __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
 _A = _nvcomp.ALIGN
 
+#: a file gap (bytes of chunks outside the batch) up to this size between two chunks is read and
+#: dropped, so that both chunks come in one read ...
+_MAX_GAP = 64 << 10
+#: ... unless the gaps so read would add more than this fraction of the chunks' own bytes: then
+#: only chunks that lie back to back share a read
+_MAX_OVERREAD = 0.25
+#: default bytes per read (``S4W_READ_BLOCK``); a smaller batch is cut into :data:`_MIN_READS`
+#: reads of at least :data:`_MIN_READ` bytes, so that its reads still run in parallel
+_READ_BLOCK = 32 << 20
+_MIN_READS = 4
+_MIN_READ = 1 << 20
+
 
 def _round(x: int, a: int) -> int:
     return -(-x // a) * a
@@ -58,41 +76,40 @@ def decode_storages(
     own = pool is None
     if pool is None:
         pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+    # the stager thread runs stage() (which waits on reads it submits to `pool`) one batch ahead;
+    # stage() itself never runs in `pool`, where it could wait on tasks queued behind it
+    stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4w-stage")
+    ahead: Future[Staged] | None = None
     try:
-        budget = _nvcomp.batch_bytes(device)
+        groups = _groups(entries, _nvcomp.batch_bytes(device))
         outs: list[torch.Tensor] = []
-        group: list[dict[str, Any]] = []
-        size = 0
-        for e in entries:
-            if group and size + e["nbytes"] > budget:
-                outs.extend(_decode_group(reader, group, device, resolve_base, pool))
-                group, size = [], 0
-            group.append(e)
-            size += e["nbytes"]
-        if group:
-            outs.extend(_decode_group(reader, group, device, resolve_base, pool))
+        if groups:
+            ahead = stager.submit(stage, reader, groups[0], pool)
+        for i, group in enumerate(groups):
+            assert ahead is not None
+            st = ahead.result()  # a failed read or check of this batch raises here, in batch order
+            ahead = stager.submit(stage, reader, groups[i + 1], pool) if i + 1 < len(groups) else None
+            outs.extend(_decode_group(reader, group, st, device, resolve_base))
         return outs
     finally:
+        if ahead is not None:  # an earlier batch failed: drop the batch staged ahead
+            ahead.cancel()
+        stager.shutdown(wait=True)  # before `pool`: a running stage() still submits reads to it
         if own:
             pool.shutdown(wait=True)
 
 
-def _fetch(reader: ContainerReader, entry: dict[str, Any], i: int, raw_len: int) -> tuple[str, bytes]:
-    """Read chunk ``i``, check its xxh3; CPU codecs are decoded here. Returns (kind, bytes)."""
-    codec_id, off, length, h = entry["chunks"][i]
-    data = reader.read_chunk(off, length)
-    if ck.xxh3_hex(data) != h:
-        raise ChecksumMismatchError(
-            f"{reader.name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: "
-            "checksum mismatch (found before any GPU decoder saw it)"
-        )
-    if codec_id == NVCOMP_ANS.id:
-        return "ans", data
-    if codec_id == RAW.id:
-        return "copy", data
-    if codec_id == DEFLATE.id and _gpu_inflate():
-        return "inflate", data
-    return "copy", get_codec(codec_id).decode(data, raw_len)
+def _groups(entries: list[dict[str, Any]], budget: int) -> list[list[dict[str, Any]]]:
+    """``entries`` cut into batches of at most ``budget`` raw bytes (a larger entry alone)."""
+    groups: list[list[dict[str, Any]]] = []
+    size = 0
+    for e in entries:
+        if not groups or size + e["nbytes"] > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e["nbytes"]
+    return groups
 
 
 def _gpu_inflate() -> bool:
@@ -115,46 +132,156 @@ class Staged:
     """A batch of chunks checked and packed on the host, ready for one host-to-device copy."""
 
     host: torch.Tensor  # pinned uint8
-    slot: list[int]  # offset of each chunk in ``host``
+    slot: list[int]  # offset of each chunk in ``host`` (a multiple of _nvcomp.ALIGN)
     kinds: list[str]  # "ans"/"inflate" (decoded by nvCOMP) or "copy" (raw or CPU-decoded bytes)
     stored: list[int]  # bytes of each chunk in ``host``
     recs: list[tuple[int, int, int, int]]  # (entry, plane, s0, raw_len)
 
 
+class _Chunk(NamedTuple):
+    """One chunk of a batch, as stage() reads it."""
+
+    path: str  # its tensor's path (for messages)
+    nth: int  # its index among its entry's chunks
+    codec: str
+    off: int
+    length: int
+    xxh3: str
+    raw_len: int
+    kind: str  # "ans", "inflate", "copy" (read into its slot) or "host" (read aside, decoded into it)
+
+
+def _kind(codec_id: str, inflate: bool) -> str:
+    if codec_id == NVCOMP_ANS.id:
+        return "ans"
+    if codec_id == RAW.id:
+        return "copy"
+    if codec_id == DEFLATE.id and inflate:
+        return "inflate"
+    return "host"
+
+
 def stage(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPoolExecutor) -> Staged:
-    """Read and verify every chunk (host threads), CPU-decode deflate/zstd, pack into pinned memory."""
+    """Read and verify every chunk of ``entries`` (reads in parallel on ``pool``), CPU-decode
+    zstd (and deflate when ``S4W_GPU_INFLATE=0``), all into one pinned buffer.
+
+    Layout of :attr:`Staged.host`: the chunks read in place, in file order, each in a slot rounded
+    up to :data:`_nvcomp.ALIGN`; then the decoded bytes of the host-decoded chunks (whose stored
+    bytes are read into ordinary memory). Every check passed when this returns.
+    """
+    inflate = _gpu_inflate()
     recs: list[tuple[int, int, int, int]] = []
-    futs = []
+    chunks: list[_Chunk] = []
     for k, e in enumerate(entries):
         for i, (s0, s1, j) in enumerate(engine.chunk_layout(e)):
+            codec_id, off, length, h = e["chunks"][i]
+            reader.check_range(off, length)
             recs.append((k, j, s0, s1 - s0))
-            futs.append(pool.submit(_fetch, reader, e, i, s1 - s0))
-    fetched = [f.result() for f in futs]  # raises on the first corrupt chunk, before any decoding
-    slot: list[int] = []
+            chunks.append(_Chunk(e["path"], i, codec_id, off, length, h, s1 - s0, _kind(codec_id, inflate)))
+    order = sorted(range(len(chunks)), key=lambda c: chunks[c].off)
+    slot = [0] * len(chunks)
     pos = 0
-    for _kind, data in fetched:
-        slot.append(pos)
-        pos += _round(len(data), _A)
+    for c in order:
+        if chunks[c].kind != "host":
+            slot[c], pos = pos, pos + _round(chunks[c].length, _A)
+    for c in order:
+        if chunks[c].kind == "host":
+            slot[c], pos = pos, pos + _round(chunks[c].raw_len, _A)
     host = _nvcomp.host_empty(pos)
-    hv = host.numpy()
-    for (_kind, data), o in zip(fetched, slot):
-        if data:
-            hv[o : o + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return Staged(host, slot, [f[0] for f in fetched], [len(f[1]) for f in fetched], recs)
+    mv = memoryview(host.numpy())
+    futs = [
+        pool.submit(_read_and_check, reader, chunks, slot, mv, offset, members)
+        for offset, members in _plan_reads(chunks, order)
+    ]
+    _wait_in_order(futs)
+    kinds = ["copy" if ch.kind == "host" else ch.kind for ch in chunks]
+    stored = [ch.raw_len if ch.kind == "host" else ch.length for ch in chunks]
+    return Staged(host, slot, kinds, stored, recs)
+
+
+def _read_block(data: int) -> int:
+    """Bytes per read for a batch of ``data`` chunk bytes (see :data:`_READ_BLOCK`)."""
+    block = int(os.environ.get("S4W_READ_BLOCK", _READ_BLOCK))
+    return max(1, min(block, max(_MIN_READ, -(-data // _MIN_READS))))
+
+
+def _plan_reads(chunks: list[_Chunk], order: list[int]) -> list[tuple[int, list[int]]]:
+    """The reads of a batch: ``(file offset, chunks)``, the chunks taken from ``order`` (by file
+    offset) while each starts where the one before ends, or at most :data:`_MAX_GAP` bytes after
+    it (see :data:`_MAX_OVERREAD`), and the read stays within :func:`_read_block` bytes (a longer
+    chunk is a read of its own)."""
+    ends = [chunks[c].off + chunks[c].length for c in order]
+    gaps = [chunks[c].off - end for c, end in zip(order[1:], ends)]
+    data = sum(chunks[c].length for c in order)
+    over = sum(g for g in gaps if 0 < g <= _MAX_GAP)
+    max_gap = _MAX_GAP if over <= _MAX_OVERREAD * data else 0
+    block = _read_block(data)
+    reads: list[tuple[int, list[int]]] = []
+    for n, c in enumerate(order):
+        if n and 0 <= gaps[n - 1] <= max_gap and ends[n] - reads[-1][0] <= block:
+            reads[-1][1].append(c)
+        else:
+            reads.append((chunks[c].off, [c]))
+    return reads
+
+
+def _read_and_check(
+    reader: ContainerReader, chunks: list[_Chunk], slot: list[int], mv: memoryview, offset: int, members: list[int]
+) -> None:
+    """One scatter read of ``members`` from ``offset`` on: each chunk into its slot of ``mv`` (a
+    host-decoded one into a buffer of its own, a gap into a dropped one); then each chunk's xxh3 is
+    checked and host-decoded chunks are decoded into their slots."""
+    views: list[memoryview] = []
+    aside: dict[int, memoryview] = {}
+    pos = offset
+    for c in members:
+        ch = chunks[c]
+        if ch.off > pos:
+            views.append(memoryview(bytearray(ch.off - pos)))
+        if ch.kind == "host":
+            aside[c] = memoryview(bytearray(ch.length))
+            views.append(aside[c])
+        else:
+            views.append(mv[slot[c] : slot[c] + ch.length])
+        pos = ch.off + ch.length
+    reader.read_into(offset, views)
+    for c in members:
+        ch = chunks[c]
+        data = aside[c] if c in aside else mv[slot[c] : slot[c] + ch.length]
+        if ck.xxh3_hex(data) != ch.xxh3:
+            raise ChecksumMismatchError(
+                f"{reader.name}: chunk {ch.nth} of tensor {ch.path!r} (bytes {ch.off}..{ch.off + ch.length}) is "
+                "corrupt: checksum mismatch (found before any GPU decoder saw it)"
+            )
+        if c in aside:
+            mv[slot[c] : slot[c] + ch.raw_len] = get_codec(ch.codec).decode(data, ch.raw_len)
+
+
+def _wait_in_order(futs: list[Future[None]]) -> None:
+    """Wait for ``futs``; the first failure in their order is raised once none of them runs any
+    more (those not started yet are cancelled)."""
+    for f in futs:
+        try:
+            f.result()
+        except BaseException:
+            for g in futs:
+                g.cancel()
+            wait(futs)
+            raise
 
 
 def _decode_group(
     reader: ContainerReader,
     entries: list[dict[str, Any]],
+    st: Staged,
     dev: torch.device,
     resolve_base: engine.BaseResolver | None,
-    pool: ThreadPoolExecutor,
 ) -> list[torch.Tensor]:
+    """Steps 2-4 for one batch, staged (step 1) in ``st``."""
     name = reader.name
     # outputs and bases first, on the caller's stream (they outlive our stream's work)
     outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
     bases = [engine.resolve_base_bytes(e, resolve_base, name, dev) for e in entries]
-    st = stage(reader, entries, pool)
     with _nvcomp.on_stream(dev):
         staged = st.host.to(dev, non_blocking=True)
         sums = decode_device(staged, st, entries, outs, bases, dev, name)

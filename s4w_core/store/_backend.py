@@ -24,6 +24,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import IO, Callable, Iterator
 
+from s4w_core.format.container import ReadInto
+
 __all__ = ["Backend", "ObjectInfo", "RangeReader"]
 
 
@@ -38,12 +40,19 @@ class ObjectInfo:
 
 @dataclass
 class RangeReader:
-    """``read(offset, length) -> bytes`` over one object of ``size`` bytes (thread-safe)."""
+    """``read(offset, length) -> bytes`` over one object of ``size`` bytes (thread-safe).
+
+    ``readinto(offset, buffers) -> int``, where the backend has it, fills the caller's buffers in
+    turn instead (a scatter read, no intermediate ``bytes``; see
+    :data:`s4w_core.format.container.ReadInto`): pass it on to
+    :class:`~s4w_core.format.container.ContainerReader`.
+    """
 
     read: Callable[[int, int], bytes]
     size: int
     name: str
     close: Callable[[], None] = lambda: None
+    readinto: ReadInto | None = None
 
 
 class Backend(abc.ABC):

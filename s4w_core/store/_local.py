@@ -1,4 +1,4 @@
-"""Local-directory backend: temp file + fsync + rename for every object; pread for ranges."""
+"""Local-directory backend: temp file + fsync + rename for every object; pread/preadv for ranges."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import contextlib
 import errno
 import os
 import tempfile
-from typing import IO, Iterator
+from typing import IO, Iterator, Sequence
 
+from s4w_core._fsutil import EarlyWriteback
 from s4w_core._fsutil import fsync_dir as _fsync_dir
 from s4w_core.errors import CheckpointNotFoundError, ConflictError, StoreError
+from s4w_core.format.container import pread_into
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
 
 __all__ = ["LocalBackend"]
@@ -57,7 +59,7 @@ class LocalBackend(Backend):
     @contextlib.contextmanager
     def writer(self, key: str) -> Iterator[IO[bytes]]:
         with self._tmp(key) as (f, tmp, path):
-            yield f
+            yield EarlyWriteback(f)  # type: ignore[misc]  # the closing fsync waits for the last window only
             try:
                 f.flush()
                 os.fsync(f.fileno())
@@ -120,6 +122,12 @@ class LocalBackend(Backend):
             except OSError as e:
                 raise StoreError(f"cannot read {path}: {e}") from e
 
+        def readinto(off: int, bufs: Sequence[memoryview]) -> int:
+            try:
+                return pread_into(fd, off, bufs)
+            except OSError as e:
+                raise StoreError(f"cannot read {path}: {e}") from e
+
         closed = [False]
 
         def close() -> None:
@@ -127,7 +135,7 @@ class LocalBackend(Backend):
                 closed[0] = True
                 os.close(fd)
 
-        return RangeReader(read, size, path, close)
+        return RangeReader(read, size, path, close, readinto)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []

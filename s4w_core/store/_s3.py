@@ -24,7 +24,7 @@ import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, Iterator, Mapping
+from typing import IO, Any, Iterator, Mapping, Sequence
 
 from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, StoreError
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
@@ -222,7 +222,18 @@ class S3Backend(Backend):
         else:
             with ThreadPoolExecutor(min(threads, len(offsets)), thread_name_prefix="s4w-s3-get") as ex:
                 list(ex.map(one, offsets))
-        return RangeReader(lambda o, n: bytes(view[o : o + n]), size, name)
+        def readinto(off: int, bufs: Sequence[memoryview]) -> int:  # copies out of the download, no bytes
+            pos = off
+            for b in bufs:
+                b = b.cast("B")
+                n = max(0, min(b.nbytes, size - pos))
+                b[:n] = view[pos : pos + n]
+                pos += n
+                if n < b.nbytes:
+                    break
+            return pos - off
+
+        return RangeReader(lambda o, n: bytes(view[o : o + n]), size, name, readinto=readinto)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []

@@ -744,7 +744,7 @@ class CheckpointStore:
                     f"{rr.name}{what}: data object is {rr.size} bytes but its commit record says {expect}: "
                     "truncated or replaced"
                 )
-            reader = ContainerReader(rr.read, rr.size, rr.name)
+            reader = ContainerReader(rr.read, rr.size, rr.name, readinto=rr.readinto)
             api.open_reader(reader)  # validates the manifest
         except BaseException:
             rr.close()

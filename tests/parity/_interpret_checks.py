@@ -498,6 +498,47 @@ def pipeline_write_error_surfaces() -> None:
 
 
 @check
+def pipeline_file_reader_scatter_reads() -> None:
+    """The reader on a file: scatter reads (``os.preadv``, through ``ContainerReader.from_file`` and
+    the local backend's ``RangeReader.readinto``) into aligned slots, several chunks a read or one
+    (``S4W_READ_BLOCK``), batches pipelined, a request with holes (every other storage)."""
+    import tempfile
+
+    import s4w_core
+    from s4w_core import api
+    from s4w_core.format.container import ContainerReader
+    from s4w_core.gpu import decode_storages
+    from s4w_core.store._local import LocalBackend
+
+    obj = sample_state(12)
+    cpu = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as d, simulated_gpu(batch_bytes=1 << 20):
+        path = os.path.join(d, "c.s4w")
+        s4w_core.save(obj, path, profile="fast")
+        with open(path, "rb") as f:
+            data = f.read()
+        back, m = _decode_all_gpu_sim(data)  # a bytes reader: read_into's read_range fallback
+        assert_same(obj, back)
+        full = decode_storages(api.open_reader(data), m["storages"], cpu, None)
+        rr = LocalBackend(d).open_range("c.s4w")
+        try:
+            for block in (32 << 20, 65536):  # the default: several chunks a read; one chunk a read
+                os.environ["S4W_READ_BLOCK"] = str(block)
+                for reader in (
+                    api.open_reader(path),
+                    api.open_reader(ContainerReader(rr.read, rr.size, rr.name, readinto=rr.readinto)),
+                ):
+                    with reader:
+                        got = decode_storages(reader, reader.manifest["storages"][::2], cpu, None)
+                    assert len(got) == len(full[::2])
+                    for g, want in zip(got, full[::2]):
+                        assert torch.equal(g, want)
+        finally:
+            os.environ.pop("S4W_READ_BLOCK", None)
+            rr.close()
+
+
+@check
 def pipeline_corrupt_chunk_refused_before_decoding() -> None:
     import s4w_core
     from s4w_core.gpu import _nvcomp

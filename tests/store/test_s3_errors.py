@@ -91,6 +91,9 @@ def test_fetch_downloads_in_parallel_parts_bit_exact(s3_url: str, monkeypatch: p
     assert len(whole) > 4 << 20  # several parts, the last one short
     rr = be.fetch(info.object)
     assert rr.size == len(whole) and rr.read(0, rr.size) == whole
+    assert rr.readinto is not None
+    a, b = bytearray(1000), bytearray(len(whole))  # readinto fills buffers in turn, stops at the end
+    assert rr.readinto(len(whole) - 1000, [memoryview(a), memoryview(b)]) == 1000 and bytes(a) == whole[-1000:]
     got = st.load(1)
     assert torch.equal(got["w"].view(torch.int32), state["w"].view(torch.int32)) and torch.equal(got["b"], state["b"])
     with pytest.raises(CheckpointNotFoundError):
