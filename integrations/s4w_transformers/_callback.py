@@ -16,6 +16,7 @@ needs is missing (the Trainer itself would silently start with a fresh optimizer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -80,6 +81,11 @@ class S4Callback(TrainerCallback):
         rebase_on_delete: when rotation deletes a step a kept step is a delta on, re-code the kept
             step so the deleted data is reclaimed at once (default); ``False`` keeps it until then.
         wait_timeout: seconds rank 0 waits for every rank's ``rng_state_{rank}.pth`` to appear.
+        async_save: compress and write in the background (:meth:`CheckpointStore.save_async`):
+            ``on_save`` returns once the packed folder is copied; dropping the raw files
+            (``keep_local=False``) and mirroring rotation happen once that save is durable, at the
+            next ``on_save`` or at the end of training, which also raise its error if it failed
+            (the raw files are then kept).
         store_options: more :class:`~s4w_core.store.CheckpointStore` arguments (``endpoint``...).
     Example:
         >>> from s4w_transformers import S4Callback
@@ -98,6 +104,7 @@ class S4Callback(TrainerCallback):
         mirror_rotation: bool = True,
         rebase_on_delete: bool = True,
         wait_timeout: float = 600.0,
+        async_save: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
         if profile not in s4w_core.PROFILES:
@@ -111,7 +118,10 @@ class S4Callback(TrainerCallback):
         self.rebase_on_delete = rebase_on_delete
         self.wait_timeout = wait_timeout
         self.store_options = dict(store_options or {})
+        self.async_save = async_save
         self._store: CheckpointStore | None = None
+        #: the background save not yet finished: (handle, args, folder, files)
+        self._pending: tuple[Any, Any, str, list[str]] | None = None
         #: the :class:`~s4w_core.store.StepInfo` of the last save (ratio, kind, bytes).
         self.last_info: Any = None
 
@@ -138,8 +148,23 @@ class S4Callback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         _barrier()  # every rank has written its files (rng_state_{rank}.pth) before rank 0 reads
         if state.is_world_process_zero:
+            self.finish_pending()
             self._store_folder(args, state, folder)
         _barrier()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.finish_pending()
+
+    def finish_pending(self) -> None:
+        """Wait for the background save (``async_save=True``), then drop its raw files and mirror
+        rotation; raises its error if it failed. A no-op when none is pending."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        handle, args, folder, files = pending
+        self.last_info = handle.result()
+        self._after_durable(args, folder, files, self.last_info.step)
 
     def _store_folder(self, args: Any, state: Any, folder: str) -> None:
         world = int(getattr(args, "world_size", 1) or 1)
@@ -164,15 +189,24 @@ class S4Callback(TrainerCallback):
             "save_only_model": bool(getattr(args, "save_only_model", False)),
             "world_size": world,
         }
+        if self.async_save:
+            self._pending = (st.save_async(tree, state.global_step, extra=extra, overwrite=True), args, folder, files)
+            return
         self.last_info = st.save(tree, state.global_step, extra=extra, overwrite=True)
-        if not self.keep_local:
+        self._after_durable(args, folder, files, state.global_step)
+
+    def _after_durable(self, args: Any, folder: str, files: list[str], step: int) -> None:
+        """Step ``step`` (from ``folder``) is committed: drop its raw files, mirror rotation."""
+        st = self.store(args)
+        if not self.keep_local and os.path.isdir(folder):  # rotation may have removed the folder since
             with open(os.path.join(folder, MARKER_NAME), "w") as f:
-                json.dump({"store": st.url, "step": state.global_step, "files": files}, f)
+                json.dump({"store": st.url, "step": step, "files": files}, f)
             for rel in files:
                 if rel not in _KEEP_SMALL:
-                    os.remove(os.path.join(folder, *rel.split("/")))
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(folder, *rel.split("/")))
         if self.mirror_rotation:
-            self._mirror(args, st, state.global_step)
+            self._mirror(args, st, step)
 
     def _mirror(self, args: Any, st: CheckpointStore, current: int) -> None:
         """Delete store steps whose checkpoint folder the Trainer rotated away."""

@@ -107,10 +107,11 @@ def test_save_restore_resume_bit_exact(tmp_path, reference):
     assert not diff(_state(tr), reference)
 
 
-@pytest.mark.parametrize("rebase", [True, False])
-def test_keep_local_false_and_rotation_mirror(tmp_path, reference, rebase):
-    cb = S4Callback(keep_local=False, rebase_on_delete=rebase)
+@pytest.mark.parametrize(("rebase", "async_save"), [(True, False), (False, False), (True, True)])
+def test_keep_local_false_and_rotation_mirror(tmp_path, reference, rebase, async_save):
+    cb = S4Callback(keep_local=False, rebase_on_delete=rebase, async_save=async_save)
     _trainer(tmp_path / "out", 9, [cb, StopAt(8)], save_total_limit=2).train()
+    assert cb._pending is None and cb.last_info.step == 8  # noqa: SLF001  # on_train_end finished the last one
     folders = sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-"))
     assert folders == ["checkpoint-6", "checkpoint-8"]
     for f in folders:  # raw tensor files dropped, the marker and trainer_state.json stay
@@ -126,6 +127,23 @@ def test_keep_local_false_and_rotation_mirror(tmp_path, reference, rebase):
     # resuming at step 6 and training to 9 equals the uninterrupted run
     tr.train(resume_from_checkpoint=restore_checkpoint(tmp_path / "out" / ".s4w", step=6, dest=tmp_path / "r6"))
     assert not diff(_state(tr), reference)
+
+
+def test_async_save_failure_surfaces_and_keeps_the_raw_files(tmp_path):
+    """A background save that fails is raised at the end of training (the next on_save would
+    too); the raw files of that checkpoint stay, those of the saved one are dropped."""
+    from s4w_core.store import open_backend
+    from tests.store.helpers import Crash, FaultyBackend
+
+    inner = open_backend(str(tmp_path / "store"))
+    bad = FaultyBackend(inner, lambda verb, key: verb == "writer" and "step_000000000006" in key)
+    cb = S4Callback(keep_local=False, async_save=True, store_options={"_backend": bad})
+    with pytest.raises(Crash, match="injected crash"):
+        _trainer(tmp_path / "out", 9, [cb, StopAt(6)]).train()
+    assert CheckpointStore(str(tmp_path / "store")).steps() == [3]
+    assert "optimizer.pt" not in os.listdir(tmp_path / "out" / "checkpoint-3")
+    assert "optimizer.pt" in os.listdir(tmp_path / "out" / "checkpoint-6")
+    assert MARKER_NAME not in os.listdir(tmp_path / "out" / "checkpoint-6")
 
 
 def test_restore_refuses_a_checkpoint_without_optimizer(tmp_path):
