@@ -31,6 +31,7 @@ from s4w_accelerate._hook import (
     enable,
     enable_from_env,
     enabled,
+    finish_pending,
     restore,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "enabled",
     "enable_from_env",
     "restore",
+    "finish_pending",
     "config",
     "ENV",
     "MARKER_NAME",

@@ -13,6 +13,7 @@ or explicitly with ``s4w_accelerate.enable(...)``.  Environment variables (read 
 ``S4W_ACCELERATE_KEEP_LOCAL``  ``0`` drops the raw files once stored (default ``1``: keep)
 ``S4W_ACCELERATE_PROFILE``     ``auto`` (default), ``portable`` or ``fast``
 ``S4W_ACCELERATE_KEYFRAME``    a full checkpoint at least every N saves (default 10)
+``S4W_ACCELERATE_ASYNC``       ``1``: compress and write in the background (``save_async``)
 =============================  ==============================================================
 
 After Accelerate writes a checkpoint folder (``model.safetensors``, ``optimizer.bin``,
@@ -24,6 +25,7 @@ dropped first rebuilds it from the store, byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -35,7 +37,9 @@ import s4w_core
 from s4w_core import CheckpointNotFoundError
 from s4w_core.store import CheckpointStore
 
-__all__ = ["enable", "disable", "enabled", "restore", "config", "MARKER_NAME", "STORE_DIRNAME", "ENV"]
+__all__ = [
+    "enable", "disable", "enabled", "restore", "config", "finish_pending", "MARKER_NAME", "STORE_DIRNAME", "ENV",
+]  # fmt: skip
 
 ENV = "S4W_ACCELERATE"
 STORE_DIRNAME = ".s4w"
@@ -50,11 +54,24 @@ class _Config:
     profile: str = "auto"
     keyframe_every: int = 10
     store_options: dict[str, Any] | None = None
+    async_save: bool = False
+
+
+@dataclass
+class _Pending:
+    """A background save not yet known to be durable, and what to do once it is."""
+
+    handle: Any
+    acc: Any
+    store: CheckpointStore
+    folder: str
+    files: list[str]
 
 
 _config: _Config | None = None
 _originals: dict[str, Any] = {}
 _stores: dict[str, CheckpointStore] = {}
+_pending: _Pending | None = None
 
 
 def config() -> _Config | None:
@@ -99,32 +116,60 @@ def _step_for(folder: str, st: CheckpointStore) -> int:
 
 
 def _after_save(acc: Any, folder: str) -> None:
+    global _pending
     assert _config is not None
     acc.wait_for_everyone()  # every process wrote its random_states_{i}.pkl
     if acc.is_main_process:
+        finish_pending()
         st = _store(_store_url(folder))
         tree = s4w_core.pack_folder(folder, exclude=lambda rel: rel == MARKER_NAME)
         files = sorted(tree["files"])
         name = os.path.basename(os.path.normpath(folder))
         extra = {"writer": "s4w_accelerate", "folder": name, "files": files, "num_processes": acc.num_processes}
-        acc._s4w_last_info = st.save(tree, _step_for(folder, st), extra=extra, overwrite=True)
-        if not _config.keep_local:
-            with open(os.path.join(folder, MARKER_NAME), "w") as f:
-                json.dump({"store": st.url, "step": acc._s4w_last_info.step, "files": files}, f)
-            for rel in files:
-                os.remove(os.path.join(folder, *rel.split("/")))
-        # mirror Accelerate's total_limit rotation: steps whose folder is gone leave the store
-        parent = os.path.dirname(os.path.abspath(folder))
-        for info in st.list():
-            f = info.extra.get("folder")
-            if (
-                info.extra.get("writer") == "s4w_accelerate"
-                and f
-                and f != name
-                and not os.path.isdir(os.path.join(parent, f))
-            ):
-                st.delete(info.step, rebase=True)  # bounded bytes: kept deltas re-coded, data reclaimed
+        step = _step_for(folder, st)
+        if _config.async_save:
+            _pending = _Pending(st.save_async(tree, step, extra=extra, overwrite=True), acc, st, folder, files)
+        else:
+            acc._s4w_last_info = st.save(tree, step, extra=extra, overwrite=True)
+            _after_durable(st, folder, files, acc._s4w_last_info.step)
     acc.wait_for_everyone()
+
+
+def finish_pending() -> None:
+    """Wait for the background save (``async_save=True``), then drop its raw files and mirror
+    rotation; raises its error if it failed (the raw files then stay). ``save_state`` and
+    ``load_state`` call it first; call it at the end of training to drop the last save's raw files
+    (at interpreter exit the save itself is still waited for and a failure logged)."""
+    global _pending
+    p, _pending = _pending, None
+    if p is None:
+        return
+    info = p.handle.result()
+    p.acc._s4w_last_info = info
+    _after_durable(p.store, p.folder, p.files, info.step)
+
+
+def _after_durable(st: CheckpointStore, folder: str, files: list[str], step: int) -> None:
+    """``folder`` is committed as ``step``: drop its raw files (``keep_local=False``), mirror rotation."""
+    assert _config is not None
+    name = os.path.basename(os.path.normpath(folder))
+    if not _config.keep_local and os.path.isdir(folder):  # rotation may have removed it since
+        with open(os.path.join(folder, MARKER_NAME), "w") as f:
+            json.dump({"store": st.url, "step": step, "files": files}, f)
+        for rel in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, *rel.split("/")))
+    # mirror Accelerate's total_limit rotation: steps whose folder is gone leave the store
+    parent = os.path.dirname(os.path.abspath(folder))
+    for info in st.list():
+        f = info.extra.get("folder")
+        if (
+            info.extra.get("writer") == "s4w_accelerate"
+            and f
+            and f != name
+            and not os.path.isdir(os.path.join(parent, f))
+        ):
+            st.delete(info.step, rebase=True)  # bounded bytes: kept deltas re-coded, data reclaimed
 
 
 def restore(
@@ -176,6 +221,8 @@ def _save_state(self: Any, output_dir: str | None = None, safe_serialization: bo
 
 def _load_state(self: Any, input_dir: str | None = None, load_kwargs: dict | None = None, **kw: Any) -> Any:
     if _config is not None:
+        if self.is_main_process:
+            finish_pending()  # a restore reads the store through another store object
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             base = os.path.join(self.project_dir, "checkpoints")
             if os.path.isdir(base):
@@ -199,6 +246,7 @@ def enable(
     profile: str = "auto",
     keyframe_every: int = 10,
     store_options: dict[str, Any] | None = None,
+    async_save: bool = False,
 ) -> None:
     """Make every ``Accelerator.save_state``/``load_state`` in this process use s4weights.
 
@@ -208,6 +256,9 @@ def enable(
         keep_local: keep Accelerate's raw files (default); ``False`` deletes them once stored
             (``load_state`` rebuilds them from the store).
         profile, keyframe_every, store_options: as for :class:`~s4w_core.store.CheckpointStore`.
+        async_save: compress and write in the background (``CheckpointStore.save_async``):
+            ``save_state`` returns once the packed folder is copied; the raw files are dropped
+            and rotation mirrored when the save is durable (:func:`finish_pending`).
     Example:
         >>> import s4w_accelerate
         >>> s4w_accelerate.enable(profile="portable"); s4w_accelerate.enabled()
@@ -219,7 +270,10 @@ def enable(
         raise ValueError(f"profile must be one of {s4w_core.PROFILES}, got {profile!r}")
     from accelerate import Accelerator
 
-    _config = _Config(None if store is None else os.fspath(store), keep_local, profile, keyframe_every, store_options)
+    finish_pending()
+    _config = _Config(
+        None if store is None else os.fspath(store), keep_local, profile, keyframe_every, store_options, async_save
+    )
     _stores.clear()
     if not _originals:
         _originals["save_state"] = Accelerator.save_state
@@ -229,9 +283,13 @@ def enable(
 
 
 def disable() -> None:
-    """Undo :func:`enable` (Accelerate's own save_state/load_state again)."""
+    """Undo :func:`enable` (Accelerate's own save_state/load_state again), after finishing the
+    background save in flight."""
     global _config
-    _config = None
+    try:
+        finish_pending()
+    finally:
+        _config = None
     _stores.clear()
     if _originals:
         from accelerate import Accelerator
@@ -252,5 +310,6 @@ def enable_from_env(environ: Any = os.environ) -> bool:
         keep_local=keep,
         profile=(environ.get(f"{ENV}_PROFILE") or "auto").strip(),
         keyframe_every=int(environ.get(f"{ENV}_KEYFRAME") or 10),
+        async_save=(environ.get(f"{ENV}_ASYNC") or "0").strip().lower() in ("1", "true", "yes", "on"),
     )
     return True

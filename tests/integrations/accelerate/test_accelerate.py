@@ -63,17 +63,21 @@ def _state(model, opt, sched):
     return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict()}
 
 
-def test_save_load_state_bit_exact_with_rotation_and_dropped_files(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_load_state_bit_exact_with_rotation_and_dropped_files(tmp_path, async_save):
     acc, *objs = _setup(tmp_path / "ref")
     _train(acc, *objs, range(10))
     reference = _state(*objs)
     AcceleratorState._reset_state(True)
 
-    s4w_accelerate.enable(keep_local=False)
+    s4w_accelerate.enable(keep_local=False, async_save=async_save)
     acc, *objs = _setup(tmp_path / "run", automatic_checkpoint_naming=True, total_limit=2)
     for k in range(3):  # checkpoints after steps 2, 4, 6
         _train(acc, *objs, range(2 * k, 2 * k + 2))
         acc.save_state()
+    if async_save:  # the last save's raw files go once it is durable
+        assert "model.safetensors" in os.listdir(tmp_path / "run" / "checkpoints" / "checkpoint_2")
+        s4w_accelerate.finish_pending()
     ck = tmp_path / "run" / "checkpoints"
     assert sorted(os.listdir(ck)) == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
     assert os.listdir(ck / "checkpoint_2") == [s4w_accelerate.MARKER_NAME]  # raw files dropped
@@ -108,11 +112,14 @@ def test_load_state_from_a_missing_folder(tmp_path):
 
 
 def test_env_flag_enables_on_import(tmp_path):
-    code = "import s4w_accelerate; c = s4w_accelerate.config(); print(s4w_accelerate.enabled(), c.store, c.keep_local)"
+    code = (
+        "import s4w_accelerate; c = s4w_accelerate.config(); "
+        "print(s4w_accelerate.enabled(), c.store, c.keep_local, c.async_save)"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "integrations")]))
-    env.update(S4W_ACCELERATE=str(tmp_path / "s"), S4W_ACCELERATE_KEEP_LOCAL="0")
+    env.update(S4W_ACCELERATE=str(tmp_path / "s"), S4W_ACCELERATE_KEEP_LOCAL="0", S4W_ACCELERATE_ASYNC="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.split() == ["True", str(tmp_path / "s"), "False"], out.stderr
+    assert out.stdout.split() == ["True", str(tmp_path / "s"), "False", "True"], out.stderr
     env.pop("S4W_ACCELERATE")
     out = subprocess.run(
         [sys.executable, "-c", "import s4w_accelerate; print(s4w_accelerate.enabled())"],
