@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from _train_gpt import MODELS, Trainer  # noqa: E402
-from bench_peers import evict  # noqa: E402
+from bench_peers import S3Server, evict  # noqa: E402
 
 import s4w_core  # noqa: E402
 from s4w_core import obs  # noqa: E402
@@ -94,6 +94,12 @@ def _load_targets() -> list[tuple[Any, str, str]]:
         (checksum, "xxh3_hex", "xxh3 of chunks (all threads)"),
     ]
     try:
+        from s4w_core.store import _s3
+
+        out.append((_s3.S3Backend, "fetch", "S3Backend.fetch (whole-object download)"))
+    except ImportError:
+        pass
+    try:
         from s4w_core.gpu import _decode
 
         out += [
@@ -125,6 +131,8 @@ def main() -> int:
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json", default=None)
+    ap.add_argument("--s3", action="store_true", help="stores on SeaweedFS S3 (needs `weed`: S4W_WEED or PATH)")
+    ap.add_argument("--modes", default="save,save_async", help="comma list of save, save_async")
     ap.add_argument("--reserve", type=float, default=0.0,
                     help="call store.reserve(state) before the async saves, then sleep this many seconds")
     args = ap.parse_args()
@@ -140,9 +148,17 @@ def main() -> int:
     obs.subscribe(events.append)
     result: dict[str, Any] = {"model": args.model, "variant": args.variant, "state_bytes": raw, "runs": {}}
     work = tempfile.mkdtemp(prefix="s4w-profile-", dir=args.dir)
+    s3: S3Server | None = None
+    if args.s3:
+        weed = S3Server.find_weed()
+        if weed is None:
+            print("no `weed` (set S4W_WEED)")
+            return 2
+        s3 = S3Server(weed, work)
+        s3.start()
     try:
-        for mode in ("save", "save_async"):
-            root = os.path.join(work, mode)
+        for mode in args.modes.split(","):
+            root = s3.url(mode) if s3 is not None else os.path.join(work, mode)
             st = s4w_core.CheckpointStore(root)
             if args.reserve and mode == "save_async":
                 st.reserve(tr.state())
@@ -189,7 +205,10 @@ def main() -> int:
             st.close()
             loads = {}
             for which, step in (("newest", args.saves - 1), ("keyframe", 0)):
-                evict(root)
+                if s3 is not None:
+                    s3.evict()
+                else:
+                    evict(root)
                 timers = Timers()
                 events.clear()
                 with timers.active(_load_targets()):
@@ -215,6 +234,8 @@ def main() -> int:
             result["runs"][mode] = {"saves": rows, "loads": loads}
     finally:
         obs.unsubscribe(events.append)
+        if s3 is not None:
+            s3.stop()
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:

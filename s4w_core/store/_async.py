@@ -368,41 +368,50 @@ def _unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _release(mm: mmap.mmap, ptr: int, on_free: Callable[[], None] | None) -> None:
+def _release(mm: mmap.mmap, ptr: int, on_free: Callable[[int], None] | None) -> None:
     """The last tensor on a slab is gone: unregister it while ``mm`` still maps it (this
     reference is the mapping's last; it is unmapped when the finalizer lets go of it)."""
     _unregister(ptr)
     if on_free is not None:
-        on_free()
+        on_free(ptr)
     del mm
 
 
+def _fault_in(slab: torch.Tensor, threads: int) -> None:
+    """Touch every page of ``slab`` (``threads`` threads on disjoint page ranges)."""
+    n = slab.numel()
+    threads = max(1, min(threads, -(-n // (4 << 20))))
+    if threads == 1:
+        slab.fill_(0)
+        return
+    per = -(-n // threads)
+    step = -(-per // mmap.PAGESIZE) * mmap.PAGESIZE
+    with ThreadPoolExecutor(threads, thread_name_prefix="s4w-pin") as ex:
+        list(ex.map(lambda i: slab[i * step : (i + 1) * step].fill_(0), range(threads)))
+
+
 def pinned_slab(
-    nbytes: int, device: torch.device | None = None, on_free: Callable[[], None] | None = None
+    nbytes: int,
+    device: torch.device | None = None,
+    on_free: Callable[[int], None] | None = None,
+    *,
+    threads: int = 8,
 ) -> tuple[torch.Tensor, bool]:
     """``nbytes`` of page-locked host memory as one uint8 tensor, and whether it is a registered
     slab (False: torch's pinned allocator gave it, after registration failed).
 
-    A slab is an anonymous mapping whose pages several threads fault in at once, registered with
-    CUDA in one ``cudaHostRegister`` call: 0.40 s for a 1.82 GB training state on an H100 host
-    against 1.37 s for torch's pinned allocator (``benchmarks/bench_host_io.py``).  It is
-    unregistered, then unmapped, when the last tensor on its storage is gone (views, detached
-    ones included: the storage holds the memoryview the finalizer watches); ``on_free`` is called
-    then.  ``device``: the CUDA device whose context registers the memory (a background thread
-    must not create a context on device 0 of a multi-GPU node)."""
+    A slab is an anonymous mapping whose pages ``threads`` threads fault in, registered with CUDA
+    in one ``cudaHostRegister`` call.  It is unregistered, then unmapped, when the last tensor on
+    its storage is gone (views, detached ones included: the storage holds the memoryview the
+    finalizer watches); ``on_free(address)`` is called then.  ``device``: the CUDA device whose
+    context registers the memory (a background thread must not create a context on device 0 of a
+    multi-GPU node)."""
     nbytes = max(nbytes, 1)
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         mm = mmap.mmap(-1, nbytes)
         mv = memoryview(mm)
         slab = torch.frombuffer(mv, dtype=torch.uint8)  # the storage holds ``mv``, ``mv`` the mapping
-        threads = max(1, min(8, os.cpu_count() or 1, -(-nbytes // (4 << 20))))
-        step = -(-nbytes // threads)
-        step = -(-step // mmap.PAGESIZE) * mmap.PAGESIZE
-        if threads == 1:
-            slab.fill_(0)
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="s4w-pin") as ex:  # fault the pages in, in parallel
-                list(ex.map(lambda i: slab[i * step : (i + 1) * step].fill_(0), range(threads)))
+        _fault_in(slab, threads)
         ptr = slab.data_ptr()
         rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE)
         if int(rc) != 0:
@@ -413,16 +422,50 @@ def pinned_slab(
     return slab, True
 
 
+#: slabs one allocation is split into, each faulted in and registered on its own thread: page
+#: faults on separate mappings scale where threads faulting one mapping contend (1.82 GB on an
+#: H100 host: 0.16-0.19 s as 8 slabs against 0.40-0.50 s as one, ``host_io_parallel_slabs.log``)
+_SLABS = 8
+
+
 def pinned_buffers(
-    sizes: list[int], device: torch.device | None = None, on_free: Callable[[], None] | None = None
-) -> tuple[list[torch.Tensor], bool]:
-    """One :func:`pinned_slab` cut into buffers of ``sizes`` bytes (each 512-byte aligned)."""
-    offs, pos = [], 0
-    for n in sizes:
-        offs.append(pos)
-        pos += -(-max(n, 1) // 512) * 512
-    slab, registered = pinned_slab(pos, device, on_free)
-    return [slab[o : o + n] for o, n in zip(offs, sizes)], registered
+    sizes: list[int], device: torch.device | None = None, on_free: Callable[[int], None] | None = None
+) -> tuple[list[torch.Tensor], set[int]]:
+    """Pinned buffers of ``sizes`` bytes (each 512-byte aligned), cut from up to
+    :data:`_SLABS` slabs of about equal bytes (consecutive buffers share a slab), allocated in
+    parallel.  Returns the buffers and the addresses of the slabs that are registered (see
+    :func:`pinned_slab`; ``on_free`` is called with a slab's address when it is released)."""
+    slots = [-(-max(n, 1) // 512) * 512 for n in sizes]
+    total = sum(slots)
+    k = max(1, min(_SLABS, os.cpu_count() or 1, len(sizes), -(-total // (64 << 20))))
+    groups: list[list[int]] = [[]]
+    acc = 0
+    for i, n in enumerate(slots):  # consecutive buffers, cut when a group passes its share
+        if groups[-1] and acc >= total * len(groups) / k and len(groups) < k:
+            groups.append([])
+        groups[-1].append(i)
+        acc += n
+    cpus = min(_SLABS, os.cpu_count() or 1)
+
+    def one(group: list[int]) -> tuple[torch.Tensor, bool]:
+        n = sum(slots[i] for i in group)  # a slab larger than its share (one big tensor) gets more threads
+        return pinned_slab(n, device, on_free, threads=max(1, round(cpus * n / total)))
+
+    if len(groups) == 1:
+        made = [one(groups[0])]
+    else:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="s4w-slab") as ex:
+            made = list(ex.map(one, groups))
+    out: list[torch.Tensor | None] = [None] * len(sizes)
+    registered: set[int] = set()
+    for group, (slab, reg) in zip(groups, made):
+        if reg:
+            registered.add(slab.data_ptr())
+        pos = 0
+        for i in group:
+            out[i] = slab[pos : pos + sizes[i]]
+            pos += slots[i]
+    return out, registered  # type: ignore[return-value]
 
 
 class _Live:
@@ -440,12 +483,11 @@ class _Live:
 
     def add(self, ptr: int, n: int) -> None:
         with self.lock:
-            self.slabs[ptr] = n
+            self.slabs[ptr] = self.slabs.get(ptr, 0) + n
 
-    def drop(self, cell: list[int]) -> None:
+    def drop(self, ptr: int) -> None:
         with self.lock:
-            if cell:
-                self.slabs.pop(cell[0], None)
+            self.slabs.pop(ptr, None)
 
 
 class PinnedPool:
@@ -472,14 +514,13 @@ class PinnedPool:
         return self._live.bytes
 
     def _alloc(self, sizes: list[int], device: torch.device | None) -> list[torch.Tensor]:
-        cell: list[int] = []
-        bufs, registered = pinned_buffers(sizes, device, functools.partial(self._live.drop, cell))
+        bufs, registered = pinned_buffers(sizes, device, self._live.drop)
         with self._lock:
             self.allocations += 1
-        if registered:
-            ptr = bufs[0].untyped_storage().data_ptr()
-            cell.append(ptr)
-            self._live.add(ptr, sum(b.numel() for b in bufs))
+        for b in bufs:
+            ptr = b.untyped_storage().data_ptr()
+            if ptr in registered:
+                self._live.add(ptr, b.numel())
         return bufs
 
     def owns(self, t: torch.Tensor) -> bool:

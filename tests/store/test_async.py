@@ -437,7 +437,7 @@ def test_pinned_slab_is_pinned_and_unregistered_when_dropped(monkeypatch: pytest
     freed: list[int] = []
     real = _async._unregister  # noqa: SLF001
     monkeypatch.setattr(_async, "_unregister", lambda p: (gone.append(p), real(p)))
-    big, registered = _async.pinned_slab(64 << 20, on_free=lambda: freed.append(1))
+    big, registered = _async.pinned_slab(64 << 20, on_free=freed.append)
     assert registered and big.is_pinned() and big.numel() == 64 << 20
     src = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
     view = big[4096 : 4096 + src.numel()].detach().view(-1)  # a detached view: no ._base link
@@ -450,10 +450,13 @@ def test_pinned_slab_is_pinned_and_unregistered_when_dropped(monkeypatch: pytest
     assert gone == [] and view.is_pinned()  # the view still holds the slab's storage: still registered
     del view
     gc.collect()
-    assert gone == [ptr] and freed == [1]  # unregistered (while still mapped) once the last view is gone
+    assert gone == [ptr] and freed == [ptr]  # unregistered (while still mapped) once the last view is gone
     dev = torch.device("cuda", torch.cuda.current_device())
-    bufs, registered = _async.pinned_buffers([100, 9 << 20, 3], dev)
-    assert registered and [b.numel() for b in bufs] == [100, 9 << 20, 3]
+    sizes = [100, 9 << 20, 3] + [40 << 20] * 6
+    bufs, registered = _async.pinned_buffers(sizes, dev)
+    assert [b.numel() for b in bufs] == sizes
+    slabs = {b.untyped_storage().data_ptr() for b in bufs}
+    assert registered == slabs and 1 < len(slabs) <= 8  # several slabs, allocated in parallel
     assert all(b.is_pinned() for b in bufs)
     assert all(b.data_ptr() % 512 == 0 for b in bufs)
 
