@@ -553,8 +553,8 @@ class CheckpointStore:
         ``async-pinned``) is blocked only for that copy, and both kinds of save keep the copy as
         the next save's delta base.  The buffers are reused from the third save on, and the
         second generation is allocated in the background when the first save takes its buffers;
-        this call also takes the first one out of the training loop (0.4 s for a 1.82 GB state on
-        an H100 host; ``benchmarks/bench_host_io.py``).  Call it once the state exists (after the
+        this call also takes the first one out of the training loop (0.2-0.4 s for a 1.82 GB
+        state on an H100 host; ``benchmarks/bench_host_io.py``).  Call it once the state exists (after the
         optimizer's first step, whose state tensors it must include).  States without CUDA
         tensors need no pinned memory: a no-op.  Returns at once (``wait=True``: once the memory
         is allocated); the memory counts towards the store's host memory (at most two
