@@ -84,6 +84,21 @@ def pread_into(fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
     return total
 
 
+def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
+    """:data:`ReadInto` over bytes already in memory: ``src[offset:]`` copied into ``bufs`` in
+    turn until they are full or ``src`` ends. Returns the bytes copied."""
+    src = src.cast("B")
+    pos = offset
+    for b in bufs:
+        b = b.cast("B")
+        n = max(0, min(b.nbytes, src.nbytes - pos))
+        b[:n] = src[pos : pos + n]
+        pos += n
+        if n < b.nbytes:
+            break
+    return pos - offset
+
+
 class ContainerWriter:
     """Streams a container to a binary file object: ``add_chunk`` in order, then ``finish``."""
 
@@ -203,21 +218,15 @@ class ContainerReader:
         if self._readinto is not None:
             got = self._readinto(offset, views)
         else:
-            data = memoryview(self._read(offset, length))
-            got = data.nbytes
-            if got == length:
-                pos = 0
-                for v in views:
-                    v.cast("B")[:] = data[pos : pos + v.nbytes]
-                    pos += v.nbytes
+            got = copy_into(memoryview(self._read(offset, length)), 0, views)
         if got != length:
             raise self._truncated(offset, length, got)
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, name: str = "<bytes>") -> "ContainerReader":
-        mv = memoryview(data)
-        return cls(lambda o, n: bytes(mv[o : o + n]), len(mv), name)
+        mv = memoryview(data).cast("B")
+        return cls(lambda o, n: bytes(mv[o : o + n]), mv.nbytes, name, readinto=functools.partial(copy_into, mv))
 
     @classmethod
     def from_file(cls, fp: IO[bytes], name: str | None = None) -> "ContainerReader":

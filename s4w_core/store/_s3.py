@@ -21,12 +21,14 @@ no object appears, even after ``gc.collect()``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, Iterator, Mapping, Sequence
+from typing import IO, Any, Iterator, Mapping
 
 from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, StoreError
+from s4w_core.format.container import copy_into
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
 
 __all__ = ["S3Backend", "parse_s3_url"]
@@ -222,18 +224,9 @@ class S3Backend(Backend):
         else:
             with ThreadPoolExecutor(min(threads, len(offsets)), thread_name_prefix="s4w-s3-get") as ex:
                 list(ex.map(one, offsets))
-        def readinto(off: int, bufs: Sequence[memoryview]) -> int:  # copies out of the download, no bytes
-            pos = off
-            for b in bufs:
-                b = b.cast("B")
-                n = max(0, min(b.nbytes, size - pos))
-                b[:n] = view[pos : pos + n]
-                pos += n
-                if n < b.nbytes:
-                    break
-            return pos - off
 
-        return RangeReader(lambda o, n: bytes(view[o : o + n]), size, name, readinto=readinto)
+        # readinto copies straight out of the download (no intermediate bytes)
+        return RangeReader(lambda o, n: bytes(view[o : o + n]), size, name, readinto=functools.partial(copy_into, view))
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
