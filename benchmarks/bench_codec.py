@@ -221,8 +221,8 @@ def bench_nvcomp_ans(ts_gpu: list[torch.Tensor], dtype: str, repeats: int) -> di
         def d() -> None:
             codec.decode(enc, out=outs, decompression_config=dc)
 
-        t_e = _events(e, s, repeats)
-        t_d = _events(d, s, repeats)
+        t_e = event_time(e, s, repeats)
+        t_d = event_time(d, s, repeats)
     return {
         "ratio": raw / stored,
         "stored": stored,
@@ -233,7 +233,8 @@ def bench_nvcomp_ans(ts_gpu: list[torch.Tensor], dtype: str, repeats: int) -> di
     }
 
 
-def _events(fn: Callable[[], Any], s: torch.cuda.Stream, repeats: int, warmup: int = 3) -> float:
+def event_time(fn: Callable[[], Any], s: torch.cuda.Stream, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` between two CUDA events recorded on stream ``s``."""
     for _ in range(warmup):
         fn()
     s.synchronize()

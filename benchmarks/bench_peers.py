@@ -81,6 +81,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 from _train_gpt import MODELS, Trainer  # noqa: E402
+from bench_codec import event_time  # noqa: E402
 
 import s4w_core  # noqa: E402
 
@@ -553,8 +554,8 @@ def codec_nvcomp_ans(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
             d()
         t_enc = _median_time(e, ctx.args.repeats, ctx.dev)
         t_dec = _median_time(d, ctx.args.repeats, ctx.dev)
-        ev_enc = _events(lambda: codec.encode(srcs, compression_config=cc), s, ctx.args.repeats)
-        ev_dec = _events(lambda: codec.decode(enc, out=outs, decompression_config=dc), s, ctx.args.repeats)
+        ev_enc = event_time(lambda: codec.encode(srcs, compression_config=cc), s, ctx.args.repeats, warmup=0)
+        ev_dec = event_time(lambda: codec.decode(enc, out=outs, decompression_config=dc), s, ctx.args.repeats, warmup=0)
     raw = sum(sizes)
     return {
         "runs_on": "GPU",
@@ -570,18 +571,6 @@ def codec_nvcomp_ans(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
         "timing": "one batched call over all tensors (NATIVE bitstream, default 64 KiB chunks); "
         "synchronized wall clock (enc/dec_GBps, same rule as s4w) and CUDA events (…_events)",
     }
-
-
-def _events(fn: Callable[[], None], s: torch.cuda.Stream, repeats: int) -> float:
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(s)
-        fn()
-        b.record(s)
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def _host_tensors(ctx: Ctx) -> list[torch.Tensor]:
