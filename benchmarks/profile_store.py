@@ -96,7 +96,11 @@ def _load_targets() -> list[tuple[Any, str, str]]:
     try:
         from s4w_core.store import _s3
 
-        out.append((_s3.S3Backend, "fetch", "S3Backend.fetch (whole-object download)"))
+        out += [
+            (_s3.S3Backend, "fetch", "S3Backend.fetch (HEAD, download started)"),
+            (_s3.Download, "_wait", "S3 Download._wait (reads waiting for parts, all threads)"),
+            (_s3.Download, "_one", "S3 Download._one (ranged GETs, all threads)"),
+        ]
     except ImportError:
         pass
     try:

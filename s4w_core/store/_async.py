@@ -549,9 +549,9 @@ class PinnedPool:
         if wait:
             self._ahead.join()
 
-    def take(self, sizes: list[int], device: torch.device | None = None, *, ahead: bool = True) -> list[torch.Tensor]:
+    def take(self, sizes: list[int], device: torch.device | None = None) -> list[torch.Tensor]:
         """Buffers of ``sizes`` bytes: reused ones where the sizes match, the rest allocated now;
-        free buffers not reused are dropped.  ``ahead``: start allocating the next generation."""
+        free buffers not reused are dropped."""
         if self._ahead is not None:
             self._ahead.join()
             self._ahead = None
@@ -570,10 +570,16 @@ class PinnedPool:
         if missing:
             for i, b in zip(missing, self._alloc([sizes[i] for i in missing], device)):
                 out[i] = b
-        need = sum(sizes)
-        if ahead and need and self._live.bytes < 2 * need:
-            self.reserve(list(sizes), device)
         return out  # type: ignore[return-value]
+
+    def ahead(self, sizes: list[int], device: torch.device | None = None) -> None:
+        """Start allocating the next generation of ``sizes`` in the background, unless the pool
+        already holds two.  Call it once the buffers just taken are filled: faulting in and
+        registering a generation while the device copies into the last one slows those copies
+        down."""
+        need = sum(sizes)
+        if need and self._live.bytes < 2 * need:
+            self.reserve(list(sizes), device)
 
     def give(self, bufs: list[torch.Tensor]) -> None:
         """Buffers free for the next :meth:`take`; tensors the pool did not hand out are ignored."""
@@ -585,9 +591,12 @@ class PinnedPool:
 
 def host_copies(raws: list[torch.Tensor], pool: PinnedPool, *, ahead: bool = True) -> list[torch.Tensor]:
     """Host copies of ``raws`` (1-D uint8): CUDA ones into pinned buffers from ``pool`` with
-    ``non_blocking=True`` and one synchronize per device; CPU ones cloned."""
+    ``non_blocking=True`` and one synchronize per device; CPU ones cloned.  ``ahead``: then start
+    allocating the pool's next generation (:meth:`PinnedPool.ahead`)."""
     cuda = [r for r in raws if r.device.type == "cuda"]
-    bufs = iter(pool.take([r.numel() for r in cuda], cuda[0].device if cuda else None, ahead=ahead))
+    sizes = [r.numel() for r in cuda]
+    device = cuda[0].device if cuda else None
+    bufs = iter(pool.take(sizes, device))
     out = []
     devices = set()
     for r in raws:
@@ -600,4 +609,6 @@ def host_copies(raws: list[torch.Tensor], pool: PinnedPool, *, ahead: bool = Tru
             out.append(r.detach().clone())
     for d in devices:
         torch.cuda.synchronize(d)
+    if ahead:
+        pool.ahead(sizes, device)
     return out

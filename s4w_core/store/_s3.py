@@ -21,17 +21,77 @@ no object appears, even after ``gc.collect()``.
 from __future__ import annotations
 
 import contextlib
-import functools
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, Iterator, Mapping
+from typing import IO, Any, Callable, Iterator, Mapping, Sequence
 
 from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, StoreError
 from s4w_core.format.container import copy_into
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
 
 __all__ = ["S3Backend", "parse_s3_url"]
+
+
+class Download:
+    """One object of ``size`` bytes downloading in the background into one buffer, as parts of
+    ``part`` bytes that ``get(offset, into) -> bytes got`` fetches on ``threads`` threads: the
+    last part first (a container's trailer and manifest), then in order from the front.
+
+    :meth:`read` and :meth:`readinto` wait for the parts they cover (and raise the error of a part
+    that failed, as the StoreError ``get`` raised); :meth:`close` drops the parts not started yet.
+    The buffer is an anonymous mapping: its pages are faulted in by the threads that fill them."""
+
+    def __init__(self, get: Callable[[int, memoryview], int], size: int, name: str, part: int, threads: int) -> None:
+        self.size, self.name, self._part = size, name, part
+        self._get = get
+        self._view = memoryview(mmap.mmap(-1, max(size, 1)))[:size]
+        n = -(-size // part)
+        self._done = [threading.Event() for _ in range(n)]
+        self._error: list[BaseException | None] = [None] * n
+        self._closed = False
+        order = [n - 1, *range(n - 1)] if n > 1 else list(range(n))
+        if order:
+            ex = ThreadPoolExecutor(min(threads, n), thread_name_prefix="s4w-s3-get")
+            for i in order:
+                ex.submit(self._one, i)
+            ex.shutdown(wait=False)  # the queued parts still run; its threads end after the last
+
+    def _one(self, i: int) -> None:
+        off = i * self._part
+        n = min(self._part, self.size - off)
+        try:
+            if self._closed:
+                raise StoreError(f"cannot read {self.name}: the download was closed")
+            got = self._get(off, self._view[off : off + n])
+            if got != n:
+                raise StoreError(f"cannot read {self.name}: got {got} of {n} bytes at offset {off} (object changed?)")
+        except BaseException as e:  # noqa: BLE001 - raised in every read that needs this part
+            self._error[i] = e if isinstance(e, StoreError) else StoreError(f"cannot read {self.name}: {e}")
+        finally:
+            self._done[i].set()
+
+    def _wait(self, offset: int, length: int) -> None:
+        end = min(self.size, offset + length)
+        if end <= offset:
+            return
+        for i in range(offset // self._part, (end - 1) // self._part + 1):
+            self._done[i].wait()
+            e = self._error[i]
+            if e is not None:
+                raise type(e)(*e.args) from e  # a fresh exception per reader thread
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._wait(offset, length)
+        return bytes(self._view[offset : offset + length])
+
+    def readinto(self, offset: int, bufs: Sequence[memoryview]) -> int:
+        self._wait(offset, sum(memoryview(b).nbytes for b in bufs))
+        return copy_into(self._view, offset, bufs)
+
+    def close(self) -> None:
+        self._closed = True
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -190,43 +250,33 @@ class S3Backend(Backend):
         return RangeReader(read, size, name)
 
     def fetch(self, key: str) -> RangeReader:
-        """The whole object, downloaded as ``S4W_S3_FETCH_PART``-byte ranged GETs (default 32 MiB)
-        on ``S4W_S3_FETCH_THREADS`` threads (default 8) into one buffer: one GET stream moves far
-        less than the CRT client can, and every byte of it is read (a load)."""
+        """The whole object, streamed: ``S4W_S3_FETCH_PART``-byte ranged GETs (default 32 MiB) on
+        ``S4W_S3_FETCH_THREADS`` threads (default 8) download it into one buffer in the
+        background, the last part (trailer and manifest) first, then from the front; a read waits
+        only for the parts it covers, so a load decodes the first batches while later ones are
+        still downloading.  One GET stream moves far less than the CRT client can, and a load
+        reads every byte."""
         head = self._head(key)
-        size = int(head.size)
         name = f"s3://{self.bucket}/{self._key(key)}"
         part = max(1 << 20, int(os.environ.get("S4W_S3_FETCH_PART", 32 << 20)))
         threads = max(1, int(os.environ.get("S4W_S3_FETCH_THREADS", 8)))
-        buf = bytearray(size)
-        view = memoryview(buf)
 
-        def one(off: int) -> None:
-            n = min(part, size - off)
+        def get(off: int, into: memoryview) -> int:
             try:
                 r = self._client.get_object(self.bucket, self._key(key), object_info=head, reader_constructor=self._ranged)
                 r.seek(off)
                 got = 0
-                while got < n:
-                    k = r.readinto(view[off + got : off + n])
+                while got < into.nbytes:
+                    k = r.readinto(into[got:])
                     if not k:
                         break
                     got += k
+                return got
             except Exception as e:
                 raise self._error(e, "cannot read", key) from e
-            if got != n:
-                raise StoreError(f"cannot read {name}: got {got} of {n} bytes at offset {off} (object changed?)")
 
-        offsets = range(0, size, part)
-        if len(offsets) <= 1:
-            for o in offsets:
-                one(o)
-        else:
-            with ThreadPoolExecutor(min(threads, len(offsets)), thread_name_prefix="s4w-s3-get") as ex:
-                list(ex.map(one, offsets))
-
-        # readinto copies straight out of the download (no intermediate bytes)
-        return RangeReader(lambda o, n: bytes(view[o : o + n]), size, name, readinto=functools.partial(copy_into, view))
+        dl = Download(get, int(head.size), name, part, threads)
+        return RangeReader(dl.read, dl.size, name, close=dl.close, readinto=dl.readinto)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []

@@ -472,9 +472,11 @@ def test_pinned_pool_allocates_the_next_generation_ahead_and_reuses_two() -> Non
     need = sum(sizes)
     pool = PinnedPool()
     pool.reserve(sizes, dev)  # generation 1, in the background
-    a = pool.take(sizes, dev)  # waits for it; starts generation 2
+    a = pool.take(sizes, dev)  # waits for it
+    pool.ahead(sizes, dev)  # generation 2, in the background
     assert [t.numel() for t in a] == sizes and all(t.is_pinned() for t in a)
     b = pool.take(sizes, dev)  # generation 2, allocated ahead: nothing allocated now
+    pool.ahead(sizes, dev)  # the pool holds two generations: no third
     assert {t.data_ptr() for t in a}.isdisjoint(t.data_ptr() for t in b)
     assert pool.live_bytes == 2 * need
     pool.give(a)
