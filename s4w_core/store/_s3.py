@@ -20,6 +20,7 @@ no object appears, even after ``gc.collect()``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import mmap
 import os
@@ -37,34 +38,39 @@ __all__ = ["S3Backend", "parse_s3_url"]
 class Download:
     """One object of ``size`` bytes downloading in the background into one buffer, as parts of
     ``part`` bytes that ``get(offset, into) -> bytes got`` fetches on ``threads`` threads: the
-    last part first (a container's trailer and manifest), then in order from the front.
+    last ``part`` bytes first (a container's trailer and manifest), then the rest in order from
+    the front.
 
     :meth:`read` and :meth:`readinto` wait for the parts they cover (and raise the error of a part
     that failed, as the StoreError ``get`` raised); :meth:`close` drops the parts not started yet.
     The buffer is an anonymous mapping: its pages are faulted in by the threads that fill them."""
 
     def __init__(self, get: Callable[[int, memoryview], int], size: int, name: str, part: int, threads: int) -> None:
-        self.size, self.name, self._part = size, name, part
+        self.size, self.name = size, name
         self._get = get
         self._view = memoryview(mmap.mmap(-1, max(size, 1)))[:size]
-        n = -(-size // part)
+        # the last ``part`` bytes are one part (a short last part could miss most of a manifest),
+        # the rest is cut from the front; parts are listed by offset, the tail is fetched first
+        tail = max(0, size - part)
+        self._starts = [*range(0, tail, part), tail] if size else []
+        n = len(self._starts)
+        self._ends = [*self._starts[1:], size]
         self._done = [threading.Event() for _ in range(n)]
         self._error: list[BaseException | None] = [None] * n
         self._closed = False
-        order = [n - 1, *range(n - 1)] if n > 1 else list(range(n))
-        if order:
+        if n:
             ex = ThreadPoolExecutor(min(threads, n), thread_name_prefix="s4w-s3-get")
-            for i in order:
+            for i in [n - 1, *range(n - 1)]:
                 ex.submit(self._one, i)
             ex.shutdown(wait=False)  # the queued parts still run; its threads end after the last
 
     def _one(self, i: int) -> None:
-        off = i * self._part
-        n = min(self._part, self.size - off)
+        off, end = self._starts[i], self._ends[i]
+        n = end - off
         try:
             if self._closed:
                 raise StoreError(f"cannot read {self.name}: the download was closed")
-            got = self._get(off, self._view[off : off + n])
+            got = self._get(off, self._view[off:end])
             if got != n:
                 raise StoreError(f"cannot read {self.name}: got {got} of {n} bytes at offset {off} (object changed?)")
         except BaseException as e:  # noqa: BLE001 - raised in every read that needs this part
@@ -76,7 +82,7 @@ class Download:
         end = min(self.size, offset + length)
         if end <= offset:
             return
-        for i in range(offset // self._part, (end - 1) // self._part + 1):
+        for i in range(bisect.bisect_right(self._starts, offset) - 1, bisect.bisect_left(self._starts, end)):
             self._done[i].wait()
             e = self._error[i]
             if e is not None:

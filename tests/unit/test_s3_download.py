@@ -31,7 +31,8 @@ def test_reassembles_the_object_last_part_first() -> None:
     calls: list[int] = []
     dl = Download(_getter(DATA, calls), len(DATA), "s3://b/k", 1000, 1)
     assert dl.read(0, len(DATA)) == DATA
-    assert calls == [10000, *range(0, 10000, 1000)]  # trailer and manifest first, then the front
+    # the last 1000 bytes first (trailer and manifest), then from the front (a short part before it)
+    assert calls == [9500, *range(0, 9500, 1000)]
     a, b = bytearray(7), bytearray(5000)
     assert dl.readinto(len(DATA) - 7, [memoryview(a), memoryview(b)]) == 7 and bytes(a) == DATA[-7:]
     mid = bytearray(2500)
@@ -79,10 +80,21 @@ def test_a_failed_part_fails_only_the_reads_that_need_it() -> None:
 
 
 def test_a_short_part_is_an_error_not_zeros() -> None:
-    dl = Download(_getter(DATA[:9500]), len(DATA), "s3://b/k", 1000, 2)  # the object shrank
-    assert dl.read(0, 9000) == DATA[:9000]
-    with pytest.raises(StoreError, match=r"got 500 of 1000 bytes at offset 9000 \(object changed\?\)"):
-        dl.read(9000, 10)
+    dl = Download(_getter(DATA[:9700]), len(DATA), "s3://b/k", 1000, 2)  # the object shrank
+    assert dl.read(0, 9500) == DATA[:9500]
+    with pytest.raises(StoreError, match=r"got 200 of 1000 bytes at offset 9500 \(object changed\?\)"):
+        dl.read(9400, 200)
+
+
+@pytest.mark.parametrize("size", [1, 999, 1000, 1001, 3000])
+def test_part_boundaries(size: int) -> None:
+    calls: list[int] = []
+    data = DATA[:size]
+    dl = Download(_getter(data, calls), size, "s3://b/k", 1000, 3)
+    assert dl.read(0, size) == data
+    assert sorted(calls) == sorted({*range(0, max(0, size - 1000), 1000), max(0, size - 1000)})
+    for off in range(0, size, 97):  # every read sees exactly its bytes
+        assert dl.read(off, 150) == data[off : off + 150]
 
 
 def test_close_drops_the_parts_not_started() -> None:
