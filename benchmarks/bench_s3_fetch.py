@@ -1,0 +1,93 @@
+"""How fast one object comes back from S3 (SeaweedFS on 127.0.0.1) with each read pattern.
+
+A load of ``CheckpointStore("s3://...")`` or of DCP + ``S4StorageReader`` downloads each
+container with :meth:`s4w_core.store._s3.S3Backend.fetch` (parts fetched on threads while the
+decoder reads the ones that arrived). This measures, on one object of ``--mib`` MiB of random
+bytes: one GET stream read sequentially (s3torchconnector's default reader, as ``S3Checkpoint``
+and ``S3StorageReader`` read), and ``fetch`` for each part size x threads, read front to back.
+
+Usage: python benchmarks/bench_s3_fetch.py [--mib 1200] [--parts 8,16,32,64] [--threads 4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench_peers import S3Server  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=1200)
+    ap.add_argument("--parts", default="8,16,32,64", help="part sizes (MiB) for fetch")
+    ap.add_argument("--threads", default="4,8,16", help="thread counts for fetch")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    a = ap.parse_args()
+    weed = S3Server.find_weed()
+    if weed is None:
+        print("no `weed` binary (set S4W_WEED)")
+        return 2
+    srv = S3Server(weed, a.dir)
+    srv.start()
+    try:
+        from s4w_core.store._s3 import S3Backend
+
+        be = S3Backend(srv.url("fetch"))
+        size = a.mib << 20
+        data = os.urandom(size)
+        with be.writer("obj") as f:
+            f.write(data)
+        del data
+        print(f"object: {size / 1e9:.2f} GB of random bytes on SeaweedFS (weed mini), 127.0.0.1")
+
+        def one_stream() -> None:
+            r = be._client.get_object(be.bucket, be._key("obj"))  # noqa: SLF001 - the default sequential reader
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                k = r.readinto(view[got:])
+                if not k:
+                    break
+                got += k
+            assert got == size
+
+        def fetched(part: int, threads: int) -> None:
+            os.environ["S4W_S3_FETCH_PART"] = str(part << 20)
+            os.environ["S4W_S3_FETCH_THREADS"] = str(threads)
+            rr = be.fetch("obj")
+            block = 16 << 20
+            out = bytearray(block)
+            for off in range(0, size, block):  # a decoder reading front to back
+                rr.readinto(off, [memoryview(out)[: min(block, size - off)]])
+            rr.close()
+
+        def timed(label: str, fn, *args) -> None:  # type: ignore[no-untyped-def]
+            ts = []
+            for _ in range(a.repeats):
+                t = time.perf_counter()
+                fn(*args)
+                ts.append(time.perf_counter() - t)
+            best = min(ts)
+            print(f"{label:34s} {best:6.3f} s  {size / best / 1e9:5.2f} GB/s  (runs: {', '.join(f'{x:.3f}' for x in ts)})", flush=True)
+
+        timed("one GET stream, sequential", one_stream)
+        for p in (int(x) for x in a.parts.split(",")):
+            for t in (int(x) for x in a.threads.split(",")):
+                timed(f"fetch part {p} MiB x {t} threads", fetched, p, t)
+    finally:
+        srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
