@@ -29,16 +29,20 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import io
 import json
 import os
 import re
+import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Iterator
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -66,6 +70,9 @@ from s4w_core import api, obs
 from s4w_core._fsutil import atomic_write
 from s4w_core.errors import CheckpointNotFoundError, ManifestError, UnsupportedTypeError
 from s4w_core.skeleton import decode_tree, encode_tree
+
+if TYPE_CHECKING:
+    from s4w_core.store._async import PinnedPool
 
 __all__ = ["S4StorageWriter", "S4StorageReader", "METADATA_NAME"]
 
@@ -331,22 +338,86 @@ def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.
     return t
 
 
-def _stage_tree(obj: Any, to_cpu: bool, pin: bool) -> Any:
-    """A copy of a (nested) state dict whose tensors no longer alias training memory."""
+def _stage_tree(obj: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] = copy.deepcopy) -> Any:
+    """A copy of a (nested) state dict: ``fn`` applied to every tensor, ``leaf`` to every other
+    value (dicts, lists and tuples are rebuilt; a namedtuple is a leaf)."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if to_cpu and t.device.type != "cpu":
-            out = torch.empty_like(t, device="cpu", pin_memory=pin)
-            out.copy_(t, non_blocking=pin)
-            return out
-        return t.clone()
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _stage_tree(v, to_cpu, pin) for k, v in obj.items()}
+        return {k: _stage_tree(v, fn, leaf) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_stage_tree(v, to_cpu, pin) for v in obj]
+        return [_stage_tree(v, fn, leaf) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_stage_tree(v, to_cpu, pin) for v in obj)
-    return copy.deepcopy(obj)
+        return tuple(_stage_tree(v, fn, leaf) for v in obj)
+    return leaf(obj)
+
+
+def _clone(obj: torch.Tensor, to_cpu: bool, pin: bool) -> torch.Tensor:
+    """A copy of one tensor that no longer aliases training memory: on its device, or (``to_cpu``)
+    in host memory, pinned by torch's allocator when ``pin`` (then copied with ``non_blocking``)."""
+    t = obj.detach()
+    if to_cpu and t.device.type != "cpu":
+        out = torch.empty_like(t, device="cpu", pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+    return t.clone()
+
+
+def _pool_staged(t: torch.Tensor) -> bool:
+    """Is ``t`` staged into a buffer of the pinned pool (a plain dense CUDA tensor with bytes)?
+    Everything else is staged by :func:`_clone`."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.is_cuda
+        and not t.is_quantized
+        and t.numel() > 0
+    )
+
+
+_POOL: PinnedPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pinned_pool() -> PinnedPool:
+    """The process-wide pool of pinned host buffers that ``stage_to="cpu"`` stages into
+    (created on first use; every writer shares it, so consecutive saves reuse its buffers)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            from s4w_core.store._async import PinnedPool
+
+            _POOL = PinnedPool()
+        return _POOL
+
+
+@dataclass(eq=False)
+class _Staged:
+    """What one :meth:`S4StorageWriter.stage` did, for the ``write_data`` of the same save."""
+
+    staged_s: float  # seconds the caller was blocked
+    device: torch.device | None  # the CUDA device the state came from (None: no CUDA tensors)
+    bufs: list[torch.Tensor] = field(default_factory=list)  # pool buffers holding the copy
+    keys: frozenset[int] = frozenset()  # their addresses: the staged tensors' data_ptr()s
+    alive: list[weakref.ref[Any]] = field(default_factory=list)  # the arrays behind the staged tensors
+
+    def dead(self) -> bool:
+        """Nothing refers to the staged tensors any more (their save failed before writing)."""
+        return bool(self.alive) and all(r() is None for r in self.alive)
+
+
+def _cuda_devices(state_dict: Any) -> list[torch.device]:
+    """The CUDA devices of the tensors in ``state_dict``, in order of appearance."""
+    if not torch.cuda.is_available():
+        return []
+    return list(dict.fromkeys(t.device for t in _iter_tensors(state_dict) if t.is_cuda))
+
+
+def _sync_streams(devices: Iterable[torch.device]) -> None:
+    """Wait for the copies enqueued on the current stream of each CUDA device."""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.current_stream(d).synchronize()
 
 
 _STEP_RE = re.compile(r"(?:^|[^0-9a-z])(?:step|global_step|checkpoint|ckpt)[-_=]?(\d+)$", re.IGNORECASE)
@@ -379,19 +450,24 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 class S4StorageWriter(StorageWriter):
     """A DCP :class:`StorageWriter` that writes one compressed s4weights container per rank.
 
-    Works with ``dcp.save`` and ``dcp.async_save`` (it is its own ``AsyncStager``: by default the
-    staged copy stays on the tensors' device so the GPU codec still sees it; pass
-    ``stage_to="cpu"`` to stage in host memory instead, as DCP's default stager does).
+    Works with ``dcp.save`` and ``dcp.async_save`` (it is its own ``AsyncStager``).  By default
+    (``stage_to="cpu"``) ``dcp.async_save`` blocks for one device-to-host copy of the state into
+    pinned host buffers that later saves reuse (the first save allocates them), and the background
+    write still codes on the GPU the state came from (``profile="auto"`` gives ``"fast"`` there);
+    ``stage_to="device"`` stages faster but holds a full device copy of the state until the write
+    has finished.
 
     Args:
         path: the checkpoint folder, a local path or ``s3://bucket/prefix``; ``dcp.save``'s
             ``checkpoint_id`` overrides it.
         profile: s4weights profile (``"auto"``: GPU codecs when the tensors are on a usable GPU,
-            else ``"portable"``; ``"portable"``: decodable anywhere).
+            or were staged from one by ``dcp.async_save``, else ``"portable"``; ``"portable"``:
+            decodable anywhere).
         overwrite: allow writing over an existing checkpoint at ``path`` (the old one stays
             readable until the new metadata commits; its data files are deleted afterwards).
         threads: CPU threads for coding.
-        stage_to: ``"device"`` (default) or ``"cpu"``; where ``dcp.async_save`` stages its copy.
+        stage_to: where ``dcp.async_save`` stages its copy: ``"cpu"`` (default; pinned host
+            buffers, reused across saves) or ``"device"`` (a clone on the tensors' device).
         s3_options: passed to the store's S3 backend (endpoint, region, ...).
     Raises:
         RuntimeError: at save, when ``overwrite=False`` and a checkpoint exists at ``path``.
@@ -415,7 +491,7 @@ class S4StorageWriter(StorageWriter):
         profile: str = "auto",
         overwrite: bool = True,
         threads: int | None = None,
-        stage_to: str = "device",
+        stage_to: str = "cpu",
         s3_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -434,7 +510,25 @@ class S4StorageWriter(StorageWriter):
         self.is_coordinator = False
         self.use_collectives = True
         self.last_reports: list[api.SaveReport] = []
-        self._staged_s: float | None = None  # seconds dcp.async_save's caller spent in stage()
+        self._init_staging()
+
+    def _init_staging(self) -> None:
+        self._lock = threading.Lock()
+        # the stagings into pool buffers whose write has not given them back yet (oldest first)
+        self._generations: list[_Staged] = []
+        # the last stage() without pool buffers, for the next write_data (its blocked time, device)
+        self._last: _Staged | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a process-based async_save pickles the writer: the staging bookkeeping stays here
+        state = self.__dict__.copy()
+        for k in ("_lock", "_generations", "_last"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_staging()
 
     # ---- AsyncStager protocol (dcp.async_save uses the writer as its stager)
     @property
@@ -442,13 +536,67 @@ class S4StorageWriter(StorageWriter):
         return self._synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A training-safe copy of ``state_dict`` (tensors cloned on their device, or to CPU)."""
+        """A training-safe copy of ``state_dict``: ``stage_to="cpu"``: plain CUDA tensors copied into
+        pinned buffers of the process-wide pool (reused by the next save once this one is written),
+        other tensors cloned to host memory; ``stage_to="device"``: tensors cloned on their device.
+        Returns once the copies are complete."""
         t0 = time.perf_counter()
-        staged = _stage_tree(state_dict, self.stage_to == "cpu", torch.cuda.is_available())
-        if torch.cuda.is_available() and any(t.is_cuda for t in _iter_tensors(state_dict)):
-            torch.cuda.current_stream().synchronize()
-        self._staged_s = time.perf_counter() - t0
+        devices = _cuda_devices(state_dict)
+        gen: _Staged | None = None
+        if self.stage_to == "cpu" and devices:
+            staged, gen = self._stage_pinned(state_dict, devices)
+        else:
+            pin = torch.cuda.is_available()
+            staged = _stage_tree(state_dict, functools.partial(_clone, to_cpu=self.stage_to == "cpu", pin=pin))
+            _sync_streams(devices)
+        info = gen if gen is not None else _Staged(0.0, None)
+        info.device = devices[0] if devices else None
+        info.staged_s = time.perf_counter() - t0
+        with self._lock:
+            if info.bufs:
+                self._generations.append(info)
+            else:
+                self._last = info
         return staged
+
+    def _stage_pinned(self, state_dict: dict[str, Any], devices: list[torch.device]) -> tuple[Any, _Staged]:
+        """:meth:`stage` into the pinned pool: one ``take`` for all plain CUDA tensors, one
+        non-blocking copy each, one stream synchronize per device."""
+        pool = _pinned_pool()
+        with self._lock:  # stagings whose save failed before writing: nothing reads them any more
+            dead = [g for g in self._generations if g.dead()]
+            self._generations = [g for g in self._generations if g not in dead]
+        for g in dead:
+            pool.give(g.bufs)
+        srcs: list[torch.Tensor] = []
+        _stage_tree(state_dict, lambda t: srcs.append(t) if _pool_staged(t) else None, lambda _: None)
+        # No pool.ahead() afterwards: with one save in flight at a time (DCP's usual pattern) the
+        # next take() reuses this generation once written, and a spare one would be dropped by it.
+        bufs = pool.take([t.numel() * t.element_size() for t in srcs], srcs[0].device) if srcs else []
+        it = iter(bufs)
+        alive: list[weakref.ref[Any]] = []
+
+        def copy_in(t: torch.Tensor) -> torch.Tensor:
+            if not _pool_staged(t):
+                return _clone(t, to_cpu=True, pin=True)
+            # a tensor of its own storage (exactly its bytes, which the container stores) on the
+            # buffer's memory; the array between them keeps the buffer alive, and tells when the
+            # staged tensors are all gone
+            arr = next(it).numpy()
+            alive.append(weakref.ref(arr))
+            out = torch.from_numpy(arr).view(t.dtype).view(t.shape)
+            out.copy_(t.detach(), non_blocking=True)
+            return out
+
+        try:
+            staged = _stage_tree(state_dict, copy_in)
+            _sync_streams(devices)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                _sync_streams(devices)  # copies still in flight write into the buffers
+            pool.give(bufs)
+            raise
+        return staged, _Staged(0.0, None, bufs, frozenset(b.data_ptr() for b in bufs), alive)
 
     def synchronize_staging(self) -> None:
         """Staging is blocking: nothing to wait for."""
@@ -495,25 +643,42 @@ class S4StorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.folder is not None
         t0 = time.perf_counter()
-        staged_s, self._staged_s = self._staged_s, None
         timer = obs.StageTimer()
         inner: list[obs.OpEvent] = []
+        info: _Staged | None = None
+        claimed = False
         try:
             with timer.stage("resolve"):
                 fname, tensors, blobs, placed = self._gather(plan, planner)
+            info = self._claim(tensors.values(), planner)
+            claimed = True
+            profile = self.profile
+            if profile == "auto" and info is not None and info.device is not None and self.stage_to == "cpu":
+                # staged from the GPU into host memory: code it on the GPU still, as device staging does
+                profile = "fast" if api._gpu() is not None else profile  # noqa: SLF001
+            # DCP's async thread starts on cuda:0: code on the device the state came from
+            dev = None if info is None else info.device
+            on: contextlib.AbstractContextManager[Any] = (
+                torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
+            )
             t1 = time.perf_counter()
-            with obs.suppress() as inner:  # this rank's container: one event below, not one per file
-                report = self.folder.save_container({"t": tensors, "b": blobs}, fname, self.profile, self.threads)
+            with on, obs.suppress() as inner:  # this rank's container: one event below, not one per file
+                report = self.folder.save_container({"t": tensors, "b": blobs}, fname, profile, self.threads)
             container_s = time.perf_counter() - t1
         except BaseException as e:
-            self._record(t0, staged_s, timer.stages, inner, None, e)
+            if not claimed:
+                with contextlib.suppress(Exception):
+                    info = self._claim([], planner)
+            self._give_back(info, failed=True)
+            self._record(t0, None if info is None else info.staged_s, timer.stages, inner, None, e)
             raise
+        self._give_back(info, failed=False)
         _merge_stages(timer.stages, inner)
         # closing the data object (an S3 multipart upload completes here) happens after save() returned
         late = container_s - sum(e.total_s for e in inner)
         if late > 0:
             timer.add("commit", late)
-        self._record(t0, staged_s, timer.stages, inner, report, None)
+        self._record(t0, None if info is None else info.staged_s, timer.stages, inner, report, None)
         self.last_reports.append(report)
         results = [
             WriteResult(index=it.index, size_in_bytes=n, storage_data=_ItemInfo(fname, kind, key))
@@ -522,6 +687,38 @@ class S4StorageWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _claim(self, tensors: Iterable[torch.Tensor], planner: SavePlanner) -> _Staged | None:
+        """The :meth:`stage` whose copy this ``write_data`` writes: the staging into pool buffers
+        that the tensors the plan resolved (or the planner's state dict: a rank's plan may hold none
+        of its tensors after deduplication) live in, else the last staging without pool buffers;
+        None when neither (a blocking ``dcp.save``).  A matched staging is no longer listed: this
+        write gives its buffers back.  (A pool buffer's address identifies its staging: the
+        staging holds the buffer until it is given back.)"""
+        ptrs = {t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()}
+        sd = getattr(planner, "state_dict", None)  # DefaultSavePlanner: the (flattened) staged state
+        if isinstance(sd, dict):
+            for t in _iter_tensors(sd):
+                if type(t) is torch.Tensor and t.device.type == "cpu" and t.numel():
+                    ptrs.add(t.data_ptr())
+        with self._lock:
+            for g in self._generations:
+                if g.keys & ptrs:
+                    self._generations.remove(g)
+                    return g
+            info, self._last = self._last, None
+            return info
+
+    def _give_back(self, info: _Staged | None, failed: bool) -> None:
+        """The container is written (or its write failed): the staged copy's pool buffers serve the
+        next staging."""
+        if info is None or not info.bufs:
+            return
+        if failed and info.device is not None and info.device.type == "cuda":
+            with contextlib.suppress(Exception):  # host-to-device copies of the buffers may still run
+                torch.cuda.synchronize(info.device)
+        _pinned_pool().give(info.bufs)
+        info.bufs = []
 
     def _record(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -13,6 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import s4w_core
+from s4w_core import api
+from s4w_core import dcp as s4dcp
 from s4w_core.dcp import METADATA_NAME, S4StorageReader, S4StorageWriter
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
@@ -175,3 +178,341 @@ def test_s3_roundtrip_and_async(s3_url):
 
     names = [o.key for o in open_backend(url).list("")]
     assert sum(n.endswith(".s4w") for n in names) == 1 and METADATA_NAME in names
+
+
+# ----------------------------------------------------------------------------- staging (CPU)
+def _rank_file(d) -> str:
+    return str(next(p for p in (d).iterdir() if p.name.endswith(".s4w")))
+
+
+def _assert_restored(sd: dict, out: dict) -> None:
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert out[k].dtype == v.dtype and out[k].shape == v.shape, k
+            assert torch.equal(_bits(out[k]).cpu(), _bits(v).cpu()), k
+
+
+def test_stage_to_default_is_cpu_and_validated():
+    assert S4StorageWriter().stage_to == "cpu"
+    assert S4StorageWriter(stage_to="device").stage_to == "device"
+    for bad in ("gpu", "host", "", None):
+        with pytest.raises(ValueError, match="stage_to"):
+            S4StorageWriter(stage_to=bad)
+
+
+@pytest.mark.parametrize("stage_to", ["cpu", "device"])
+def test_cpu_state_stages_as_clones_without_the_pool(tmp_path, monkeypatch, stage_to):
+    def no_pool():
+        raise AssertionError("a CPU state must not use the pinned pool")
+
+    monkeypatch.setattr(s4dcp, "_pinned_pool", no_pool)
+    sd = _state()
+    w = S4StorageWriter(tmp_path / "c", stage_to=stage_to)
+    staged = w.stage(sd)
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert staged[k].device.type == "cpu" and staged[k].data_ptr() != v.data_ptr(), k
+            assert torch.equal(_bits(staged[k]), _bits(v)), k
+    assert staged["opt"] == sd["opt"] and staged["opt"] is not sd["opt"]
+    assert w._generations == [] and w._last is not None and w._last.device is None  # noqa: SLF001
+    dcp.save(staged, storage_writer=w, no_dist=True)
+    assert w._last is None  # noqa: SLF001 - the write took the staging's record
+    out = _zeros_like(sd)
+    dcp.load(out, storage_reader=S4StorageReader(tmp_path / "c"), no_dist=True)
+    _assert_restored(sd, out)
+    assert s4w_core.info(_rank_file(tmp_path / "c"))["profile"] == "portable"
+
+
+class _FakePool:
+    """Stands in for s4w_core.store._async.PinnedPool on a machine without CUDA: same take/give
+    semantics (reuse by size, free buffers not reused are dropped), pageable buffers cut from one
+    slab per allocation at 512-byte slots."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocations = 0
+        self.taken: list[list[torch.Tensor]] = []
+        self.given: list[list[torch.Tensor]] = []
+
+    def take(self, sizes, device=None):
+        free, self.free = self.free, {}
+        out, missing = [], []
+        for i, n in enumerate(sizes):
+            lst = free.get(n)
+            out.append(lst.pop() if lst else None)
+            if out[-1] is None:
+                missing.append(i)
+        if missing:
+            self.allocations += 1
+            slots = [-(-max(sizes[i], 1) // 512) * 512 for i in missing]
+            slab = torch.zeros(sum(slots), dtype=torch.uint8)
+            pos = 0
+            for i, n in zip(missing, slots):
+                out[i] = slab[pos : pos + sizes[i]]
+                pos += n
+        self.taken.append(out)
+        return out
+
+    def give(self, bufs):
+        self.given.append(list(bufs))
+        for b in bufs:
+            self.free.setdefault(b.numel(), []).append(b)
+
+
+def _ptrs(bufs) -> list[int]:
+    return sorted(b.data_ptr() for b in bufs)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CPU tensors take the pinned-pool staging path (as plain CUDA tensors do on a GPU)."""
+    pool = _FakePool()
+    monkeypatch.setattr(s4dcp, "_pinned_pool", lambda: pool)
+    monkeypatch.setattr(
+        s4dcp, "_pool_staged", lambda t: type(t) is torch.Tensor and t.layout == torch.strided and t.numel() > 0
+    )
+    monkeypatch.setattr(
+        s4dcp, "_cuda_devices", lambda sd: [torch.device("cpu")] if any(True for _ in s4dcp._iter_tensors(sd)) else []
+    )
+    return pool
+
+
+def test_pool_staging_async_saves_reuse_buffers_simulated(tmp_path, fake_cuda):
+    pool = fake_cuda
+    sd = _state() | {"empty": torch.zeros(0, 5), "half_empty": torch.zeros(3, 0, dtype=torch.bfloat16)}
+    w = S4StorageWriter()
+    expected = []
+    for i in range(2):
+        expected.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()})
+        fut = dcp.async_save(sd, checkpoint_id=tmp_path / f"s{i}", storage_writer=w, no_dist=True)
+        for v in sd.values():  # training goes on: the staged copy is not affected
+            if isinstance(v, torch.Tensor) and v.dtype != torch.bool:
+                v.add_(1)
+        fut.result()
+        assert w._generations == []  # noqa: SLF001 - the write gave its buffers back
+    n_pool = sum(1 for v in sd.values() if isinstance(v, torch.Tensor) and v.numel())
+    assert pool.allocations == 1 and [len(b) for b in pool.taken] == [n_pool, n_pool]
+    assert _ptrs(pool.taken[0]) == _ptrs(pool.taken[1])  # the second save reused the first one's buffers
+    assert [_ptrs(b) for b in pool.given] == [_ptrs(b) for b in pool.taken]
+    for i in range(2):
+        out = _zeros_like(expected[i])
+        dcp.load(out, storage_reader=S4StorageReader(tmp_path / f"s{i}"), no_dist=True)
+        _assert_restored(expected[i], out)
+        assert out["opt"] == expected[i]["opt"]
+    # a staged tensor owns exactly its bytes: the container stores the view's 100 floats, not the slab
+    content = s4w_core.load(_rank_file(tmp_path / "s0"))
+    assert content["t"]["view"].untyped_storage().nbytes() == 400
+
+
+def test_pool_staging_interleaved_saves_give_back_the_right_generation(tmp_path, fake_cuda):
+    pool = fake_cuda
+    a = {"x": torch.arange(1000.0), "y": torch.arange(10, dtype=torch.int16)}
+    b = {"x": torch.arange(1000.0) * 2, "y": torch.arange(10, dtype=torch.int16) * 2}
+    w = S4StorageWriter()
+    sa = w.stage(a)
+    sb = w.stage(b)  # the next save is staged before the first one is written
+    assert pool.allocations == 2 and len(w._generations) == 2  # noqa: SLF001
+    assert sa["x"].data_ptr() in w._generations[0].keys  # noqa: SLF001
+    # a blocking save with the same writer stages nothing: it gives nothing back
+    dcp.save({"z": torch.ones(3)}, checkpoint_id=tmp_path / "z", storage_writer=w, no_dist=True)
+    assert pool.given == [] and len(w._generations) == 2  # noqa: SLF001
+    dcp.save(sb, checkpoint_id=tmp_path / "b", storage_writer=w, no_dist=True)
+    assert [_ptrs(g) for g in pool.given] == [_ptrs(pool.taken[1])]
+    dcp.save(sa, checkpoint_id=tmp_path / "a", storage_writer=w, no_dist=True)
+    assert [_ptrs(g) for g in pool.given] == [_ptrs(pool.taken[1]), _ptrs(pool.taken[0])]
+    assert w._generations == []  # noqa: SLF001
+    for name, want in (("a", a), ("b", b)):
+        out = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(out, storage_reader=S4StorageReader(tmp_path / name), no_dist=True)
+        _assert_restored(want, out)
+    # the next staging reuses a generation that was given back
+    w.stage(a)
+    assert pool.allocations == 2
+
+
+def test_pool_staging_gives_back_after_failed_or_abandoned_saves(tmp_path, fake_cuda, monkeypatch):
+    pool = fake_cuda
+    sd = {"x": torch.arange(100.0)}
+    w = S4StorageWriter()
+    staged = w.stage(sd)
+    del staged  # its save never wrote it: once nothing refers to it, the next staging reclaims it
+    gc.collect()
+    staged = w.stage(sd)
+    assert pool.allocations == 1 and len(pool.given) == 1 and len(w._generations) == 1  # noqa: SLF001
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(s4dcp._Folder, "save_container", boom)  # noqa: SLF001
+    with pytest.raises(BaseException, match="disk full"):
+        dcp.save(staged, checkpoint_id=tmp_path / "f", storage_writer=w, no_dist=True)
+    assert len(pool.given) == 2 and w._generations == []  # noqa: SLF001 - a failed write gives back too
+
+
+# ----------------------------------------------------------------------------- staging (GPU)
+def _cuda_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300, 200, generator=g)
+    return {
+        "w_bf16": torch.randn(1 << 20, generator=g).to(torch.bfloat16).cuda(),
+        "w_f32": torch.randn(512, 1024, generator=g).cuda(),
+        "nc": big.cuda().t()[:, 10:150],  # a non-contiguous view
+        "empty": torch.zeros(0, 7, device="cuda"),
+        "i64": torch.arange(1000, device="cuda"),
+        "opt": {"step": 3, "name": "adamw"},  # a non-tensor leaf
+    }
+
+
+def _cuda_zeros_like(sd: dict) -> dict:
+    return {
+        k: (torch.zeros_like(v.contiguous()) if isinstance(v, torch.Tensor) else {kk: None for kk in v})
+        for k, v in sd.items()
+    }
+
+
+def _state_bytes(sd: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
+
+
+def _expected_profile() -> str:
+    return "fast" if api._gpu() is not None else "portable"  # noqa: SLF001
+
+
+@pytest.mark.gpu
+def test_gpu_async_save_default_stages_to_pinned_host_and_codes_fast(tmp_path):
+    sd = _cuda_state()
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    w = S4StorageWriter(tmp_path / "c")
+    assert w.stage_to == "cpu"
+    fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
+    for v in sd.values():  # training goes on while the write runs
+        if isinstance(v, torch.Tensor):
+            v.add_(1)
+    fut.result()
+    assert w.last_reports[0].profile == _expected_profile()
+    assert s4w_core.info(_rank_file(tmp_path / "c"))["profile"] == _expected_profile()
+    out = _cuda_zeros_like(sd)
+    dcp.load(out, storage_reader=S4StorageReader(tmp_path / "c"), no_dist=True)
+    assert all(v.is_cuda for v in out.values() if isinstance(v, torch.Tensor))
+    _assert_restored(expected, out)
+    assert out["opt"] == sd["opt"]
+
+
+@pytest.mark.gpu
+def test_gpu_stage_copies_into_pinned_buffers_without_device_memory(tmp_path):
+    sd = _cuda_state()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    w = S4StorageWriter(tmp_path / "c")
+    staged = w.stage(sd)
+    grown = torch.cuda.max_memory_allocated() - base
+    assert grown < 0.1 * _state_bytes(sd), (grown, _state_bytes(sd))
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            s = staged[k]
+            assert s.device.type == "cpu" and s.dtype == v.dtype and s.shape == v.shape and s.is_contiguous(), k
+            assert v.numel() == 0 or s.is_pinned(), k
+            assert torch.equal(_bits(s), _bits(v).cpu()), k
+    assert len(w._generations) == 1  # noqa: SLF001
+    assert all(s4dcp._pinned_pool().owns(b) for b in w._generations[0].bufs)  # noqa: SLF001
+    assert w._generations[0].device == sd["w_f32"].device  # noqa: SLF001
+    dcp.save(staged, storage_writer=w, no_dist=True)  # writes the staged copy: gives its buffers back
+    assert w._generations == []  # noqa: SLF001
+    assert w.last_reports[0].profile == _expected_profile()
+
+
+@pytest.mark.gpu
+def test_gpu_consecutive_async_saves_reuse_the_pinned_buffers(tmp_path, monkeypatch):
+    pool = s4dcp._pinned_pool()  # noqa: SLF001
+    taken: list[list[int]] = []
+    real_take = pool.take
+
+    def take(sizes, device=None):
+        bufs = real_take(sizes, device)
+        taken.append(sorted(b.data_ptr() for b in bufs))
+        return bufs
+
+    monkeypatch.setattr(pool, "take", take)
+    sd = _cuda_state()
+    w = S4StorageWriter()
+    expected = []
+    for i in range(3):
+        expected.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()})
+        dcp.async_save(sd, checkpoint_id=tmp_path / f"s{i}", storage_writer=w, no_dist=True).result()
+        if i == 0:
+            allocated = pool.allocations
+        for v in sd.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1)
+    assert pool.allocations == allocated, "the later saves allocated pinned memory again"
+    assert len(taken) == 3 and taken[0] == taken[1] == taken[2]
+    assert w._generations == []  # noqa: SLF001
+    for i in range(3):
+        out = _cuda_zeros_like(sd)
+        dcp.load(out, storage_reader=S4StorageReader(tmp_path / f"s{i}"), no_dist=True)
+        _assert_restored(expected[i], out)
+
+
+@pytest.mark.gpu
+def test_gpu_stage_to_device_still_works(tmp_path):
+    sd = _cuda_state()
+    w = S4StorageWriter(tmp_path / "c", stage_to="device")
+    staged = w.stage(sd)
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and v.numel():
+            assert staged[k].is_cuda and staged[k].data_ptr() != v.data_ptr(), k
+    assert w._generations == []  # noqa: SLF001
+    del staged
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            v.add_(1)
+    fut.result()
+    assert w.last_reports[-1].profile == _expected_profile()
+    out = _cuda_zeros_like(sd)
+    dcp.load(out, storage_reader=S4StorageReader(tmp_path / "c"), no_dist=True)
+    _assert_restored(expected, out)
+
+
+@pytest.mark.gpu
+def test_gpu_blocking_save_gives_nothing_back(tmp_path, monkeypatch):
+    pool = s4dcp._pinned_pool()  # noqa: SLF001
+    given: list[int] = []
+    real_give = pool.give
+    monkeypatch.setattr(pool, "give", lambda bufs: (given.append(len(bufs)), real_give(bufs)))
+    allocated = pool.allocations
+    sd = _cuda_state()
+    w = S4StorageWriter(tmp_path / "c")
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert given == [] and pool.allocations == allocated
+    assert w.last_reports[0].profile == _expected_profile()
+    out = _cuda_zeros_like(sd)
+    dcp.load(out, storage_reader=S4StorageReader(tmp_path / "c"), no_dist=True)
+    _assert_restored(sd, out)
+
+
+@pytest.mark.gpu
+def test_gpu_background_write_codes_on_the_state_device(tmp_path, monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    seen: list[int] = []
+    real = s4dcp._Folder.save_container  # noqa: SLF001
+
+    def save_container(self, *args, **kwargs):
+        seen.append(torch.cuda.current_device())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(s4dcp._Folder, "save_container", save_container)  # noqa: SLF001
+    with torch.cuda.device(1):
+        sd = _cuda_state()
+    assert torch.cuda.current_device() == 0 and sd["w_f32"].device.index == 1
+    w = S4StorageWriter(tmp_path / "c")
+    dcp.async_save(sd, storage_writer=w, no_dist=True).result()
+    assert seen == [1]
+    assert w.last_reports[0].profile == _expected_profile()
+    with torch.cuda.device(1):
+        out = _cuda_zeros_like(sd)
+    dcp.load(out, storage_reader=S4StorageReader(tmp_path / "c"), no_dist=True)
+    _assert_restored(sd, out)
