@@ -61,6 +61,24 @@ def main() -> int:
                 got += k
             assert got == size
 
+        def raw_stream(start: int = 0, end: int = size, into: memoryview | None = None) -> None:
+            # the CRT's GET stream itself (what every s3torchconnector reader wraps): it fetches
+            # the range as part_size requests in parallel and yields them in order
+            view = memoryview(bytearray(size)) if into is None else into
+            pos = start
+            for chunk in be._client._get_object_stream(be.bucket, be._key("obj"), start, end):  # noqa: SLF001
+                n = len(chunk)
+                view[pos - (0 if into is None else start) :][:n] = chunk
+                pos += n
+            assert pos == end
+
+        def raw_parts(part: int, threads: int) -> None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            buf = memoryview(bytearray(size))
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(lambda o: raw_stream(o, min(size, o + (part << 20)), buf[o : o + (part << 20)]), range(0, size, part << 20)))
+
         def fetched(part: int, threads: int) -> None:
             os.environ["S4W_S3_FETCH_PART"] = str(part << 20)
             os.environ["S4W_S3_FETCH_THREADS"] = str(threads)
@@ -81,6 +99,10 @@ def main() -> int:
             print(f"{label:34s} {best:6.3f} s  {size / best / 1e9:5.2f} GB/s  (runs: {', '.join(f'{x:.3f}' for x in ts)})", flush=True)
 
         timed("one GET stream, sequential", one_stream)
+        timed("one raw CRT stream, whole object", raw_stream)
+        for p in (64, 256):
+            for t in (2, 4, 8):
+                timed(f"raw CRT streams {p} MiB x {t} threads", raw_parts, p, t)
         for p in (int(x) for x in a.parts.split(",")):
             for t in (int(x) for x in a.threads.split(",")):
                 timed(f"fetch part {p} MiB x {t} threads", fetched, p, t)
