@@ -26,7 +26,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, Callable, Iterator, Mapping, Sequence
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, StoreError
 from s4w_core.format.container import copy_into
@@ -255,30 +255,51 @@ class S3Backend(Backend):
 
         return RangeReader(read, size, name)
 
+    def _raw_stream(self) -> Callable[[str, str, int, int], Iterable[Any]] | None:
+        """The CRT client's ``(bucket, key, start, end) -> chunks`` GET stream that every
+        s3torchconnector reader wraps (None where a release does not have it)."""
+        return getattr(self._client, "_get_object_stream", None)
+
     def fetch(self, key: str) -> RangeReader:
-        """The whole object, streamed: ``S4W_S3_FETCH_PART``-byte ranged GETs (default 16 MiB) on
-        ``S4W_S3_FETCH_THREADS`` threads (default 8) download it into one buffer in the
-        background, the last part (trailer and manifest) first, then from the front; a read waits
-        only for the parts it covers, so a load decodes the first batches while later ones are
-        still downloading.  One GET stream moves far less than the CRT client can, and a load
-        reads every byte (SeaweedFS on an H100 host, 1.26 GB: one stream 0.47 GB/s, 16 MiB x 8
-        threads 0.88 GB/s, 32 MiB x 8 0.67 GB/s; ``benchmarks/bench_s3_fetch.py``)."""
+        """The whole object, streamed: parts of ``S4W_S3_FETCH_PART`` bytes (default 64 MiB), each
+        one GET stream of the CRT client (which fetches it as ``part_size`` requests in
+        parallel), on ``S4W_S3_FETCH_THREADS`` threads (default 4), download it into one buffer
+        in the background, the last part (trailer and manifest) first, then from the front; a read
+        waits only for the parts it covers, so a load decodes the first batches while later ones
+        are still downloading.  SeaweedFS on an H100 host, 1.26 GB (``bench_s3_fetch.py``,
+        ``benchmarks/results/gpu_2026-11-22d/s3_fetch*.log``): one CRT stream 1.21 GB/s, 64 MiB x
+        4 streams 1.20 GB/s, where s3torchconnector's buffered readers reach 0.76 GB/s (sequential)
+        and 0.97 GB/s (16 MiB ranged reads x 8 threads)."""
         head = self._head(key)
         name = f"s3://{self.bucket}/{self._key(key)}"
-        part = max(1 << 20, int(os.environ.get("S4W_S3_FETCH_PART", 16 << 20)))
-        threads = max(1, int(os.environ.get("S4W_S3_FETCH_THREADS", 8)))
+        part = max(1 << 20, int(os.environ.get("S4W_S3_FETCH_PART", 64 << 20)))
+        threads = max(1, int(os.environ.get("S4W_S3_FETCH_THREADS", 4)))
+        stream = self._raw_stream()
 
         def get(off: int, into: memoryview) -> int:
+            got = 0
             try:
-                r = self._client.get_object(self.bucket, self._key(key), object_info=head, reader_constructor=self._ranged)
-                r.seek(off)
-                got = 0
-                while got < into.nbytes:
-                    k = r.readinto(into[got:])
-                    if not k:
-                        break
-                    got += k
+                if stream is None:  # another s3torchconnector: its ranged reader (one copy more)
+                    r = self._client.get_object(self.bucket, self._key(key), object_info=head, reader_constructor=self._ranged)
+                    r.seek(off)
+                    while got < into.nbytes:
+                        k = r.readinto(into[got:])
+                        if not k:
+                            break
+                        got += k
+                    return got
+                for chunk in stream(self.bucket, self._key(key), off, off + into.nbytes):
+                    n = len(chunk)
+                    if got + n > into.nbytes:
+                        raise StoreError(
+                            f"cannot read {name}: more than the {into.nbytes} bytes asked for at offset {off} came "
+                            "back (object changed?)"
+                        )
+                    into[got : got + n] = chunk
+                    got += n
                 return got
+            except StoreError:
+                raise
             except Exception as e:
                 raise self._error(e, "cannot read", key) from e
 

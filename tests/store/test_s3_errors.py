@@ -77,10 +77,14 @@ def test_ranged_reads_and_info(s3_url: str) -> None:
     assert d["tensors"] == 1 and d["path"].startswith("s3://")
 
 
-def test_fetch_downloads_in_parallel_parts_bit_exact(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("raw_stream", [True, False], ids=["crt-stream", "ranged-reader"])
+def test_fetch_downloads_in_parallel_parts_bit_exact(s3_url: str, monkeypatch: pytest.MonkeyPatch, raw_stream: bool) -> None:
     """A load downloads each object as parallel ranged GETs; parts of 1 MiB over a ~5 MB object
-    reassemble it byte for byte, and a store load is bit-exact."""
+    reassemble it byte for byte, and a store load is bit-exact (through the CRT client's GET
+    streams, and through s3torchconnector's ranged reader where a client has no such stream)."""
     monkeypatch.setenv("S4W_S3_FETCH_PART", str(1 << 20))
+    if not raw_stream:
+        monkeypatch.setattr(S3Backend, "_raw_stream", lambda self: None)
     g = torch.Generator().manual_seed(3)
     state = {"w": torch.randn(1_500_000, generator=g), "b": torch.arange(7)}
     st = CheckpointStore(s3_url, delta=False)
