@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--threads", default="4,8,16", help="thread counts for fetch")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--load", action="store_true", help="also time loads of a container (GPU state) through fetch")
+    ap.add_argument("--only-load", action="store_true", help="only the load section")
     a = ap.parse_args()
     weed = S3Server.find_weed()
     if weed is None:
@@ -98,6 +100,10 @@ def main() -> int:
             best = min(ts)
             print(f"{label:34s} {best:6.3f} s  {size / best / 1e9:5.2f} GB/s  (runs: {', '.join(f'{x:.3f}' for x in ts)})", flush=True)
 
+        if a.load or a.only_load:
+            _loads(be, srv, a.repeats, size)
+        if a.only_load:
+            return 0
         timed("one GET stream, sequential", one_stream)
         timed("one raw CRT stream, whole object", raw_stream)
         for p in (64, 256):
@@ -109,6 +115,69 @@ def main() -> int:
     finally:
         srv.stop()
     return 0
+
+
+def _loads(be, srv, repeats: int, size: int) -> None:  # type: ignore[no-untyped-def]
+    """A bf16 state of ``size`` bytes saved with ``api.save`` (GPU codec) to one S3 object, then
+    loaded through ``fetch`` + ``api.load`` onto the GPU: warm and cold (fresh client) backend,
+    with the time to the manifest and the download's own pace."""
+    import threading
+
+    import torch
+
+    from s4w_core import api
+    from s4w_core.format.container import ContainerReader
+    from s4w_core.store import _s3
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = size // 2 // 64
+    state = {f"w{i}": (torch.randn(n, generator=g, device="cuda") * 0.02).to(torch.bfloat16) for i in range(64)}
+    with be.writer("ckpt") as f:
+        rep = api.save(state, f)
+    stored = be.fetch("ckpt").size
+    print(f"container: {rep.raw_bytes / 1e9:.2f} GB raw, {stored / 1e9:.2f} GB stored")
+
+    lock = threading.Lock()
+    marks: dict[str, float] = {}
+    orig = _s3.Download._one
+
+    def one(self, i):  # type: ignore[no-untyped-def]
+        orig(self, i)
+        with lock:
+            marks["last_part"] = time.perf_counter()
+            if i == len(self._starts) - 1:
+                marks["tail"] = time.perf_counter()
+
+    _s3.Download._one = one  # type: ignore[method-assign]
+    try:
+        combos = [(64, 4, False), (64, 4, True), (32, 8, False), (16, 8, False), (128, 4, False)]
+        for part, threads, fresh in combos:
+            os.environ["S4W_S3_FETCH_PART"] = str(part << 20)
+            os.environ["S4W_S3_FETCH_THREADS"] = str(threads)
+            label = f"{part} MiB x {threads}, {'fresh' if fresh else 'warm'} client"
+            for r in range(repeats):
+                b = _s3.S3Backend(be.url) if fresh else be
+                torch.cuda.synchronize()
+                marks.clear()
+                t = time.perf_counter()
+                rr = b.fetch("ckpt")
+                reader = ContainerReader(rr.read, rr.size, rr.name, readinto=rr.readinto)
+                api.open_reader(reader)
+                t_manifest = time.perf_counter() - t
+                out = api.load(reader, map_location="cuda")
+                torch.cuda.synchronize()
+                total = time.perf_counter() - t
+                rr.close()
+                ok = all(torch.equal(out[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
+                print(
+                    f"load ({label}, run {r}): {total:.3f} s = {stored / total / 1e9:.2f} GB/s stored; manifest at "
+                    f"{t_manifest:.3f} s (tail part at {marks.get('tail', t) - t:.3f} s); download done at "
+                    f"{marks.get('last_part', t) - t:.3f} s ({stored / max(1e-9, marks.get('last_part', t) - t) / 1e9:.2f} GB/s); exact {ok}",
+                    flush=True,
+                )
+                del out
+    finally:
+        _s3.Download._one = orig  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":
