@@ -21,6 +21,7 @@ import struct
 import threading
 from typing import IO, Any, Callable, Sequence
 
+import numpy as np
 import xxhash
 
 from s4w_core.errors import (
@@ -84,6 +85,19 @@ def pread_into(fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
     return total
 
 
+#: copies of at least this many bytes go through numpy, which releases the GIL while it copies
+#: (a memoryview assignment holds it: a download thread copying 64 MiB stalls every other thread)
+_NP_COPY = 256 << 10
+
+
+def copy_bytes(dst: memoryview, src: Any) -> None:
+    """``dst[:] = src`` (same length, contiguous bytes) without holding the GIL for large copies."""
+    if dst.nbytes >= _NP_COPY:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        dst[:] = src
+
+
 def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
     """:data:`ReadInto` over bytes already in memory: ``src[offset:]`` copied into ``bufs`` in
     turn until they are full or ``src`` ends. Returns the bytes copied."""
@@ -92,7 +106,7 @@ def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
     for b in bufs:
         b = b.cast("B")
         n = max(0, min(b.nbytes, src.nbytes - pos))
-        b[:n] = src[pos : pos + n]
+        copy_bytes(b[:n], src[pos : pos + n])
         pos += n
         if n < b.nbytes:
             break

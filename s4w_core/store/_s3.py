@@ -29,42 +29,68 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, StoreError
-from s4w_core.format.container import copy_into
+from s4w_core.format.container import copy_bytes, copy_into
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
 
 __all__ = ["S3Backend", "parse_s3_url"]
 
 
+#: bytes of the first and of the last part of a download: the container header, and the trailer
+#: with (most) manifests, arrive first and at once, not behind a full part
+_EDGE = 1 << 20, 4 << 20
+
+
 class Download:
-    """One object of ``size`` bytes downloading in the background into one buffer, as parts of
-    ``part`` bytes that ``get(offset, into) -> bytes got`` fetches on ``threads`` threads: the
-    last ``part`` bytes first (a container's trailer and manifest), then the rest in order from
-    the front.
+    """One object of ``size`` bytes downloading in the background into one buffer, as parts that
+    ``get(offset, into) -> bytes got`` fetches on ``threads`` threads: the last ``edges[1]`` bytes
+    first (4 MiB: a container's trailer and manifest), then the first ``edges[0]`` (1 MiB: its
+    header), then parts of ``part`` bytes from the front.
 
-    :meth:`read` and :meth:`readinto` wait for the parts they cover (and raise the error of a part
-    that failed, as the StoreError ``get`` raised); :meth:`close` drops the parts not started yet.
-    The buffer is an anonymous mapping: its pages are faulted in by the threads that fill them."""
+    :meth:`read` and :meth:`readinto` wait for the parts they cover; a part no thread has started
+    yet is fetched by the reader itself at once (a reader never waits behind the queue).  The error
+    of a part that failed (the StoreError ``get`` raised) is raised in every read that needs it;
+    :meth:`close` drops the parts not started yet.  The buffer is an anonymous mapping: its pages
+    are faulted in by the threads that fill them."""
 
-    def __init__(self, get: Callable[[int, memoryview], int], size: int, name: str, part: int, threads: int) -> None:
+    def __init__(
+        self,
+        get: Callable[[int, memoryview], int],
+        size: int,
+        name: str,
+        part: int,
+        threads: int,
+        edges: tuple[int, int] = _EDGE,
+    ) -> None:
         self.size, self.name = size, name
         self._get = get
         self._view = memoryview(mmap.mmap(-1, max(size, 1)))[:size]
-        # the last ``part`` bytes are one part (a short last part could miss most of a manifest),
-        # the rest is cut from the front; parts are listed by offset, the tail is fetched first
-        tail = max(0, size - part)
-        self._starts = [*range(0, tail, part), tail] if size else []
+        head = min(size, edges[0])
+        tail = max(head, size - edges[1])
+        self._starts = sorted(x for x in {0, *range(head, tail, part), tail} if x < size)
         n = len(self._starts)
         self._ends = [*self._starts[1:], size]
         self._done = [threading.Event() for _ in range(n)]
+        self._started = [False] * n
+        self._lock = threading.Lock()
         self._error: list[BaseException | None] = [None] * n
         self._closed = False
         if n:
             ex = ThreadPoolExecutor(min(threads, n), thread_name_prefix="s4w-s3-get")
-            for i in [n - 1, *range(n - 1)]:
+            for i in dict.fromkeys([n - 1, *range(n - 1)]):
                 ex.submit(self._one, i)
             ex.shutdown(wait=False)  # the queued parts still run; its threads end after the last
 
+    def _claim(self, i: int) -> bool:
+        with self._lock:
+            if self._started[i]:
+                return False
+            self._started[i] = True
+            return True
+
     def _one(self, i: int) -> None:
+        """Fetch part ``i`` unless another thread has started it."""
+        if not self._claim(i):
+            return
         off, end = self._starts[i], self._ends[i]
         n = end - off
         try:
@@ -83,6 +109,8 @@ class Download:
         if end <= offset:
             return
         for i in range(bisect.bisect_right(self._starts, offset) - 1, bisect.bisect_left(self._starts, end)):
+            if not self._done[i].is_set():
+                self._one(i)  # not started yet: fetch it here and now
             self._done[i].wait()
             e = self._error[i]
             if e is not None:
@@ -295,7 +323,7 @@ class S3Backend(Backend):
                             f"cannot read {name}: more than the {into.nbytes} bytes asked for at offset {off} came "
                             "back (object changed?)"
                         )
-                    into[got : got + n] = chunk
+                    copy_bytes(into[got : got + n], chunk)
                     got += n
                 return got
             except StoreError:
