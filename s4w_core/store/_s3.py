@@ -289,19 +289,18 @@ class S3Backend(Backend):
         return getattr(self._client, "_get_object_stream", None)
 
     def fetch(self, key: str) -> RangeReader:
-        """The whole object, streamed: parts of ``S4W_S3_FETCH_PART`` bytes (default 64 MiB), each
+        """The whole object, streamed: parts of ``S4W_S3_FETCH_PART`` bytes (default 32 MiB), each
         one GET stream of the CRT client (which fetches it as ``part_size`` requests in
-        parallel), on ``S4W_S3_FETCH_THREADS`` threads (default 4), download it into one buffer
-        in the background, the last part (trailer and manifest) first, then from the front; a read
-        waits only for the parts it covers, so a load decodes the first batches while later ones
-        are still downloading.  SeaweedFS on an H100 host, 1.26 GB (``bench_s3_fetch.py``,
-        ``benchmarks/results/gpu_2026-11-22d/s3_fetch*.log``): one CRT stream 1.21 GB/s, 64 MiB x
-        4 streams 1.20 GB/s, where s3torchconnector's buffered readers reach 0.76 GB/s (sequential)
-        and 0.97 GB/s (16 MiB ranged reads x 8 threads)."""
+        parallel), on ``S4W_S3_FETCH_THREADS`` threads (default 8), download it into one buffer
+        in the background, the trailer and manifest first (see :class:`Download`); a read waits
+        only for the parts it covers, so a load decodes the first batches while later ones are
+        still downloading.  SeaweedFS on an H100 host (``bench_s3_fetch.py``,
+        ``benchmarks/results/gpu_2026-11-22d/s3_*.log``): a 1.25 GB container loads onto the GPU
+        in 0.76-0.83 s with 32 MiB x 8 (download 2.1-2.3 GB/s), 0.95-1.01 s with 64 MiB x 4."""
         head = self._head(key)
         name = f"s3://{self.bucket}/{self._key(key)}"
-        part = max(1 << 20, int(os.environ.get("S4W_S3_FETCH_PART", 64 << 20)))
-        threads = max(1, int(os.environ.get("S4W_S3_FETCH_THREADS", 4)))
+        part = max(1 << 20, int(os.environ.get("S4W_S3_FETCH_PART", 32 << 20)))
+        threads = max(1, int(os.environ.get("S4W_S3_FETCH_THREADS", 8)))
         stream = self._raw_stream()
 
         def get(off: int, into: memoryview) -> int:
