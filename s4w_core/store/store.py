@@ -791,10 +791,10 @@ class CheckpointStore:
             with timer.stage("list"):
                 recs = self._read_records()
                 rec = self._record(step, recs)
+            remember = rec.step == max(recs) and self._caching()  # the next save's delta base
             with timer.stage("decode"):  # reads and decodes the step and the bases its deltas need
-                obj, raws, reader = self._load_record(rec, map_location, threads)
-            latest = max(recs)
-            if rec.step == latest and self.delta and self.keyframe_every > 1:
+                obj, raws, reader = self._load_record(rec, map_location, threads, reserve=remember)
+            if remember:
                 with timer.stage("cache"):
                     self._remember(rec, reader.manifest, raws)
         except BaseException as e:
@@ -815,12 +815,16 @@ class CheckpointStore:
         return obj
 
     def _load_record(
-        self, rec: StepInfo, map_location: api.MapLocation, threads: int | None
+        self, rec: StepInfo, map_location: api.MapLocation, threads: int | None, *, reserve: bool = False
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
+        """Read and decode one step.  ``reserve``: the step will be remembered as the next base
+        (:meth:`_remember`): its pinned buffers are allocated in the background while it loads."""
         ctx = _Chain(self, rec, threads)
         prog = _Progress(self.progress, f"load step {rec.step}")
         try:
             reader = ctx.reader(rec.object, rec.object_bytes, rec.step)
+            if reserve:
+                self._reserve_base(reader.manifest, map_location)
             if reader.manifest and any(e.get("delta") for e in reader.manifest["storages"]):
                 ctx.open_all(rec.objects[1:])  # the bases, in parallel
             if prog.bar is not None:
@@ -1371,6 +1375,22 @@ class CheckpointStore:
         old, self._cache = self._cache, None
         self._unpool(old)
         self._cache = self._base_copies(rec.step, rec.object, manifest, raws, copy=True)
+
+    def _reserve_base(self, manifest: Mapping[str, Any], map_location: api.MapLocation) -> None:
+        """Start allocating the pinned buffers that :meth:`_base_copies` will take for a step that
+        loads onto a GPU (one per CUDA storage, in manifest order), so that the allocation runs
+        while the step is read and decoded instead of after it."""
+        try:
+            devs = [api._target_device(s["device"], map_location) for s in manifest["storages"]]  # noqa: SLF001
+            sizes = [int(s["nbytes"]) for s, d in zip(manifest["storages"], devs) if d.type == "cuda"]
+        except Exception:  # noqa: BLE001 - the load itself reports what is wrong with the manifest
+            return
+        if (
+            sizes
+            and self._pinned_pool.live_bytes == 0  # a store that saved already has its generations
+            and (self.base_cache_bytes is None or sum(sizes) <= self.base_cache_bytes)
+        ):
+            self._pinned_pool.reserve(sizes, next(d for d in devs if d.type == "cuda"))
 
     def _base_copies(
         self, step: int, obj: str, manifest: Mapping[str, Any], raws: builtins.list[torch.Tensor], *, copy: bool

@@ -531,3 +531,35 @@ def test_gpu_saves_reuse_pinned_buffers(tmp_path: Path, delta: bool) -> None:
     for i in range(4):
         assert bits_equal(st.load(i, map_location="cpu"), expected[i])
     st.close()
+
+
+@pytest.mark.gpu
+def test_gpu_load_of_the_newest_step_allocates_its_base_buffers_while_it_loads(tmp_path: Path) -> None:
+    """A fresh store that loads its newest step onto the GPU reserves the pinned generation that
+    step's base copy takes, while the step loads: one allocation, taken by the base copy, and the
+    next save is a delta against it, bit-exact."""
+    if api._gpu() is None:  # noqa: SLF001
+        pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    sd = _cuda_state()
+    raw = sum(v.untyped_storage().nbytes() for v in sd.values())
+    url = str(tmp_path / "store")
+    st = CheckpointStore(url, profile="fast")
+    expected = []
+    for i in range(2):
+        st.save(sd, step=i)
+        expected.append({k: v.cpu() for k, v in sd.items()})
+        for v in sd.values():
+            v.add_(1)
+    st.close()
+
+    st = CheckpointStore(url, profile="fast")
+    pool = st._pinned_pool  # noqa: SLF001
+    loaded = st.load(map_location="cuda")
+    assert (pool.live_bytes, pool.allocations) == (raw, 1)  # the reserved generation, now the base
+    assert bits_equal({k: v.cpu() for k, v in loaded.items()}, expected[1])
+    info = st.save(sd, step=2)
+    assert info.kind == "delta" and pool.allocations == 1
+    assert bits_equal(st.load(2, map_location="cpu"), {k: v.cpu() for k, v in sd.items()})
+    st.load(1, map_location="cuda")  # not the newest: no base copy, nothing reserved
+    assert pool.allocations == 1
+    st.close()
