@@ -375,6 +375,28 @@ def _pool_staged(t: torch.Tensor) -> bool:
     )
 
 
+def _dtensor_local(t: torch.Tensor) -> torch.Tensor | None:
+    """The local shard of a DTensor when it is a plain dense CUDA tensor (the pinned pool stages
+    it; an empty one is a new empty host tensor), else None."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without torch.distributed
+        return None
+    if isinstance(t, DTensor):
+        local = t._local_tensor  # noqa: SLF001 - what DCP's own stagers copy
+        if _pool_staged(local) or (type(local) is torch.Tensor and local.is_cuda and local.numel() == 0):
+            return local
+    return None
+
+
+def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """DTensor ``t``'s sharding over a staged copy of its local shard (as DCP's own transports
+    build it: ``DTensor.from_local`` would move a host shard back to the mesh's device)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]  # noqa: SLF001
+
+
 _POOL: PinnedPool | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -569,16 +591,20 @@ class S4StorageWriter(StorageWriter):
         for g in dead:
             pool.give(g.bufs)
         srcs: list[torch.Tensor] = []
-        _stage_tree(state_dict, lambda t: srcs.append(t) if _pool_staged(t) else None, lambda _: None)
+
+        def collect(t: torch.Tensor) -> None:
+            local = t if _pool_staged(t) else _dtensor_local(t)
+            if local is not None and local.numel():
+                srcs.append(local)
+
+        _stage_tree(state_dict, collect, lambda _: None)
         # No pool.ahead() afterwards: with one save in flight at a time (DCP's usual pattern) the
         # next take() reuses this generation once written, and a spare one would be dropped by it.
         bufs = pool.take([t.numel() * t.element_size() for t in srcs], srcs[0].device) if srcs else []
         it = iter(bufs)
         alive: list[weakref.ref[Any]] = []
 
-        def copy_in(t: torch.Tensor) -> torch.Tensor:
-            if not _pool_staged(t):
-                return _clone(t, to_cpu=True, pin=True)
+        def into_buffer(t: torch.Tensor) -> torch.Tensor:
             # a tensor of its own storage (exactly its bytes, which the container stores) on the
             # buffer's memory; the array between them keeps the buffer alive, and tells when the
             # staged tensors are all gone
@@ -587,6 +613,14 @@ class S4StorageWriter(StorageWriter):
             out = torch.from_numpy(arr).view(t.dtype).view(t.shape)
             out.copy_(t.detach(), non_blocking=True)
             return out
+
+        def copy_in(t: torch.Tensor) -> torch.Tensor:
+            if _pool_staged(t):
+                return into_buffer(t)
+            local = _dtensor_local(t)
+            if local is not None:  # FSDP2 / TP: the rank's shard into the pool, same sharding
+                return _with_local(t, into_buffer(local) if local.numel() else torch.empty_like(local, device="cpu"))
+            return _clone(t, to_cpu=True, pin=True)
 
         try:
             staged = _stage_tree(state_dict, copy_in)

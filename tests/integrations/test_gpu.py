@@ -129,3 +129,7 @@ def test_dcp_two_gpus_nccl(tmp_path):
     res = json.loads((tmp_path / "result.json").read_text())
     _record("dcp_2gpu_nccl", res)
     assert res["ok"], res
+    # dcp.async_save's default staging put the FSDP2 shards (DTensors) into pinned pool buffers,
+    # coded on the GPU ("fast"), not per-tensor copies nor a device clone
+    assert res["save"]["pinned_pool_allocations"] == 0 and res["async_save"]["pinned_pool_allocations"] >= 1, res
+    assert res["async_save"]["profile"] == "fast", res

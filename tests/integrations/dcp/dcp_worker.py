@@ -130,7 +130,7 @@ def run(rank: int, world: int, backend: str, root: str, init_method: str | None 
     from torch.distributed.device_mesh import init_device_mesh
 
     import s4w_core
-    from s4w_core.dcp import S4StorageReader, S4StorageWriter
+    from s4w_core.dcp import S4StorageReader, S4StorageWriter, _pinned_pool
 
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -198,6 +198,8 @@ def run(rank: int, world: int, backend: str, root: str, init_method: str | None 
                 "rank_raw_bytes": rep.raw_bytes if rep else None,
                 "rank_stored_bytes": rep.stored_bytes if rep else None,
                 "profile": rep.profile if rep else None,
+                # async_save staged the CUDA state (DTensor shards) into the pinned pool
+                "pinned_pool_allocations": _pinned_pool().allocations,
             }
             del m, opt, target
         # 5. full (unsharded) tensors for a single-process reshard check by the caller
