@@ -68,6 +68,7 @@ __all__ = [
     "unpack_file",
     "pack_folder",
     "unpack_folder",
+    "replace_with_marker",
 ]
 
 _LAZY = {
@@ -77,6 +78,7 @@ _LAZY = {
     "unpack_file": "s4w_core.filepack",
     "pack_folder": "s4w_core.filepack",
     "unpack_folder": "s4w_core.filepack",
+    "replace_with_marker": "s4w_core.filepack",
 }
 
 

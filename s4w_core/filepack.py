@@ -18,20 +18,21 @@ Tree layout (``format`` = ``"safetensors"``, ``"torch-zip"`` or ``"raw"``)::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickletools
 import struct
 import zipfile
-from typing import IO, Any
+from typing import IO, Any, Iterable, Mapping
 
 import torch
 
 from s4w_core._fsutil import atomic_write
 from s4w_core.errors import ChecksumMismatchError, ManifestError
 
-__all__ = ["pack_file", "unpack_file", "unpack_bytes", "pack_folder", "unpack_folder"]
+__all__ = ["pack_file", "unpack_file", "unpack_bytes", "pack_folder", "unpack_folder", "replace_with_marker"]
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -392,3 +393,39 @@ def unpack_folder(tree: dict[str, Any], dest: str | os.PathLike[str]) -> str:
             raise ManifestError(f"packed folder names an unsafe path {rel!r}")
         unpack_file(ft, os.path.join(dest, *parts))
     return dest
+
+
+def replace_with_marker(
+    folder: str | os.PathLike[str],
+    files: Iterable[str],
+    marker: str,
+    record: Mapping[str, Any],
+    *,
+    keep: Iterable[str] = (),
+) -> None:
+    """Once a :func:`pack_folder` tree of ``folder`` is committed somewhere, leave in ``folder``
+    only a marker: write ``record`` as JSON to ``folder/marker`` (atomically) and delete the packed
+    ``files`` (paths relative to ``folder`` with ``/``), except those in ``keep``.  Files already
+    gone are skipped; a folder that is gone (rotated away meanwhile) is left alone.
+
+    The framework adapters call this after a save is durable, so that a checkpoint folder costs a
+    few bytes on local disk and :func:`unpack_folder` (or the adapter's ``restore``) rebuilds it.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from s4w_core.filepack import pack_folder, replace_with_marker
+        >>> d = tempfile.mkdtemp(); torch.save({"w": torch.ones(3)}, os.path.join(d, "optimizer.pt"))
+        >>> tree = pack_folder(d)  # ... committed to a store here ...
+        >>> replace_with_marker(d, tree["files"], "s4w_checkpoint.json", {"step": 7}); os.listdir(d)
+        ['s4w_checkpoint.json']
+    """
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return
+    with atomic_write(os.path.join(folder, marker)) as f:
+        f.write(json.dumps(dict(record)).encode())
+    spared = set(keep) | {marker}
+    for rel in files:
+        if rel not in spared:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, *rel.split("/")))

@@ -25,9 +25,7 @@ dropped first rebuilds it from the store, byte for byte.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -153,12 +151,8 @@ def _after_durable(st: CheckpointStore, folder: str, files: list[str], step: int
     """``folder`` is committed as ``step``: drop its raw files (``keep_local=False``), mirror rotation."""
     assert _config is not None
     name = os.path.basename(os.path.normpath(folder))
-    if not _config.keep_local and os.path.isdir(folder):  # rotation may have removed it since
-        with open(os.path.join(folder, MARKER_NAME), "w") as f:
-            json.dump({"store": st.url, "step": step, "files": files}, f)
-        for rel in files:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, *rel.split("/")))
+    if not _config.keep_local:  # a folder rotation removed since is left alone
+        s4w_core.replace_with_marker(folder, files, MARKER_NAME, {"store": st.url, "step": step, "files": files})
     # mirror Accelerate's total_limit rotation: steps whose folder is gone leave the store
     parent = os.path.dirname(os.path.abspath(folder))
     for info in st.list():

@@ -16,8 +16,6 @@ needs is missing (the Trainer itself would silently start with a fresh optimizer
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import tempfile
@@ -198,13 +196,10 @@ class S4Callback(TrainerCallback):
     def _after_durable(self, args: Any, folder: str, files: list[str], step: int) -> None:
         """Step ``step`` (from ``folder``) is committed: drop its raw files, mirror rotation."""
         st = self.store(args)
-        if not self.keep_local and os.path.isdir(folder):  # rotation may have removed the folder since
-            with open(os.path.join(folder, MARKER_NAME), "w") as f:
-                json.dump({"store": st.url, "step": step, "files": files}, f)
-            for rel in files:
-                if rel not in _KEEP_SMALL:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(folder, *rel.split("/")))
+        if not self.keep_local:  # a folder rotation removed since is left alone
+            s4w_core.replace_with_marker(
+                folder, files, MARKER_NAME, {"store": st.url, "step": step, "files": files}, keep=_KEEP_SMALL
+            )
         if self.mirror_rotation:
             self._mirror(args, st, step)
 
