@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--load", action="store_true", help="also time loads of a container (GPU state) through fetch")
     ap.add_argument("--only-load", action="store_true", help="only the load section")
+    ap.add_argument("--write", action="store_true", help="also time uploads written in pieces of several sizes")
     a = ap.parse_args()
     weed = S3Server.find_weed()
     if weed is None:
@@ -100,6 +101,8 @@ def main() -> int:
             best = min(ts)
             print(f"{label:34s} {best:6.3f} s  {size / best / 1e9:5.2f} GB/s  (runs: {', '.join(f'{x:.3f}' for x in ts)})", flush=True)
 
+        if a.write:
+            _writes(be, size, a.repeats)
         if a.load or a.only_load:
             _loads(be, srv, a.repeats, size)
         if a.only_load:
@@ -115,6 +118,46 @@ def main() -> int:
     finally:
         srv.stop()
     return 0
+
+
+def _writes(be, size: int, repeats: int) -> None:  # type: ignore[no-untyped-def]
+    """One object of ``size`` bytes uploaded through ``S3Backend.writer`` in pieces of 512 KiB (a
+    container's chunks) to 64 MiB, alone and with a Python thread competing for the GIL (as a
+    save's encode loop does)."""
+    import threading
+
+    data = memoryview(os.urandom(size))
+    for busy in (False, True):
+        stop = threading.Event()
+
+        def spin(stop: threading.Event = stop) -> None:
+            x = 0
+            while not stop.is_set():
+                x += 1
+
+        th = threading.Thread(target=spin, daemon=True)
+        if busy:
+            th.start()
+        try:
+            for piece_kib in (512, 4096, 16384, 65536):
+                piece = piece_kib << 10
+                ts = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    with be.writer(f"w{piece_kib}") as w:
+                        for off in range(0, size, piece):
+                            w.write(data[off : off + piece])
+                    ts.append(time.perf_counter() - t)
+                best = min(ts)
+                print(
+                    f"upload in {piece_kib:6d} KiB pieces{' + busy thread' if busy else '':15s} {best:6.3f} s  "
+                    f"{size / best / 1e9:5.2f} GB/s  (runs: {', '.join(f'{x:.3f}' for x in ts)})",
+                    flush=True,
+                )
+        finally:
+            stop.set()
+            if busy:
+                th.join()
 
 
 def _loads(be, srv, repeats: int, size: int) -> None:  # type: ignore[no-untyped-def]
