@@ -20,8 +20,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 import xxhash
 
@@ -44,7 +45,53 @@ def _s64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+#: buffers below this size are hashed without releasing the GIL (see :func:`xxh3_hex`)
+_HOLD_GIL_BELOW = 1 << 20
+
+
+def _xxh3_holding_gil() -> Callable[[int, int], int] | None:
+    """``XXH3_64bits(address, length)`` of the xxhash extension itself, called through
+    ``ctypes.PyDLL`` (which keeps the GIL); None where the extension does not export it or gives
+    another value than ``xxhash.xxh3_64_intdigest`` on a probe."""
+    try:
+        import ctypes
+
+        import xxhash._xxhash as ext
+
+        fn = ctypes.PyDLL(ext.__file__).XXH3_64bits
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint64
+        for probe in (bytes(range(256)) * 7 + b"s4w", b"x" * 100_003):
+            arr = np.frombuffer(probe, dtype=np.uint8)
+            if fn(arr.ctypes.data, arr.nbytes) != xxhash.xxh3_64_intdigest(probe):
+                return None
+    except Exception:  # noqa: BLE001 - any failure: the plain xxhash call
+        return None
+
+    def call(address: int, length: int) -> int:
+        return int(fn(address, length))
+
+    return call
+
+
+_HELD = _xxh3_holding_gil()
+
+
 def xxh3_hex(data: Buffer) -> str:
+    """xxh3-64 of ``data`` as 16 hex digits (``xxhash.xxh3_64_hexdigest``).
+
+    A chunk (under 1 MiB) is hashed without releasing the GIL: python-xxhash releases it on every
+    call, and a thread that gives the GIL up waits for it again up to the interpreter's switch
+    interval (5 ms) while another thread runs Python -- a background save hashing 512 KiB chunks
+    beside a training loop spent ~3 ms per chunk waiting (``benchmarks/bench_gil.py``). Larger
+    buffers release it (hashing them takes longer than the wait)."""
+    if _HELD is not None:
+        try:
+            arr = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]
+        except (TypeError, ValueError, BufferError):  # not a contiguous byte buffer
+            arr = None
+        if arr is not None and 0 < arr.nbytes < _HOLD_GIL_BELOW:
+            return f"{_HELD(arr.ctypes.data, arr.nbytes):016x}"
     return xxhash.xxh3_64_hexdigest(data)
 
 

@@ -24,6 +24,7 @@ from typing import IO, Any, Callable, Sequence
 import numpy as np
 import xxhash
 
+from s4w_core.checksum import xxh3_hex
 from s4w_core.errors import (
     BadMagicError,
     ChecksumMismatchError,
@@ -113,30 +114,65 @@ def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
     return pos - offset
 
 
+#: bytes a writer gathers before one ``write`` to its file object: a write to a file or an S3
+#: stream releases the GIL, and a thread that gives it up waits up to the switch interval (5 ms) to
+#: get it back while another thread runs Python -- per 512 KiB chunk that made an upload beside a
+#: busy thread 8x slower (``benchmarks/bench_s3_fetch.py --write``)
+_WRITE_BLOCK = 16 << 20
+
+
 class ContainerWriter:
-    """Streams a container to a binary file object: ``add_chunk`` in order, then ``finish``."""
+    """Streams a container to a binary file object: ``add_chunk`` in order, then ``finish``.
+
+    Chunks are gathered into writes of up to 16 MiB (a larger chunk is written as it is); every
+    byte has been written to ``fp`` when :meth:`finish` returns, and a write error is raised by the
+    call that flushed it."""
 
     def __init__(self, fp: IO[bytes]) -> None:
         self._fp = fp
-        self._fp.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
-        self._pos = HEADER_SIZE
+        self._buf: memoryview | None = None  # one block, allocated at the first small write
+        self._fill = 0
+        self._pos = 0
         self.data_bytes = 0
+        self._write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
+        self._pos = HEADER_SIZE
+
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self._fill and self._fill + n > _WRITE_BLOCK:
+            self._flush()
+        if n >= _WRITE_BLOCK:
+            self._fp.write(view)
+            return
+        if self._buf is None:
+            self._buf = memoryview(bytearray(_WRITE_BLOCK))
+        self._buf[self._fill : self._fill + n] = view  # a copy holding the GIL: ``data`` may be reused at once
+        self._fill += n
+
+    def _flush(self) -> None:
+        """Write the gathered bytes (a file object must not keep the buffer it was given, so the
+        block is reused)."""
+        if self._fill and self._buf is not None:
+            n, self._fill = self._fill, 0
+            self._fp.write(self._buf[:n])
 
     def add_chunk(self, data: bytes | bytearray | memoryview) -> tuple[int, int, str]:
         """Append one chunk; returns ``(offset, length, xxh3-64 hex)`` for the manifest."""
         off = self._pos
-        n = len(data)
-        self._fp.write(data)
+        n = memoryview(data).nbytes
+        self._write(data)
         self._pos += n
         self.data_bytes += n
-        return off, n, xxhash.xxh3_64_hexdigest(data)
+        return off, n, xxh3_hex(data)
 
     def finish(self, manifest: dict[str, Any]) -> int:
         """Write manifest and trailer; returns the container's total size."""
         body = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode("utf-8")
         off = self._pos
-        self._fp.write(body)
-        self._fp.write(_TRAILER.pack(off, len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC))
+        self._write(body)
+        self._write(_TRAILER.pack(off, len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC))
+        self._flush()
         self._pos += len(body) + TRAILER_SIZE
         return self._pos
 

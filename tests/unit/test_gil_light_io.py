@@ -1,0 +1,107 @@
+"""The host work a background save does per chunk gives the GIL up rarely: chunk checksums hold it
+(``checksum.xxh3_hex``) and a container's chunks reach its file object in writes of up to 16 MiB
+(``ContainerWriter``). Bytes and checksums are what plain xxhash and one write per chunk give."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from s4w_core import checksum as ck
+from s4w_core.format import container as ct
+from s4w_core.format.container import ContainerReader, ContainerWriter
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 4096, 65537, 512 << 10, (1 << 20) - 1, 1 << 20, 3 << 20])
+def test_xxh3_hex_is_xxhash_for_every_size_and_buffer_kind(n: int) -> None:
+    data = os.urandom(n)
+    want = xxhash.xxh3_64_hexdigest(data)
+    arr = np.frombuffer(data, dtype=np.uint8).copy()
+    for buf in (data, bytearray(data), memoryview(data), memoryview(arr), arr):
+        assert ck.xxh3_hex(buf) == want
+    if n % 4 == 0 and n:
+        assert ck.xxh3_hex(memoryview(arr).cast("I")) == want  # a typed view: its bytes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the GIL-holding path is checked where CI runs")
+def test_the_gil_holding_path_is_active() -> None:
+    assert ck._HELD is not None  # noqa: SLF001 - the optimization must not vanish silently
+
+
+class _Recording(io.BytesIO):
+    def __init__(self, fail_after: int | None = None) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+        self.fail_after = fail_after
+
+    def write(self, b) -> int:  # type: ignore[no-untyped-def, override]
+        if self.fail_after is not None and len(self.sizes) >= self.fail_after:
+            raise OSError(28, "No space left on device")
+        self.sizes.append(memoryview(b).nbytes)
+        return super().write(b)
+
+
+def _unbuffered(chunks: list[bytes], manifest: dict) -> bytes:  # type: ignore[type-arg]
+    out = io.BytesIO()
+    out.write(ct._HEADER.pack(ct.MAGIC, ct.FORMAT_VERSION, 0, 0))  # noqa: SLF001
+    entries = []
+    for c in chunks:
+        entries.append((out.tell(), len(c), xxhash.xxh3_64_hexdigest(c)))
+        out.write(c)
+    body = ct.json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+    off = out.tell()
+    out.write(body)
+    out.write(ct._TRAILER.pack(off, len(body), xxhash.xxh3_64_intdigest(body), ct.TRAILER_MAGIC))  # noqa: SLF001
+    return out.getvalue()
+
+
+def test_chunks_are_written_in_blocks_with_the_same_bytes() -> None:
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 256, 512 << 10, dtype=np.uint8).tobytes() for _ in range(70)]
+    chunks.insert(40, rng.integers(0, 256, 20 << 20, dtype=np.uint8).tobytes())  # larger than a block
+    fp = _Recording()
+    w = ContainerWriter(fp)
+    reuse = bytearray(512 << 10)
+    got = []
+    for c in chunks:
+        reuse[:] = c  # the caller's buffer, reused for every chunk
+        got.append(w.add_chunk(memoryview(reuse)))
+        reuse[:16] = b"\xff" * 16  # changed right after: the container keeps what was added
+    manifest = {"format": "test", "n": len(chunks)}
+    size = w.finish(manifest)
+    data = fp.getvalue()
+    assert data == _unbuffered(chunks, manifest) and size == len(data)
+    assert [(o, n, h) for o, n, h in got] == [
+        (o, n, h) for o, n, h in _offsets(chunks)
+    ]
+    assert max(fp.sizes) == 20 << 20 and sum(s < (16 << 20) for s in fp.sizes) <= 4  # ~16 MiB writes, not 71
+    assert len(fp.sizes) <= 6
+    r = ContainerReader.from_bytes(data)
+    assert r.read_chunk(*got[3][:2]) == chunks[3]
+
+
+def _offsets(chunks: list[bytes]) -> list[tuple[int, int, str]]:
+    pos = ct.HEADER_SIZE
+    out = []
+    for c in chunks:
+        out.append((pos, len(c), xxhash.xxh3_64_hexdigest(c)))
+        pos += len(c)
+    return out
+
+
+def test_a_write_error_is_raised_by_the_call_that_flushes() -> None:
+    fp = _Recording(fail_after=0)
+    w = ContainerWriter(fp)
+    with pytest.raises(OSError, match="No space left"):
+        for _ in range(40):
+            w.add_chunk(b"x" * (1 << 20))
+    fp = _Recording(fail_after=0)
+    w = ContainerWriter(fp)
+    w.add_chunk(b"small")
+    with pytest.raises(OSError, match="No space left"):
+        w.finish({})
