@@ -34,7 +34,11 @@ CHUNK = 512 << 10
 
 
 class Busy:
-    """A thread spinning in Python while the block runs (when ``on``)."""
+    """A thread running Python while the block runs (when ``on``): all the time (``duty`` 1), or
+    for ``duty`` of each 2 ms period and sleeping (GIL released) the rest, as a training loop that
+    also waits in C++ (backward, a CUDA synchronize) does."""
+
+    duty = 1.0
 
     def __init__(self, on: bool) -> None:
         self.on = on
@@ -43,8 +47,15 @@ class Busy:
 
     def _spin(self) -> None:
         x = 0
+        period = 0.002
         while not self.stop.is_set():
-            x += 1
+            if self.duty >= 1.0:
+                x += 1
+                continue
+            end = time.perf_counter() + period * self.duty
+            while time.perf_counter() < end:
+                x += 1
+            time.sleep(period * (1.0 - self.duty))
 
     def __enter__(self) -> "Busy":
         if self.on:
@@ -75,12 +86,50 @@ def main() -> int:
     ap.add_argument("--s3", action="store_true", help="also write to SeaweedFS S3 (needs `weed`)")
     ap.add_argument("--gpu", action="store_true", help="also time CheckpointStore.save_async of a GPU state")
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--only-gpu", action="store_true", help="only the CheckpointStore.save_async rows")
+    ap.add_argument(
+        "--switch-intervals", default="", help="comma list of sys.setswitchinterval values to repeat the GPU rows with"
+    )
+    ap.add_argument("--duties", default="1", help="comma list of busy-thread duty cycles for the GPU rows (1: always)")
     a = ap.parse_args()
     size = a.mib << 20
     blob = memoryview(os.urandom(size))
     chunks = [blob[o : o + CHUNK] for o in range(0, size, CHUNK)]
     print(f"{len(chunks)} chunks of {CHUNK >> 10} KiB ({size / 1e9:.2f} GB); switch interval {sys.getswitchinterval()} s")
+    if a.only_gpu:
+        a.gpu = True
+    else:
+        _host_rows(a, size, chunks)
+    srv = None
+    if a.s3:
+        from bench_peers import S3Server
 
+        weed = S3Server.find_weed()
+        if weed is None:
+            print("no `weed`: S3 rows skipped")
+        else:
+            srv = S3Server(weed, a.dir)
+            srv.start()
+    try:
+        if srv is not None and not a.only_gpu:
+            _s3_rows(srv, size, chunks)
+        if a.gpu:
+            default = sys.getswitchinterval()
+            for duty in (float(x) for x in a.duties.split(",")):
+                Busy.duty = duty
+                for iv in [default] + [float(x) for x in a.switch_intervals.split(",") if x]:
+                    sys.setswitchinterval(iv)
+                    print(f"-- busy thread runs Python {duty:.0%} of the time; switch interval {iv} s")
+                    _gpu_saves(size, a.dir, srv)
+            Busy.duty = 1.0
+            sys.setswitchinterval(default)
+    finally:
+        if srv is not None:
+            srv.stop()
+    return 0
+
+
+def _host_rows(a: Any, size: int, chunks: list[memoryview]) -> None:
     row("xxh3 per chunk, python-xxhash (releases the GIL)", size, lambda: [xxhash.xxh3_64_hexdigest(c) for c in chunks])
     row("xxh3 per chunk, checksum.xxh3_hex (holds it)", size, lambda: [ck.xxh3_hex(c) for c in chunks])
 
@@ -103,43 +152,28 @@ def main() -> int:
     row("file: ContainerWriter (now)", size, container_file)
     os.remove(path)
 
-    srv = None
-    if a.s3:
-        from bench_peers import S3Server
 
-        weed = S3Server.find_weed()
-        if weed is None:
-            print("no `weed`: S3 rows skipped")
-        else:
-            srv = S3Server(weed, a.dir)
-            srv.start()
-    try:
-        if srv is not None:
-            from s4w_core.store._s3 import S3Backend
 
-            be = S3Backend(srv.url("gil"))
+def _s3_rows(srv: Any, size: int, chunks: list[memoryview]) -> None:
+    from s4w_core.store._s3 import S3Backend
 
-            def per_chunk_s3() -> None:
-                with be.writer("obj") as f:
-                    for c in chunks:
-                        f.write(c)
-                        xxhash.xxh3_64_hexdigest(c)
+    be = S3Backend(srv.url("gil"))
 
-            def container_s3() -> None:
-                with be.writer("obj") as f:
-                    w = ContainerWriter(f)
-                    for c in chunks:
-                        w.add_chunk(c)
-                    w.finish({})
+    def per_chunk_s3() -> None:
+        with be.writer("obj") as f:
+            for c in chunks:
+                f.write(c)
+                xxhash.xxh3_64_hexdigest(c)
 
-            row("S3: one write + one xxhash per chunk (before)", size, per_chunk_s3)
-            row("S3: ContainerWriter (now)", size, container_s3)
-        if a.gpu:
-            _gpu_saves(size, a.dir, srv)
-    finally:
-        if srv is not None:
-            srv.stop()
-    return 0
+    def container_s3() -> None:
+        with be.writer("obj") as f:
+            w = ContainerWriter(f)
+            for c in chunks:
+                w.add_chunk(c)
+            w.finish({})
+
+    row("S3: one write + one xxhash per chunk (before)", size, per_chunk_s3)
+    row("S3: ContainerWriter (now)", size, container_s3)
 
 
 def _gpu_saves(size: int, root: str, srv: Any) -> None:
