@@ -29,7 +29,7 @@ import xxhash
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Buffer
 
-__all__ = ["xxh3_hex", "tensor_checksum", "verify_tensor_checksum", "fold64"]
+__all__ = ["xxh3_hex", "xxh3_hex_holding_gil", "tensor_checksum", "verify_tensor_checksum", "fold64"]
 
 _K1 = 0x9E3779B97F4A7C15
 _M1 = 0xFF51AFD7ED558CCD
@@ -45,7 +45,7 @@ def _s64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-#: buffers below this size are hashed without releasing the GIL (see :func:`xxh3_hex`)
+#: buffers below this size are hashed without releasing the GIL (see :func:`xxh3_hex_holding_gil`)
 _HOLD_GIL_BELOW = 1 << 20
 
 
@@ -78,13 +78,20 @@ _HELD = _xxh3_holding_gil()
 
 
 def xxh3_hex(data: Buffer) -> str:
-    """xxh3-64 of ``data`` as 16 hex digits (``xxhash.xxh3_64_hexdigest``).
+    """xxh3-64 of ``data`` as 16 hex digits (``xxhash.xxh3_64_hexdigest``, which releases the GIL:
+    a load's reader threads hash their chunks in parallel)."""
+    return xxhash.xxh3_64_hexdigest(data)
 
-    A chunk (under 1 MiB) is hashed without releasing the GIL: python-xxhash releases it on every
-    call, and a thread that gives the GIL up waits for it again up to the interpreter's switch
-    interval (5 ms) while another thread runs Python -- a background save hashing 512 KiB chunks
-    beside a training loop spent ~3 ms per chunk waiting (``benchmarks/bench_gil.py``). Larger
-    buffers release it (hashing them takes longer than the wait)."""
+
+def xxh3_hex_holding_gil(data: Buffer) -> str:
+    """:func:`xxh3_hex`, computed without releasing the GIL for buffers under 1 MiB (a chunk).
+
+    For a save's background thread: python-xxhash releases the GIL on every call, and a thread that
+    gives it up waits up to the interpreter's switch interval (5 ms) to get it back while another
+    thread runs Python -- a save hashing 512 KiB chunks beside a training loop that never left
+    Python spent ~5 ms per chunk waiting (``benchmarks/bench_gil.py``: 10.6 s against 0.32 s for
+    1 GB). Larger buffers release it (hashing them takes longer than the wait). Not for threads
+    that hash in parallel with each other (a load's readers): they would take turns."""
     if _HELD is not None:
         try:
             arr = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]

@@ -24,7 +24,7 @@ from typing import IO, Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from s4w_core.checksum import xxh3_hex
+from s4w_core.checksum import xxh3_hex_holding_gil
 from s4w_core.errors import (
     BadMagicError,
     ChecksumMismatchError,
@@ -164,7 +164,7 @@ class ContainerWriter:
         self._write(data)
         self._pos += n
         self.data_bytes += n
-        return off, n, xxh3_hex(data)
+        return off, n, xxh3_hex_holding_gil(data)
 
     def finish(self, manifest: dict[str, Any]) -> int:
         """Write manifest and trailer; returns the container's total size."""
