@@ -134,46 +134,36 @@ def _host_rows(a: Any, size: int, chunks: list[memoryview]) -> None:
     row("xxh3 per chunk, checksum.xxh3_hex_holding_gil", size, lambda: [ck.xxh3_hex_holding_gil(c) for c in chunks])
 
     path = os.path.join(a.dir, "bench_gil.bin")
+    _write_rows("file", lambda: open(path, "wb"), size, chunks)
+    os.remove(path)
 
-    def per_chunk_file() -> None:
-        with open(path, "wb") as f:
+
+def _write_rows(where: str, opener: Callable[[], Any], size: int, chunks: list[memoryview]) -> None:
+    """The chunks written through ``opener()``'s file object as a save did before this change (one
+    write and one python-xxhash call per chunk) and as ``ContainerWriter`` does now."""
+
+    def per_chunk() -> None:
+        with opener() as f:
             for c in chunks:
                 f.write(c)
                 xxhash.xxh3_64_hexdigest(c)
 
-    def container_file() -> None:
-        with open(path, "wb") as f:
+    def container() -> None:
+        with opener() as f:
             w = ContainerWriter(f)
             for c in chunks:
                 w.add_chunk(c)
             w.finish({})
 
-    row("file: one write + one xxhash per chunk (before)", size, per_chunk_file)
-    row("file: ContainerWriter (now)", size, container_file)
-    os.remove(path)
-
+    row(f"{where}: one write + one xxhash per chunk (before)", size, per_chunk)
+    row(f"{where}: ContainerWriter (now)", size, container)
 
 
 def _s3_rows(srv: Any, size: int, chunks: list[memoryview]) -> None:
     from s4w_core.store._s3 import S3Backend
 
     be = S3Backend(srv.url("gil"))
-
-    def per_chunk_s3() -> None:
-        with be.writer("obj") as f:
-            for c in chunks:
-                f.write(c)
-                xxhash.xxh3_64_hexdigest(c)
-
-    def container_s3() -> None:
-        with be.writer("obj") as f:
-            w = ContainerWriter(f)
-            for c in chunks:
-                w.add_chunk(c)
-            w.finish({})
-
-    row("S3: one write + one xxhash per chunk (before)", size, per_chunk_s3)
-    row("S3: ContainerWriter (now)", size, container_s3)
+    _write_rows("S3", lambda: be.writer("obj"), size, chunks)
 
 
 def _gpu_saves(size: int, root: str, srv: Any) -> None:
