@@ -14,6 +14,7 @@ Usage: python benchmarks/bench_gil.py [--mib 1024] [--s3] [--gpu]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -134,7 +135,15 @@ def _host_rows(a: Any, size: int, chunks: list[memoryview]) -> None:
     row("xxh3 per chunk, checksum.xxh3_hex_holding_gil", size, lambda: [ck.xxh3_hex_holding_gil(c) for c in chunks])
 
     path = os.path.join(a.dir, "bench_gil.bin")
-    _write_rows("file", lambda: open(path, "wb"), size, chunks)
+
+    def fresh_file() -> Any:
+        # a new file each run: truncating the last run's file (freeing its cached pages) is not
+        # the writer's cost
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return open(path, "wb")
+
+    _write_rows("file", fresh_file, size, chunks)
     os.remove(path)
 
 

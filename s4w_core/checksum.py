@@ -67,11 +67,7 @@ def _xxh3_holding_gil() -> Callable[[int, int], int] | None:
                 return None
     except Exception:  # noqa: BLE001 - any failure: the plain xxhash call
         return None
-
-    def call(address: int, length: int) -> int:
-        return int(fn(address, length))
-
-    return call
+    return fn  # type: ignore[no-any-return]  # c_uint64 results come back as int
 
 
 _HELD = _xxh3_holding_gil()

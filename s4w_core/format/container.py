@@ -132,10 +132,9 @@ class ContainerWriter:
         self._fp = fp
         self._buf: memoryview | None = None  # one block, allocated at the first small write
         self._fill = 0
-        self._pos = 0
-        self.data_bytes = 0
         self._write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
         self._pos = HEADER_SIZE
+        self.data_bytes = 0
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")

@@ -495,10 +495,10 @@ class PinnedPool:
     sizes repeat.  Two generations live at most: the cache in use (the base of the save being
     encoded) and the one being filled.
 
-    Buffers come from :func:`pinned_buffers`, one slab per allocation.  When a save takes a
-    generation and fewer than two are alive, the next one is allocated at once on a background
-    thread (the second save would otherwise wait for it), and :meth:`reserve` starts the first
-    one before any save."""
+    Buffers come from :func:`pinned_buffers` (up to eight slabs per allocation).  Once a save has
+    filled the generation it took and fewer than two are alive, :meth:`ahead` allocates the next
+    one on a background thread (the second save would otherwise wait for it), and
+    :meth:`reserve` starts the first one before any save."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = {}

@@ -552,7 +552,7 @@ class CheckpointStore:
         A save of CUDA tensors copies them to pinned host buffers: :meth:`save_async` (mode
         ``async-pinned``) is blocked only for that copy, and both kinds of save keep the copy as
         the next save's delta base.  The buffers are reused from the third save on, and the
-        second generation is allocated in the background when the first save takes its buffers;
+        second generation is allocated in the background once the first save's copy is done;
         this call also takes the first one out of the training loop (0.2-0.4 s for a 1.82 GB
         state on an H100 host; ``benchmarks/bench_host_io.py``).  Call it once the state exists (after the
         optimizer's first step, whose state tensors it must include).  States without CUDA
