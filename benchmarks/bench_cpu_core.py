@@ -7,7 +7,12 @@ training state: a GPT (benchmarks/_train_gpt.py, "mini": 4 layers, d=256) traine
 real text with AdamW, weights + exp_avg + exp_avg_sq, bf16 and fp32.  Every codec's output is
 decoded and compared bit for bit; times are medians of ``--repeats`` (after one warm-up run).
 
-    python benchmarks/bench_cpu_core.py --out benchmarks/results/cpu_core.json
+    python benchmarks/bench_cpu_core.py --planes --out benchmarks/results/cpu_core.json
+
+``--planes`` adds a breakdown: per byte plane, the CPU writer's zstd frames against Huffman-only
+deflate (what it wrote before), and the plane transform with numpy against numba. The s4w row
+waits for the numba transform first (``s4weights[numba]``; loaded once per process), so it
+measures the steady state; ``S4W_NUMBA=0`` measures numpy's.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import sys
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +57,50 @@ def tensors_of(state: dict) -> dict[str, torch.Tensor]:
         for k in ("exp_avg", "exp_avg_sq"):
             out[f"opt.{pid}.{k}"] = st[k]
     return {k: v.detach().cpu().contiguous() for k, v in out.items() if v.is_floating_point() and v.numel() > 1}
+
+
+def planes_breakdown(ts: dict[str, torch.Tensor], w: int, repeats: int) -> dict[str, Any]:
+    """Per plane: the CPU writer's zstd frames (``PLANE_PARAMS``) against Huffman-only deflate (what
+    it wrote before: zlib-ng encode, ISA-L decode); and the plane transform, numpy against numba."""
+    from s4w_core.codecs import DEFLATE, ZSTD, zstd_encode_plane
+    from s4w_core.planes import _jit
+    from s4w_core.planes import reference as ref
+
+    raws = [t.reshape(-1).view(torch.uint8).numpy() for t in ts.values() if t.numel() * t.element_size() % w == 0]
+    total = sum(r.size for r in raws)
+    out: dict[str, Any] = {}
+    jit_state = os.environ.get("S4W_NUMBA")
+    try:
+        for name, env in (("numpy", "0"), ("numba", "1")):
+            os.environ["S4W_NUMBA"] = env
+            if env == "1" and not _jit.enabled():
+                continue
+            planes = [ref._split_np(r, w, None) for r in raws]
+            dst = [np.empty(r.size, np.uint8) for r in raws]
+            out[f"split_{name}_MBps"] = total / med(lambda: [ref._split_np(r, w, None) for r in raws], repeats) / MB
+            out[f"merge_{name}_MBps"] = total / med(
+                lambda planes=planes, dst=dst: [ref.merge_into(list(p), w, d) for p, d in zip(planes, dst)], repeats
+            ) / MB
+    finally:
+        if jit_state is None:
+            os.environ.pop("S4W_NUMBA", None)
+        else:
+            os.environ["S4W_NUMBA"] = jit_state
+    assert DEFLATE.encode_cpu is not None
+    for j in range(w):
+        pj = [np.ascontiguousarray(p[j]) for p in planes]
+        n = sum(x.size for x in pj)
+        row: dict[str, Any] = {}
+        for cname, enc, codec in (
+            ("deflate_huffman_only", DEFLATE.encode_cpu, DEFLATE),
+            ("zstd_plane_params", zstd_encode_plane, ZSTD),
+        ):
+            coded = [enc(memoryview(x)) for x in pj]
+            te = med(lambda enc=enc, pj=pj: [enc(memoryview(x)) for x in pj], repeats)
+            td = med(lambda codec=codec, coded=coded, pj=pj: [codec.decode(c, x.size) for c, x in zip(coded, pj)], repeats)
+            row[cname] = {"ratio": n / sum(map(len, coded)), "enc_MBps": n / te / MB, "dec_MBps": n / td / MB}
+        out[f"plane{j}"] = row
+    return out
 
 
 def run(ts: dict[str, torch.Tensor], dtype: str, repeats: int) -> dict[str, Any]:
@@ -127,8 +177,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--variants", default="bf16,fp32")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--planes", action="store_true", help="also break the CPU codec down per plane and transform")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    from s4w_core.planes import _jit
+
+    jit = _jit.enabled()  # wait for the compiled transform (loaded once per process, ~1.5 s): steady state
     result: dict[str, Any] = {
         "meta": {
             "date": dt.date.today().isoformat(),
@@ -141,6 +195,8 @@ def main() -> int:
             "model": a.model,
             "steps": a.steps,
             "threads": 1,
+            "numba_transform": jit,
+            "zstandard": __import__("zstandard").__version__,
         },
         "variants": {},
     }
@@ -161,6 +217,15 @@ def main() -> int:
         if "vs_zipnn" in r:
             q = r["vs_zipnn"]
             print(f"  s4w / ZipNN per core: encode {q['enc']:.2f}x  decode {q['dec']:.2f}x  ratio {q['ratio']:.4f}x")
+        if a.planes:
+            w = 2 if v == "bf16" else 4
+            r["planes"] = pb = planes_breakdown(tensors_of(tr.state()), w, a.repeats)
+            print("  transform MB/s of raw: " + "  ".join(f"{k[:-5]} {x:.0f}" for k, x in pb.items() if k.endswith("_MBps")))
+            for j in range(w):
+                for cname, x in pb[f"plane{j}"].items():
+                    print(
+                        f"  plane {j} {cname:21s} ratio {x['ratio']:.3f}  enc {x['enc_MBps']:7.1f}  dec {x['dec_MBps']:7.1f} MB/s of plane"
+                    )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -9,7 +9,7 @@ with the codec that measured best for it (never larger than raw: raw is always a
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -18,7 +18,7 @@ import torch
 
 from s4w_core import checksum as ck
 from s4w_core import delta
-from s4w_core.codecs import DEFLATE, RAW, ZSTD, get_codec
+from s4w_core.codecs import RAW, ZSTD, get_codec, zstd_encode_plane
 from s4w_core.errors import (
     BaseMismatchError,
     ChecksumMismatchError,
@@ -26,6 +26,7 @@ from s4w_core.errors import (
 )
 from s4w_core.format.container import ContainerReader, ContainerWriter
 from s4w_core.planes import PLANE_DTYPES, merge_planes, plane_width, split_planes
+from s4w_core.planes.reference import merge_into
 
 __all__ = [
     "SEGMENT_ELEMS",
@@ -41,10 +42,8 @@ __all__ = [
 
 #: elements per segment written by the CPU path (1 MiB per plane chunk).
 SEGMENT_ELEMS = 1 << 20
-#: a plane other than the first is entropy-coded only if a sample says it saves at least this much.
-MIN_GAIN = 0.0
 _SAMPLE = 1 << 16
-#: a deflate chunk this many times smaller than its plane is also tried with zstd (smaller wins).
+#: a plane chunk this many times smaller than its plane is also tried at zstd's level 3 (smaller wins).
 LOW_ENTROPY_RATIO = 4
 
 BaseLookup = Callable[[str, int, str], "tuple[torch.Tensor, dict[str, Any]] | None"]
@@ -162,26 +161,33 @@ def _estimate_bytes(planes: torch.Tensor) -> float:
 def _choose_codec(transform: str, j: int, plane: np.ndarray) -> Any:
     if transform == "bytes":
         return ZSTD
-    if j == 0:
-        return DEFLATE
-    return DEFLATE if _entropy_ratio(plane) > 1.0 + MIN_GAIN else RAW
+    return ZSTD_PLANE  # zstd stores an incompressible block as it is, at memcpy speed
+
+
+#: marker for "zstd frame coded with the plane parameters" (codec id ``zstd``).
+ZSTD_PLANE = object()
 
 
 def _encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes]:
     codec = _choose_codec(transform, j, plane)
     data = memoryview(plane)
-    if codec is not RAW:
-        assert codec.encode_cpu is not None
-        out = codec.encode_cpu(data)
-        if codec is DEFLATE and len(out) * LOW_ENTROPY_RATIO < plane.size:
-            # Huffman codes spend >= 1 bit a byte; near-constant planes (delta residuals of
-            # unchanged or barely changed values) go far below that with zstd's matches.
-            assert ZSTD.encode_cpu is not None
+    if codec is RAW:
+        return RAW.id, bytes(data)
+    assert ZSTD.encode_cpu is not None
+    cid = ZSTD.id
+    if codec is ZSTD_PLANE:
+        out = zstd_encode_plane(data)
+        if len(out) * LOW_ENTROPY_RATIO < plane.size:
+            # near-constant planes (delta residuals of unchanged or barely changed values) go far
+            # below a Huffman code's 1 bit a byte with zstd's matches at its default level.
             z = ZSTD.encode_cpu(data)
             if len(z) < len(out):
-                return ZSTD.id, z
-        if len(out) < plane.size:
-            return codec.id, out
+                out = z
+    else:  # any codec with a CPU encoder (tests write deflate planes as the GPU's portable profile does)
+        assert codec.encode_cpu is not None
+        cid, out = codec.id, codec.encode_cpu(data)
+    if len(out) < plane.size:
+        return cid, out
     return RAW.id, bytes(data)
 
 
@@ -192,6 +198,20 @@ def _segments(n: int, seg: int) -> Iterator[tuple[int, int]]:
 
 def _executor(threads: int | None) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1))
+
+
+def _submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """``pool.submit``, except that a one-thread pool runs ``fn`` right here: handing each chunk to
+    a single worker and waiting for it only adds two thread switches per chunk (with small tensors
+    more than the coding itself)."""
+    if pool._max_workers > 1:  # noqa: SLF001
+        return pool.submit(fn, *args)
+    f: Future[Any] = Future()
+    try:
+        f.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - delivered by .result(), as pool.submit would
+        f.set_exception(e)
+    return f
 
 
 # ----------------------------------------------------------------------------- CPU encode
@@ -232,7 +252,7 @@ def encode_storage_cpu(
         for s0, s1 in segs[i : i + window]:
             b = base[s0 * w : s1 * w] if base is not None else None
             planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
-            futs.extend(pool.submit(_encode_chunk, transform, j, planes[j]) for j in range(planes.shape[0]))
+            futs.extend(_submit(pool, _encode_chunk, transform, j, planes[j]) for j in range(planes.shape[0]))
         for f in futs:
             codec_id, data = f.result()
             off, length, h = writer.add_chunk(data)
@@ -356,12 +376,16 @@ def decode_storage_cpu(
             )
         return get_codec(codec_id).decode(data, s1 - s0)
 
-    futs = [pool.submit(fetch_decode, i) for i in range(len(layout))]
+    futs = [_submit(pool, fetch_decode, i) for i in range(len(layout))]
+    out_np = out.numpy()
     for k in range(0, len(layout), w):
         s0, s1, _ = layout[k]
         parts = [np.frombuffer(futs[k + j].result(), dtype=np.uint8) for j in range(w)]
-        planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
         b = base[s0 * w : s1 * w] if base is not None else None
+        if entry["transform"] == "planes-rotl1" and (b is None or op == "xor"):
+            merge_into(parts, w, out_np[s0 * w : s1 * w], None if b is None else b.numpy())
+            continue
+        planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
         if b is not None and op != "xor":  # residual planes, then the inverse delta op
             seg = merge_planes(planes, dtype) if entry["transform"] == "planes-rotl1" else planes.view(-1)
             seg = delta.inverse(op, seg, b, dtype)

@@ -9,13 +9,15 @@ CPU implementations live here and take/return bytes-like objects; GPU implementa
 
 from __future__ import annotations
 
+import io
+import threading
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from s4w_core.errors import BackendUnavailableError, DecodeError, UnknownCodecError
 
-__all__ = ["Codec", "CODECS", "get_codec", "RAW", "DEFLATE", "ZSTD", "NVCOMP_ANS"]
+__all__ = ["Codec", "CODECS", "get_codec", "RAW", "DEFLATE", "ZSTD", "NVCOMP_ANS", "PLANE_PARAMS", "zstd_encode_plane"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -59,10 +61,10 @@ def _raw_decode(data: Buffer, raw_len: int) -> bytes:
 
 
 # ----------------------------------------------------------------------------- deflate
-# RFC 1951 raw deflate. We write Huffman-only blocks (no LZ77: float planes have no useful
-# matches, and Huffman-only is 3x faster to write and beats zstd's ratio on exponent planes;
-# see benchmarks/results). Any RFC 1951 stream decodes, on the CPU with ISA-L (or zlib) and on
-# the GPU with nvCOMP's Deflate decoder.
+# RFC 1951 raw deflate, Huffman-only blocks (no LZ77: float planes have no useful matches). The
+# GPU writes it in the portable profile (nvCOMP's Deflate); any RFC 1951 stream decodes, on the CPU
+# with ISA-L (or zlib) and on the GPU with nvCOMP's Deflate decoder. The CPU writer of 0.1.0 wrote it
+# for planes too; it now writes zstd frames tuned for planes (PLANE_PARAMS: same ratio, faster).
 try:  # ISA-L inflates ~3x faster than zlib; optional
     from isal import isal_zlib as _inflate_mod
 except ImportError:  # pragma: no cover - isal is a hard dependency, kept optional for robustness
@@ -94,24 +96,61 @@ def _deflate_decode(data: Buffer, raw_len: int) -> bytes:
 
 
 # ----------------------------------------------------------------------------- zstd
-def _zstd_encode(data: Buffer) -> bytes:
-    import zstandard
+# One compressor / decompressor per thread (python-zstandard's contexts are not thread-safe, and
+# making one costs more than coding a small chunk).
+_tls = threading.local()
 
-    return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data)
+#: Parameters the CPU path codes byte planes with. Level 1 with the shortest hash table and the
+#: longest minimum match: zstd then finds almost no matches in a float plane and spends its time
+#: in huff0, its Huffman coder (4 streams, table-driven). On the exponent plane of a trained bf16
+#: state this gives deflate's Huffman-only ratio (2.82 against 2.81) at ~3x its encode speed and
+#: ~2x ISA-L's inflate speed; mantissa planes 7x / 3x (benchmarks/bench_cpu_core.py --planes).
+PLANE_PARAMS = {"compression_level": 1, "min_match": 7, "hash_log": 7}
+
+
+def _compressor(kind: str) -> Any:
+    c = getattr(_tls, kind, None)
+    if c is None:
+        import zstandard
+
+        if kind == "zplane":
+            params = zstandard.ZstdCompressionParameters(**PLANE_PARAMS, write_content_size=True)
+            c = zstandard.ZstdCompressor(compression_params=params)
+        elif kind == "z3":
+            c = zstandard.ZstdCompressor(level=3, write_content_size=True)
+        else:
+            c = zstandard.ZstdDecompressor()
+        setattr(_tls, kind, c)
+    return c
+
+
+def _zstd_encode(data: Buffer) -> bytes:
+    return _compressor("z3").compress(data)
+
+
+def zstd_encode_plane(data: Buffer) -> bytes:
+    """One zstd frame (codec ``zstd``) of a byte plane, coded with :data:`PLANE_PARAMS`."""
+    return _compressor("zplane").compress(data)
 
 
 def _zstd_decode(data: Buffer, raw_len: int) -> bytes:
-    import io
-
     import zstandard
 
     try:
-        # A stream reader never allocates more than we ask for, whatever size the frame claims.
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
-            out = r.read(raw_len + 1)
+        declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as e:
         raise DecodeError(f"zstd frame is corrupt: {e}") from e
-    return out
+    try:
+        if declared == raw_len:  # the buffer is allocated at the size the frame declares: checked
+            return _compressor("unzstd").decompress(data)
+        if declared >= 0:
+            raise DecodeError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+        # No declared size (not written by s4weights): a stream reader never allocates more than
+        # we ask for.
+        with _compressor("unzstd").stream_reader(io.BytesIO(data)) as r:
+            return r.read(raw_len + 1)
+    except zstandard.ZstdError as e:
+        raise DecodeError(f"zstd frame is corrupt: {e}") from e
 
 
 RAW = Codec("raw", True, _raw_encode, _raw_decode, "bytes stored as they are")

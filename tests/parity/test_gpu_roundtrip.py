@@ -5,6 +5,7 @@ Run on the device (see benchmarks/device_session.sh); skipped without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 import s4w_core
 from tests.parity._interpret_checks import all16, assert_same, fp32_patterns, sample_state
+from tests.unit.helpers import deflate_plane0
 
 pytestmark = pytest.mark.gpu
 
@@ -144,12 +146,17 @@ def test_portable_gpu_written_decodes_on_cpu_path(monkeypatch):
     assert s4w_core.verify(data).ok
 
 
+@pytest.mark.parametrize("plane0", ["zstd", "deflate"])
 @pytest.mark.parametrize("gpu_inflate", ["1", "0"])
-def test_cpu_written_decodes_on_gpu(monkeypatch, gpu_inflate):
+def test_cpu_written_decodes_on_gpu(monkeypatch, gpu_inflate, plane0):
+    """The CPU writer's zstd planes (decoded on the host, then merged on the GPU), and deflate
+    planes as the CPU writer of 0.1.0 wrote them."""
     monkeypatch.setenv("S4W_GPU_INFLATE", gpu_inflate)  # deflate chunks by nvCOMP, or on the CPU
     obj = sample_state(22)
     buf = io.BytesIO()
-    s4w_core.save(obj, buf, profile="portable")  # CPU tensors: the CPU writer
+    with deflate_plane0() if plane0 == "deflate" else contextlib.nullcontext():
+        s4w_core.save(obj, buf, profile="portable")  # CPU tensors: the CPU writer
+    assert plane0 in str(s4w_core.info(buf.getvalue())["codecs"])
     back = s4w_core.load(buf.getvalue(), map_location="cuda")
     assert all(t.device.type == "cuda" for t in back.values() if isinstance(t, torch.Tensor))
     assert_same(obj, back)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import struct
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import xxhash
@@ -87,3 +88,21 @@ __all__ = [
     "forge",
     "chunk_ranges",
 ]
+
+
+@contextlib.contextmanager
+def deflate_plane0() -> Iterator[None]:
+    """While active, the CPU writer codes plane 0 of every float storage as raw deflate, as the
+    GPU's portable profile (nvCOMP Deflate) and s4weights <= 0.4's CPU writer do; the other chunks
+    as it chooses (zstd, raw). Lets CPU-only tests build files that hold every codec's chunks."""
+    from s4w_core import engine
+    from s4w_core.codecs import DEFLATE
+
+    choose = engine._choose_codec
+    engine._choose_codec = lambda transform, j, plane: (  # type: ignore[assignment]
+        DEFLATE if transform == "planes-rotl1" and j == 0 else choose(transform, j, plane)
+    )
+    try:
+        yield
+    finally:
+        engine._choose_codec = choose  # type: ignore[assignment]

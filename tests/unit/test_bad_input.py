@@ -34,27 +34,30 @@ from s4w_core.errors import (
     UnsupportedVersionError,
 )
 from s4w_core.format.container import HEADER_SIZE, TRAILER_SIZE
-from tests.unit.helpers import chunk_ranges, encode, forge, rebuild, split
+from tests.unit.helpers import chunk_ranges, deflate_plane0, encode, forge, rebuild, split
 
 _GPU = api._gpu() is not None
 
 
 @pytest.fixture(scope="module")
 def small_blob() -> bytes:
-    """A small container (~1.5 KiB) with several storages, transforms, codecs and segments."""
+    """A small container (~1.5 KiB) with several storages, transforms, codecs and segments. The
+    CPU writer codes planes with zstd; plane 0 is written as deflate here, as the GPU's portable
+    profile (and the CPU writer of 0.1.0) writes it, so that every codec's reader is attacked."""
     old = engine.SEGMENT_ELEMS
     engine.SEGMENT_ELEMS = 64
     try:
         g = torch.Generator().manual_seed(0)
-        return encode(
-            {
-                "w": torch.randn(150, generator=g).to(torch.bfloat16),
-                "f": torch.randn(40, generator=g),
-                "i": torch.arange(300, dtype=torch.int16) % 4,
-                "z": torch.zeros(200, dtype=torch.float16),
-                "meta": {"step": 7, "name": "x"},
-            }
-        )
+        with deflate_plane0():
+            return encode(
+                {
+                    "w": torch.randn(150, generator=g).to(torch.bfloat16),
+                    "f": torch.randn(40, generator=g),
+                    "i": torch.arange(300, dtype=torch.int16) % 4,
+                    "z": torch.zeros(200, dtype=torch.float16),
+                    "meta": {"step": 7, "name": "x"},
+                }
+            )
     finally:
         engine.SEGMENT_ELEMS = old
 

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ def ckpt(tmp_path: Path) -> Path:
 def test_info_text(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["info", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "s4weights v1" in out and "profile portable" in out and "bfloat16" in out and "deflate" in out
+    assert "s4weights v1" in out and "profile portable" in out and "bfloat16" in out and "zstd" in out
 
 
 def test_info_json(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,15 +87,14 @@ def test_selftest_detects_a_broken_codec(monkeypatch: pytest.MonkeyPatch, capsys
     import s4w_core.engine as engine
     from s4w_core.selftest import run_selftest
 
-    real = engine.merge_planes
+    real = engine.merge_into
 
-    def broken(planes: torch.Tensor, dtype: torch.dtype, base: torch.Tensor | None = None) -> torch.Tensor:
-        out = real(planes, dtype, base).clone()
-        if out.numel() > 3:
+    def broken(parts: Any, w: int, out: np.ndarray, base: np.ndarray | None = None) -> None:
+        real(parts, w, out, base)
+        if out.size > 3:
             out[3] ^= 1  # one flipped bit
-        return out
 
-    monkeypatch.setattr(engine, "merge_planes", broken)
+    monkeypatch.setattr(engine, "merge_into", broken)
     monkeypatch.setattr(engine.ck, "verify_tensor_checksum", lambda expected, data: True)  # hide it from the checksum
     assert run_selftest(quick=True, verbose=True) is False
     assert "FAIL" in capsys.readouterr().out

@@ -1,0 +1,174 @@
+"""The CPU plane transform compiled with numba (optional: ``pip install "s4weights[numba]"``).
+
+One pass over each element: split reads a word, XORs the base, rotates and writes one byte to each
+plane; merge does the inverse. numpy needs 5-7 passes with temporaries for the same result
+(~1.2-1.5 GB/s on one core, against 7-12 GB/s here: ``benchmarks/bench_cpu_core.py --planes``),
+which left the transform as large as the entropy coding in a CPU load.
+
+The numpy functions in :mod:`s4w_core.planes.reference` stay the oracle: these kernels must give
+identical bytes (``tests/unit/test_planes_jit.py``), and they are used only when numba imports and
+``S4W_NUMBA`` is not ``0``. They are loaded on a background thread at the CPU path's first use
+(numpy works until they are ready), compiled the first time and cached on disk (numba's cache:
+beside this file, or the user's cache directory when that is read-only); they release the GIL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["enabled", "split_into", "merge_into"]
+
+_lock = threading.Lock()
+_kernels: dict[str, Any] | None = None
+
+
+def _build() -> dict[str, Any]:
+    import numba
+
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    u16, u32 = np.uint16, np.uint32
+
+    @jit
+    def split2(v, base, has_base, o0, o1):  # type: ignore[no-untyped-def]
+        for i in range(v.size):
+            x = v[i]
+            if has_base:
+                x ^= base[i]
+            r = (x << u16(1)) | (x >> u16(15))
+            o0[i] = np.uint8(r >> u16(8))
+            o1[i] = np.uint8(r & u16(0xFF))
+
+    @jit
+    def split4(v, base, has_base, o0, o1, o2, o3):  # type: ignore[no-untyped-def]
+        for i in range(v.size):
+            x = v[i]
+            if has_base:
+                x ^= base[i]
+            r = (x << u32(1)) | (x >> u32(31))
+            o0[i] = np.uint8(r >> u32(24))
+            o1[i] = np.uint8((r >> u32(16)) & u32(0xFF))
+            o2[i] = np.uint8((r >> u32(8)) & u32(0xFF))
+            o3[i] = np.uint8(r & u32(0xFF))
+
+    @jit
+    def merge2(p0, p1, base, has_base, out):  # type: ignore[no-untyped-def]
+        for i in range(out.size):
+            r = (u16(p0[i]) << u16(8)) | u16(p1[i])
+            x = (r >> u16(1)) | (r << u16(15))
+            if has_base:
+                x ^= base[i]
+            out[i] = x
+
+    @jit
+    def merge4(p0, p1, p2, p3, base, has_base, out):  # type: ignore[no-untyped-def]
+        for i in range(out.size):
+            r = (u32(p0[i]) << u32(24)) | (u32(p1[i]) << u32(16)) | (u32(p2[i]) << u32(8)) | u32(p3[i])
+            x = (r >> u32(1)) | (r << u32(31))
+            if has_base:
+                x ^= base[i]
+            out[i] = x
+
+    return {"split2": split2, "split4": split4, "merge2": merge2, "merge4": merge4}
+
+
+def _warm() -> None:
+    """Build the kernels and run each once per argument type the CPU path passes (planes decoded
+    from ``bytes`` are read-only arrays, a different numba type): loads them from numba's disk
+    cache, or compiles them the first time (~2 s)."""
+    global _kernels
+    try:
+        k = _build()
+        for w, u in ((2, np.uint16), (4, np.uint32)):
+            words = np.zeros(4, dtype=u)
+            planes = np.zeros((w, 4), dtype=np.uint8)
+            ro = np.frombuffer(bytes(4 * w), dtype=np.uint8).reshape(w, 4)
+            for base, has in ((_EMPTY[w], False), (words, True)):
+                k[f"split{w}"](words, base, has, *planes)
+                for src in (planes, ro):
+                    k[f"merge{w}"](*src, base, has, words)
+        _kernels = k
+    except Exception:  # noqa: BLE001 - numba missing or unusable here: numpy does the work
+        pass
+    finally:
+        _ready.set()
+
+
+_ready = threading.Event()
+_started = False
+
+
+def _get(wait: bool = False) -> dict[str, Any] | None:
+    """The kernels, or None while they are not ready: the first call starts loading them on a
+    background thread (import numba, load or compile: 1.5-2 s once per process), and the CPU path
+    uses numpy until then, so a small save or load never waits for numba."""
+    global _started
+    if os.environ.get("S4W_NUMBA", "1") == "0":
+        return None
+    if not _ready.is_set():
+        with _lock:
+            if not _started:
+                _started = True
+                if importlib.util.find_spec("numba") is None:
+                    _ready.set()
+                else:
+                    threading.Thread(target=_warm, name="s4w-numba", daemon=True).start()
+        if not wait:
+            return None
+        _ready.wait()
+    return _kernels
+
+
+def enabled(wait: bool = True) -> bool:
+    """numba is importable, not switched off (``S4W_NUMBA=0``) and its kernels are ready (waits for
+    them by default; ``wait=False`` only asks)."""
+    return _get(wait) is not None
+
+
+_UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32}
+_EMPTY: dict[int, np.ndarray] = {2: np.empty(0, np.uint16), 4: np.empty(0, np.uint32)}
+
+
+def _words(a: np.ndarray, w: int) -> np.ndarray:
+    return np.ascontiguousarray(a).view(_UINT[w])
+
+
+def split_into(raw: np.ndarray, w: int, base: np.ndarray | None, out: np.ndarray) -> bool:
+    """``out[j] = plane j`` of ``raw`` (uint8, ``n * w`` bytes; ``out``: ``(w, n)`` uint8, C order).
+    Returns False (and does nothing) when the kernels are not available."""
+    k = _get()
+    if k is None or w not in _UINT:
+        return False
+    v = _words(raw, w)
+    b = _EMPTY[w] if base is None else _words(base, w)
+    # the kernels do not check bounds: every length is checked here
+    if out.shape != (w, v.size) or not out.flags.c_contiguous or (base is not None and b.size != v.size):
+        raise ValueError(f"split_into: {raw.size} bytes, planes {out.shape}, base {None if base is None else base.size}")
+    if w == 2:
+        k["split2"](v, b, base is not None, out[0], out[1])
+    else:
+        k["split4"](v, b, base is not None, out[0], out[1], out[2], out[3])
+    return True
+
+
+def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None) -> bool:
+    """Inverse of :func:`split_into` into ``out`` (uint8, ``n * w`` bytes, contiguous). Returns
+    False (and does nothing) when the kernels are not available."""
+    k = _get()
+    if k is None or w not in _UINT:
+        return False
+    ps = [np.ascontiguousarray(p) for p in parts]
+    b = _EMPTY[w] if base is None else _words(base, w)
+    o = out.view(_UINT[w])
+    # the kernels do not check bounds: every length is checked here
+    if len(ps) != w or any(p.dtype != np.uint8 or p.size != o.size for p in ps) or (base is not None and b.size != o.size):
+        raise ValueError(f"merge_into: planes {[p.size for p in ps]}, out {out.size} bytes, base {None if base is None else base.size}")
+    if w == 2:
+        k["merge2"](ps[0], ps[1], b, base is not None, o)
+    else:
+        k["merge4"](ps[0], ps[1], ps[2], ps[3], b, base is not None, o)
+    return True
