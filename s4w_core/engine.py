@@ -9,9 +9,9 @@ with the codec that measured best for it (never larger than raw: raw is always a
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -200,18 +200,16 @@ def _executor(threads: int | None) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1))
 
 
-def _submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """``pool.submit``, except that a one-thread pool runs ``fn`` right here: handing each chunk to
-    a single worker and waiting for it only adds two thread switches per chunk (with small tensors
-    more than the coding itself)."""
+def _ordered(pool: ThreadPoolExecutor, fn: Callable[..., Any], calls: Iterable[tuple[Any, ...]]) -> Iterator[Any]:
+    """``fn(*args)`` for each of ``calls``, results in order: all submitted to ``pool`` at once,
+    except that a one-thread pool runs each call right here when its result is wanted (handing
+    every chunk to a single worker and waiting for it only adds two thread switches per chunk,
+    with small tensors more than the coding itself). An exception is raised where its result is
+    taken, as ``Future.result`` raises it."""
     if pool._max_workers > 1:  # noqa: SLF001
-        return pool.submit(fn, *args)
-    f: Future[Any] = Future()
-    try:
-        f.set_result(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - delivered by .result(), as pool.submit would
-        f.set_exception(e)
-    return f
+        futs = [pool.submit(fn, *args) for args in calls]
+        return (f.result() for f in futs)
+    return (fn(*args) for args in calls)
 
 
 # ----------------------------------------------------------------------------- CPU encode
@@ -248,13 +246,12 @@ def encode_storage_cpu(
     window = max(2, pool._max_workers)  # noqa: SLF001 - sized to the pool
     segs = list(_segments(n, segment_elems))
     for i in range(0, len(segs), window):
-        futs: list[Any] = []
+        calls: list[tuple[Any, ...]] = []
         for s0, s1 in segs[i : i + window]:
             b = base[s0 * w : s1 * w] if base is not None else None
             planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
-            futs.extend(_submit(pool, _encode_chunk, transform, j, planes[j]) for j in range(planes.shape[0]))
-        for f in futs:
-            codec_id, data = f.result()
+            calls.extend((transform, j, planes[j]) for j in range(planes.shape[0]))
+        for codec_id, data in _ordered(pool, _encode_chunk, calls):
             off, length, h = writer.add_chunk(data)
             entry["chunks"].append([codec_id, off, length, h])
     return entry
@@ -365,7 +362,7 @@ def decode_storage_cpu(
     op = (entry.get("delta") or {}).get("op", "xor")
     layout = chunk_layout(entry)
 
-    def fetch_decode(i: int) -> bytes:
+    def fetch_decode(i: int) -> bytes | bytearray | memoryview:
         codec_id, off, length, h = entry["chunks"][i]
         s0, s1, _ = layout[i]
         data = reader.read_chunk(off, length)
@@ -376,11 +373,11 @@ def decode_storage_cpu(
             )
         return get_codec(codec_id).decode(data, s1 - s0)
 
-    futs = [_submit(pool, fetch_decode, i) for i in range(len(layout))]
+    decoded = _ordered(pool, fetch_decode, [(i,) for i in range(len(layout))])
     out_np = out.numpy()
     for k in range(0, len(layout), w):
         s0, s1, _ = layout[k]
-        parts = [np.frombuffer(futs[k + j].result(), dtype=np.uint8) for j in range(w)]
+        parts = [np.frombuffer(next(decoded), dtype=np.uint8) for _j in range(w)]
         b = base[s0 * w : s1 * w] if base is not None else None
         if entry["transform"] == "planes-rotl1" and (b is None or op == "xor"):
             merge_into(parts, w, out_np[s0 * w : s1 * w], None if b is None else b.numpy())

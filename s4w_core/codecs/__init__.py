@@ -35,10 +35,10 @@ class Codec:
     id: str
     cpu_decodable: bool
     encode_cpu: Callable[[Buffer], bytes] | None
-    decode_cpu: Callable[[Buffer, int], bytes] | None
+    decode_cpu: Callable[[Buffer, int], Buffer] | None
     description: str
 
-    def decode(self, data: Buffer, raw_len: int) -> bytes:
+    def decode(self, data: Buffer, raw_len: int) -> Buffer:
         if self.decode_cpu is None:
             raise BackendUnavailableError(
                 f"codec {self.id!r} has no CPU decoder; decode this checkpoint on a machine with a "
@@ -56,8 +56,8 @@ def _raw_encode(data: Buffer) -> bytes:
     return bytes(data)
 
 
-def _raw_decode(data: Buffer, raw_len: int) -> bytes:
-    return bytes(data)
+def _raw_decode(data: Buffer, raw_len: int) -> Buffer:
+    return data if isinstance(data, (bytes, memoryview)) else bytes(data)  # no copy of a chunk read for us
 
 
 # ----------------------------------------------------------------------------- deflate

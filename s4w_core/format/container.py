@@ -192,6 +192,7 @@ class ContainerReader:
         self.size = size
         self._read = read_range
         self._readinto = readinto
+        self._view: memoryview | None = None  # set by from_bytes
         self._fp: IO[bytes] | None = None
         if size < HEADER_SIZE + TRAILER_SIZE:
             raise TruncatedError(
@@ -250,8 +251,12 @@ class ContainerReader:
         if offset < self.data_start or offset + length > self.data_end:
             raise ManifestError(f"{self.name}: chunk [{offset}, +{length}) lies outside the data section")
 
-    def read_chunk(self, offset: int, length: int) -> bytes:
+    def read_chunk(self, offset: int, length: int) -> bytes | memoryview:
+        """The stored bytes of one chunk: a view into the container for a reader over bytes in
+        memory (:meth:`from_bytes`: no copy), else ``bytes``."""
         self.check_range(offset, length)
+        if self._view is not None:
+            return self._view[offset : offset + length]
         return self._exact(offset, length)
 
     def read_into(self, offset: int, bufs: memoryview | Sequence[memoryview]) -> None:
@@ -275,7 +280,9 @@ class ContainerReader:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, name: str = "<bytes>") -> "ContainerReader":
         mv = memoryview(data).cast("B")
-        return cls(lambda o, n: bytes(mv[o : o + n]), mv.nbytes, name, readinto=functools.partial(copy_into, mv))
+        r = cls(lambda o, n: bytes(mv[o : o + n]), mv.nbytes, name, readinto=functools.partial(copy_into, mv))
+        r._view = mv
+        return r
 
     @classmethod
     def from_file(cls, fp: IO[bytes], name: str | None = None) -> "ContainerReader":
