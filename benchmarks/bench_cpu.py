@@ -119,7 +119,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names")
     args = ap.parse_args()
+    from s4w_core.planes import _jit
+
+    jit = _jit.enabled()  # the compiled plane transform (s4weights[numba]), loaded once per process
     g = torch.Generator().manual_seed(0)
     inputs = {
         f"train_tiny fp32, step {args.steps} (model+AdamW)": trained_checkpoint(args.steps, torch.float32),
@@ -147,16 +151,18 @@ def main() -> int:
         "torch": torch.__version__,
         "s4weights": s4w_core.__version__,
         "threads": torch.get_num_threads(),
+        "numba_transform": jit,
         "repeat": args.repeat,
         "command": "python benchmarks/bench_cpu.py " + " ".join(sys.argv[1:]),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"cpu_{meta['date']}"
+    stem = args.out / f"cpu_{meta['date']}{args.tag}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [
         f"# CPU benchmark, {meta['date']}",
         "",
-        f"Device: {meta['device']}; Python {meta['python']}, torch {meta['torch']}, s4weights {meta['s4weights']}.",
+        f"Device: {meta['device']}; Python {meta['python']}, torch {meta['torch']}, s4weights {meta['s4weights']}; "
+        f"plane transform: {'numba' if jit else 'numpy'}.",
         f"Command: `{meta['command']}`; medians of {args.repeat} runs; ratio = raw tensor bytes / file bytes.",
         "",
         "| input | raw MiB | s4w ratio | zstd-3 ratio | s4w save MiB/s | s4w load MiB/s | torch.save s | s4w save s |",

@@ -9,8 +9,9 @@ decoded and compared bit for bit; times are medians of ``--repeats`` (after one 
 
     python benchmarks/bench_cpu_core.py --planes --out benchmarks/results/cpu_core.json
 
-``--planes`` adds a breakdown: per byte plane, the CPU writer's zstd frames against Huffman-only
-deflate (what it wrote before), and the plane transform with numpy against numba. The s4w row
+``--planes`` adds a breakdown: where one thread's save and load spend their time, and per byte
+plane the CPU writer's zstd frames against Huffman-only deflate (what it wrote before), and the
+plane transform with numpy against numba. The s4w row
 waits for the numba transform first (``s4weights[numba]``; loaded once per process), so it
 measures the steady state; ``S4W_NUMBA=0`` measures numpy's.
 """
@@ -100,6 +101,77 @@ def planes_breakdown(ts: dict[str, torch.Tensor], w: int, repeats: int) -> dict[
             td = med(lambda codec=codec, coded=coded, pj=pj: [codec.decode(c, x.size) for c, x in zip(coded, pj)], repeats)
             row[cname] = {"ratio": n / sum(map(len, coded)), "enc_MBps": n / te / MB, "dec_MBps": n / td / MB}
         out[f"plane{j}"] = row
+    return out
+
+
+def stages(ts: dict[str, torch.Tensor], repeats: int) -> dict[str, dict[str, float]]:
+    """Where one thread's save and load of ``ts`` spend their time (ms, the fastest of ``repeats``
+    runs): the functions of the CPU path timed by wrapping them; "rest" is Python around them, the
+    container writer and the output's memory."""
+    import collections
+    import functools
+
+    from s4w_core import api, codecs, engine
+
+    acc: collections.Counter[str] = collections.Counter()
+    undo: list[Callable[[], None]] = []
+
+    def wrap(owner: Any, name: str, key: str) -> None:
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def g(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[key] += time.perf_counter() - t0
+
+        setattr(owner, name, g)
+        undo.append(lambda: setattr(owner, name, f))
+
+    wrap(engine, "_encode_chunk", "zstd encode")
+    wrap(engine, "split_planes", "split")
+    wrap(engine, "merge_into", "merge")
+    wrap(engine.ck, "tensor_checksum", "xxh3 tensor")
+    wrap(engine.ck, "verify_tensor_checksum", "xxh3 tensor")
+    wrap(api, "validate_manifest", "validate manifest")
+    for c in (codecs.ZSTD, codecs.RAW):
+        dec = c.decode_cpu
+        key = f"{c.id} decode"
+
+        def timed_dec(d: Any, n: int, dec: Any = dec, key: str = key) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return dec(d, n)
+            finally:
+                acc[key] += time.perf_counter() - t0
+
+        object.__setattr__(c, "decode_cpu", timed_dec)
+        undo.append(lambda c=c, dec=dec: object.__setattr__(c, "decode_cpu", dec))
+    buf = io.BytesIO()
+    s4w_core.save(ts, buf, profile="portable", threads=1)
+    data = buf.getvalue()
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for name, fn in (
+            ("save", lambda: s4w_core.save(ts, io.BytesIO(), profile="portable", threads=1)),
+            ("load", lambda: s4w_core.load(data, threads=1)),
+        ):
+            best: tuple[float, dict[str, float]] | None = None
+            for _ in range(repeats):
+                acc.clear()
+                t0 = time.perf_counter()
+                fn()
+                t = time.perf_counter() - t0
+                if best is None or t < best[0]:
+                    best = (t, dict(acc))
+            assert best is not None
+            t, parts = best
+            out[name] = {"total": t * 1e3, **{k: v * 1e3 for k, v in parts.items()}, "rest": (t - sum(parts.values())) * 1e3}
+    finally:
+        for u in reversed(undo):
+            u()
     return out
 
 
@@ -218,6 +290,9 @@ def main() -> int:
             q = r["vs_zipnn"]
             print(f"  s4w / ZipNN per core: encode {q['enc']:.2f}x  decode {q['dec']:.2f}x  ratio {q['ratio']:.4f}x")
         if a.planes:
+            r["stages_ms"] = sg = stages(tensors_of(tr.state()), a.repeats)
+            for name, parts in sg.items():
+                print(f"  {name} stages, ms: " + ", ".join(f"{k} {x:.1f}" for k, x in parts.items()))
             w = 2 if v == "bf16" else 4
             r["planes"] = pb = planes_breakdown(tensors_of(tr.state()), w, a.repeats)
             print("  transform MB/s of raw: " + "  ".join(f"{k[:-5]} {x:.0f}" for k, x in pb.items() if k.endswith("_MBps")))

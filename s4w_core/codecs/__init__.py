@@ -64,7 +64,8 @@ def _raw_decode(data: Buffer, raw_len: int) -> Buffer:
 # RFC 1951 raw deflate, Huffman-only blocks (no LZ77: float planes have no useful matches). The
 # GPU writes it in the portable profile (nvCOMP's Deflate); any RFC 1951 stream decodes, on the CPU
 # with ISA-L (or zlib) and on the GPU with nvCOMP's Deflate decoder. The CPU writer of 0.1.0 wrote it
-# for planes too; it now writes zstd frames tuned for planes (PLANE_PARAMS: same ratio, faster).
+# for planes too; it now writes zstd frames tuned for planes (PLANE_PARAMS: same ratio, faster),
+# and deflate only for exponent chunks under 64 KiB, where its smaller header wins.
 try:  # ISA-L inflates ~3x faster than zlib; optional
     from isal import isal_zlib as _inflate_mod
 except ImportError:  # pragma: no cover - isal is a hard dependency, kept optional for robustness

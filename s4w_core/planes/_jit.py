@@ -102,6 +102,21 @@ _ready = threading.Event()
 _started = False
 
 
+def _after_fork_in_child() -> None:
+    """A child forked while the kernels were loading (a DataLoader worker, say) has no loader
+    thread, and locks that thread held (numba's, its imports') stay held there: the child uses
+    numpy. One forked after they were loaded keeps them."""
+    global _ready, _lock
+    _lock = threading.Lock()
+    if _started and not _ready.is_set():
+        _ready = threading.Event()
+        _ready.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _get(wait: bool = False) -> dict[str, Any] | None:
     """The kernels, or None while they are not ready: the first call starts loading them on a
     background thread (import numba, load or compile: 1.5-2 s once per process), and the CPU path

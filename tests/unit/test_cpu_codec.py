@@ -117,7 +117,22 @@ def test_round_trip_both_transforms(monkeypatch: pytest.MonkeyPatch, numba_on: b
         for k, v in state.items():
             assert_same_tensor(v, back[k])
     codecs = {c[0] for s in split(blob)[2]["storages"] for c in s["chunks"]}
-    assert "zstd" in codecs and "deflate" not in codecs
+    assert "zstd" in codecs and codecs <= {"zstd", "raw", "deflate"}, codecs
+
+
+def test_small_exponent_planes_keep_the_smaller_code() -> None:
+    """Under 64 KiB deflate's header beats zstd's on an exponent plane; the writer keeps the
+    smaller of the two there, and zstd above."""
+    g = torch.Generator().manual_seed(1)
+    small = (0.02 * torch.randn(2048, generator=g)).to(torch.bfloat16)
+    big = (0.02 * torch.randn(1 << 18, generator=g)).to(torch.bfloat16)
+    buf = io.BytesIO()
+    s4w_core.save({"small": small, "big": big}, buf, profile="portable")
+    m = split(buf.getvalue())[2]
+    by = {s["path"]: s["chunks"] for s in m["storages"]}
+    assert by["small"][0][0] == "deflate" and by["big"][0][0] == "zstd", {k: [c[0] for c in v] for k, v in by.items()}
+    back = s4w_core.load(buf.getvalue(), threads=1)
+    assert torch.equal(back["small"].view(torch.int16), small.view(torch.int16))
 
 
 @pytest.mark.parametrize("op", ["xor", "sub"])
@@ -145,7 +160,7 @@ def test_delta_round_trip_one_thread(op: str, monkeypatch: pytest.MonkeyPatch) -
 def test_one_thread_corrupt_chunk_raises() -> None:
     """The inline executor delivers a chunk's error like the pool does."""
     buf = io.BytesIO()
-    s4w_core.save({"w": torch.randn(10_000).to(torch.bfloat16)}, buf, profile="portable")
+    s4w_core.save({"w": torch.randn(100_000).to(torch.bfloat16)}, buf, profile="portable")
     blob = bytearray(buf.getvalue())
     off, length = chunk_ranges(bytes(blob))[0]
     blob[off + length // 2] ^= 0x10
@@ -203,13 +218,40 @@ def test_forged_zstd_size_in_file() -> None:
     import xxhash
 
     buf = io.BytesIO()
-    s4w_core.save({"w": torch.randn(4096).to(torch.bfloat16)}, buf, profile="portable")
+    s4w_core.save({"w": torch.randn(1 << 16).to(torch.bfloat16)}, buf, profile="portable")  # zstd above 64 KiB
     prefix, _t, m = split(buf.getvalue())
     c = m["storages"][0]["chunks"][0]
     assert c[0] == "zstd" and c[2] > 32
-    forged = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * 4095).ljust(c[2], b"\0")
+    forged = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * 65535).ljust(c[2], b"\0")
     p = bytearray(prefix)
     p[c[1] : c[1] + c[2]] = forged
     c[3] = xxhash.xxh3_64_hexdigest(forged)
-    with pytest.raises(DecodeError, match="declares 4095 bytes, expected 4096"):
+    with pytest.raises(DecodeError, match="declares 65535 bytes, expected 65536"):
         s4w_core.load(rebuild(bytes(p), m))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_while_loading_does_not_hang() -> None:
+    """A child forked while the kernels load (a DataLoader worker, say) gets a working CPU path."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import io, os, sys, torch, s4w_core
+        from s4w_core.planes import _jit
+        _jit._get()  # starts loading in the background (no-op without numba)
+        pid = os.fork()
+        if pid == 0:
+            x = torch.randn(100_000).to(torch.bfloat16)
+            b = io.BytesIO(); s4w_core.save({"x": x}, b, profile="portable")
+            ok = torch.equal(s4w_core.load(b.getvalue())["x"].view(torch.int16), x.view(torch.int16))
+            _jit.enabled()  # waits for the child's own loader: must return
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
