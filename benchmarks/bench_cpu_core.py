@@ -5,7 +5,8 @@ same machine and data, at a ratio at least ZipNN's.  Both run on one thread (``t
 threads 1, s4w ``threads=1``, ZipNN ``threads=1``, zstd single-threaded) on the tensors of a real
 training state: a GPT (benchmarks/_train_gpt.py, "mini": 4 layers, d=256) trained ``--steps`` on
 real text with AdamW, weights + exp_avg + exp_avg_sq, bf16 and fp32.  Every codec's output is
-decoded and compared bit for bit; times are medians of ``--repeats`` (after one warm-up run).
+decoded and compared bit for bit; the peers run interleaved, one round after another, and times are
+medians over ``--repeats`` rounds (after one warm-up round).
 
     python benchmarks/bench_cpu_core.py --planes --out benchmarks/results/cpu_core.json
 
@@ -176,68 +177,82 @@ def stages(ts: dict[str, torch.Tensor], repeats: int) -> dict[str, dict[str, flo
 
 
 def run(ts: dict[str, torch.Tensor], dtype: str, repeats: int) -> dict[str, Any]:
+    """Every peer's encode and decode, interleaved: each round times s4w, ZipNN and zstd back to
+    back, so that a slow spell of a shared machine hits all of them; speeds are medians over the
+    rounds and the s4w/ZipNN ratios medians of the per-round ratios (the first round warms up)."""
+    import zstandard
+
     raw = sum(t.numel() * t.element_size() for t in ts.values())
     res: dict[str, Any] = {"tensors": len(ts), "raw_bytes": raw}
+    # name -> (prepare() -> encode callable, decode callable, stored bytes, bit-exact)
+    peers: dict[str, tuple[Callable[[], Callable[[], Any]], Callable[[], Any], int, bool]] = {}
+
     buf = io.BytesIO()
     s4w_core.save(ts, buf, profile="portable", threads=1)
     data = buf.getvalue()
     back = s4w_core.load(data, threads=1)
-    exact = all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in ts.items())
-    te = med(lambda: s4w_core.save(ts, io.BytesIO(), profile="portable", threads=1), repeats)
-    td = med(lambda: s4w_core.load(data, threads=1), repeats)
-    res["s4w_portable"] = {"ratio": raw / len(data), "enc_MBps": raw / te / MB, "dec_MBps": raw / td / MB, "exact": exact}
+    peers["s4w_portable"] = (
+        lambda: lambda: s4w_core.save(ts, io.BytesIO(), profile="portable", threads=1),
+        lambda: s4w_core.load(data, threads=1),
+        len(data),
+        all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in ts.items()),
+    )
     try:
         import zipnn
 
         name = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
         z = zipnn.ZipNN(bytearray_dtype=name, input_format="torch", threads=1)
-        comp = [z.compress(t.clone()) for t in ts.values()]  # ZipNN reorders its input in place
-        exact = all(
-            torch.equal(z.decompress(c).contiguous().reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
-            for c, t in zip(comp, ts.values())
+        zcomp = [z.compress(t.clone()) for t in ts.values()]  # ZipNN reorders its input in place
+
+        def zprep() -> Callable[[], Any]:
+            clones = [t.clone() for t in ts.values()]  # fresh inputs each round, cloned untimed
+            return lambda: [z.compress(t) for t in clones]
+
+        peers["zipnn"] = (
+            zprep,
+            lambda: [z.decompress(c) for c in zcomp],
+            sum(map(len, zcomp)),
+            all(
+                torch.equal(z.decompress(c).contiguous().reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+                for c, t in zip(zcomp, ts.values())
+            ),
         )
-
-        def enc() -> None:
-            for t in clones:
-                z.compress(t)
-
-        times = []
-        for _ in range(repeats + 1):
-            clones = [t.clone() for t in ts.values()]
-            t0 = time.perf_counter()
-            enc()
-            times.append(time.perf_counter() - t0)
-        te = statistics.median(times[1:])
-        td = med(lambda: [z.decompress(c) for c in comp], repeats)
-        res["zipnn"] = {
-            "ratio": raw / sum(map(len, comp)),
-            "enc_MBps": raw / te / MB,
-            "dec_MBps": raw / td / MB,
-            "exact": exact,
-            "version": getattr(zipnn, "__version__", None),
-        }
+        res["zipnn_version"] = getattr(zipnn, "__version__", None)
     except ImportError:
         res["zipnn"] = {"skipped": "zipnn not installed"}
-    import zstandard
-
     blobs = [t.view(torch.uint8).numpy().tobytes() for t in ts.values()]
     cz, dz = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
     comp = [cz.compress(b) for b in blobs]
-    te = med(lambda: [cz.compress(b) for b in blobs], repeats)
-    td = med(lambda: [dz.decompress(c) for c in comp], repeats)
-    res["zstd3"] = {
-        "ratio": raw / sum(map(len, comp)),
-        "enc_MBps": raw / te / MB,
-        "dec_MBps": raw / td / MB,
-        "exact": all(dz.decompress(c) == b for c, b in zip(comp, blobs)),
-    }
-    z = res.get("zipnn", {})
-    if "enc_MBps" in z:
-        s = res["s4w_portable"]
+    peers["zstd3"] = (
+        lambda: lambda: [cz.compress(b) for b in blobs],
+        lambda: [dz.decompress(c) for c in comp],
+        sum(map(len, comp)),
+        all(dz.decompress(c) == b for c, b in zip(comp, blobs)),
+    )
+    times: dict[str, dict[str, list[float]]] = {k: {"enc": [], "dec": []} for k in peers}
+    for _ in range(repeats + 1):
+        for k, (prep, dec, _n, _ok) in peers.items():
+            enc = prep()
+            t0 = time.perf_counter()
+            enc()
+            t1 = time.perf_counter()
+            dec()
+            t2 = time.perf_counter()
+            times[k]["enc"].append(t1 - t0)
+            times[k]["dec"].append(t2 - t1)
+    for k, (_p, _d, n, ok) in peers.items():
+        res[k] = {
+            "ratio": raw / n,
+            "enc_MBps": raw / statistics.median(times[k]["enc"][1:]) / MB,
+            "dec_MBps": raw / statistics.median(times[k]["dec"][1:]) / MB,
+            "exact": ok,
+        }
+    if "zipnn" in peers:
+        s, zz = times["s4w_portable"], times["zipnn"]
         res["vs_zipnn"] = {
-            "enc": s["enc_MBps"] / z["enc_MBps"],
-            "dec": s["dec_MBps"] / z["dec_MBps"],
-            "ratio": s["ratio"] / z["ratio"],
+            "enc": statistics.median(b / a for a, b in zip(s["enc"][1:], zz["enc"][1:])),
+            "dec": statistics.median(b / a for a, b in zip(s["dec"][1:], zz["dec"][1:])),
+            "ratio": res["s4w_portable"]["ratio"] / res["zipnn"]["ratio"],
         }
     return res
 
@@ -288,7 +303,10 @@ def main() -> int:
                 )
         if "vs_zipnn" in r:
             q = r["vs_zipnn"]
-            print(f"  s4w / ZipNN per core: encode {q['enc']:.2f}x  decode {q['dec']:.2f}x  ratio {q['ratio']:.4f}x")
+            print(
+                f"  s4w / ZipNN per core (median of per-round ratios): encode {q['enc']:.2f}x  decode {q['dec']:.2f}x"
+                f"  ratio {q['ratio']:.4f}x"
+            )
         if a.planes:
             r["stages_ms"] = sg = stages(tensors_of(tr.state()), a.repeats)
             for name, parts in sg.items():
