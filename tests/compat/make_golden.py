@@ -105,7 +105,14 @@ def build_objects() -> dict[str, tuple[Any, int]]:
         },
     }
     all_bf16 = {"all_bf16": torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)}
-    return {"v1_portable_mixed": (mixed, 1024), "v1_portable_all_bf16": (all_bf16, 1 << 14)}
+    # the CPU writer once it coded byte planes as zstd frames (PLANE_PARAMS), exponent chunks under 64 KiB
+    # as deflate where smaller
+    zstd_planes = {"bf16": weights_bf16(1 << 16, 21), "fp32": weights_fp32(1 << 16, 22), "small": weights_bf16(1000, 23)}
+    return {
+        "v1_portable_mixed": (mixed, 1024),
+        "v1_portable_all_bf16": (all_bf16, 1 << 14),
+        "v1_portable_zstd_planes": (zstd_planes, 1 << 16),
+    }
 
 
 # ----------------------------------------------------------------------------- description

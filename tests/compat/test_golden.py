@@ -17,7 +17,7 @@ import torch
 import s4w_core
 from tests.compat.make_golden import GOLDEN, build_objects, describe, tensor_bytes
 
-NAMES = ["v1_portable_mixed", "v1_portable_all_bf16"]
+NAMES = ["v1_portable_mixed", "v1_portable_all_bf16", "v1_portable_zstd_planes"]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
