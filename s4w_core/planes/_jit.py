@@ -7,8 +7,8 @@ which left the transform as large as the entropy coding in a CPU load.
 
 The numpy functions in :mod:`s4w_core.planes.reference` stay the oracle: these kernels must give
 identical bytes (``tests/unit/test_planes_jit.py``), and they are used only when numba imports and
-``S4W_NUMBA`` is not ``0``. They are loaded on a background thread at the CPU path's first use
-(numpy works until they are ready), compiled the first time and cached on disk (numba's cache:
+``S4W_NUMBA`` is not ``0``. They are loaded on a background thread once the CPU path has had
+8 MiB of work (numpy works until they are ready), compiled the first time and cached on disk (numba's cache:
 beside this file, or the user's cache directory when that is read-only); they release the GIL.
 """
 
@@ -117,21 +117,32 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _get(wait: bool = False) -> dict[str, Any] | None:
-    """The kernels, or None while they are not ready: the first call starts loading them on a
-    background thread (import numba, load or compile: 1.5-2 s once per process), and the CPU path
-    uses numpy until then, so a small save or load never waits for numba."""
-    global _started
+#: the CPU path starts loading the kernels once it has transformed this many bytes with numpy (a
+#: process that only handles small files, a CLI call or a test, never spends the 1.5-2 s of CPU)
+START_AFTER_BYTES = 8 << 20
+_seen = 0
+
+
+def _get(wait: bool = False, nbytes: int = 0) -> dict[str, Any] | None:
+    """The kernels, or None while they are not ready. Loading starts on a background thread
+    (import numba, load or compile: 1.5-2 s of CPU once per process) when ``wait`` is set or once
+    the CPU path has asked for :data:`START_AFTER_BYTES` of work; numpy does the work until then,
+    so a small save or load never waits for numba."""
+    global _started, _seen
     if os.environ.get("S4W_NUMBA", "1") == "0":
         return None
     if not _ready.is_set():
-        with _lock:
-            if not _started:
-                _started = True
-                if importlib.util.find_spec("numba") is None:
-                    _ready.set()
-                else:
-                    threading.Thread(target=_warm, name="s4w-numba", daemon=True).start()
+        if not _started:
+            _seen += nbytes
+            if not wait and _seen < START_AFTER_BYTES:
+                return None
+            with _lock:
+                if not _started:
+                    _started = True
+                    if importlib.util.find_spec("numba") is None:
+                        _ready.set()
+                    else:
+                        threading.Thread(target=_warm, name="s4w-numba", daemon=True).start()
         if not wait:
             return None
         _ready.wait()
@@ -155,7 +166,7 @@ def _words(a: np.ndarray, w: int) -> np.ndarray:
 def split_into(raw: np.ndarray, w: int, base: np.ndarray | None, out: np.ndarray) -> bool:
     """``out[j] = plane j`` of ``raw`` (uint8, ``n * w`` bytes; ``out``: ``(w, n)`` uint8, C order).
     Returns False (and does nothing) when the kernels are not available."""
-    k = _get()
+    k = _get(nbytes=raw.size)
     if k is None or w not in _UINT:
         return False
     v = _words(raw, w)
@@ -173,7 +184,7 @@ def split_into(raw: np.ndarray, w: int, base: np.ndarray | None, out: np.ndarray
 def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None) -> bool:
     """Inverse of :func:`split_into` into ``out`` (uint8, ``n * w`` bytes, contiguous). Returns
     False (and does nothing) when the kernels are not available."""
-    k = _get()
+    k = _get(nbytes=out.size)
     if k is None or w not in _UINT:
         return False
     ps = [np.ascontiguousarray(p) for p in parts]

@@ -241,7 +241,7 @@ def test_fork_while_loading_does_not_hang() -> None:
         """
         import io, os, sys, torch, s4w_core
         from s4w_core.planes import _jit
-        _jit._get()  # starts loading in the background (no-op without numba)
+        _jit._get(nbytes=_jit.START_AFTER_BYTES)  # starts loading in the background (no-op without numba)
         pid = os.fork()
         if pid == 0:
             x = torch.randn(100_000).to(torch.bfloat16)
@@ -251,6 +251,29 @@ def test_fork_while_loading_does_not_hang() -> None:
             os._exit(0 if ok else 3)
         _, status = os.waitpid(pid, 0)
         sys.exit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@numba_only
+def test_small_work_does_not_load_numba() -> None:
+    """A process that only codes small tensors never imports numba; one that codes 8 MiB does."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import io, sys, torch, s4w_core
+        from s4w_core.planes import _jit
+        b = io.BytesIO(); s4w_core.save({"x": torch.randn(1000).to(torch.bfloat16)}, b, profile="portable")
+        s4w_core.load(b.getvalue())
+        assert "numba" not in sys.modules and not _jit._started, "loaded for a small file"
+        b = io.BytesIO(); s4w_core.save({"x": torch.randn(6 << 20).to(torch.bfloat16)}, b, profile="portable")
+        assert _jit._started
+        assert _jit.enabled()
         """
     )
     r = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
