@@ -160,28 +160,26 @@ def _estimate_bytes(planes: torch.Tensor) -> float:
     return sum(arr.shape[1] / _entropy_ratio(arr[j]) for j in range(arr.shape[0]))
 
 
-def _choose_codec(transform: str, j: int, plane: np.ndarray) -> Any:
-    if transform == "bytes":
-        return ZSTD
-    return ZSTD_PLANE  # zstd stores an incompressible block as it is, at memcpy speed
-
-
 #: marker for "zstd frame coded with the plane parameters" (codec id ``zstd``).
 ZSTD_PLANE = object()
+
+
+def _choose_codec(transform: str, j: int, plane: np.ndarray) -> Any:
+    """The codec of one chunk: zstd at level 3 for ``bytes`` storages, else :data:`ZSTD_PLANE`
+    (zstd stores an incompressible block as it is, at memcpy speed). Tests replace it to write
+    other codecs' chunks (``tests/unit/helpers.deflate_plane0``)."""
+    return ZSTD if transform == "bytes" else ZSTD_PLANE
 
 
 def _encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes]:
     codec = _choose_codec(transform, j, plane)
     data = memoryview(plane)
-    if codec is RAW:
-        return RAW.id, bytes(data)
-    assert ZSTD.encode_cpu is not None
-    cid = ZSTD.id
     if codec is ZSTD_PLANE:
-        out = zstd_encode_plane(data)
+        cid, out = ZSTD.id, zstd_encode_plane(data)
         if len(out) * LOW_ENTROPY_RATIO < plane.size:
             # near-constant planes (delta residuals of unchanged or barely changed values) go far
             # below a Huffman code's 1 bit a byte with zstd's matches at its default level.
+            assert ZSTD.encode_cpu is not None
             z = ZSTD.encode_cpu(data)
             if len(z) < len(out):
                 out = z
@@ -192,7 +190,7 @@ def _encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes
             d = DEFLATE.encode_cpu(data)
             if len(d) < len(out):
                 cid, out = DEFLATE.id, d
-    else:  # any codec with a CPU encoder (tests write deflate planes as the GPU's portable profile does)
+    else:  # a codec with a CPU encoder
         assert codec.encode_cpu is not None
         cid, out = codec.id, codec.encode_cpu(data)
     if len(out) < plane.size:

@@ -109,7 +109,8 @@ _tls = threading.local()
 PLANE_PARAMS = {"compression_level": 1, "min_match": 7, "hash_log": 7}
 
 
-def _compressor(kind: str) -> Any:
+def _zstd_ctx(kind: str) -> Any:
+    """This thread's zstd context: ``zplane`` / ``z3`` compressors, ``unzstd`` the decompressor."""
     c = getattr(_tls, kind, None)
     if c is None:
         import zstandard
@@ -126,12 +127,12 @@ def _compressor(kind: str) -> Any:
 
 
 def _zstd_encode(data: Buffer) -> bytes:
-    return _compressor("z3").compress(data)
+    return _zstd_ctx("z3").compress(data)
 
 
 def zstd_encode_plane(data: Buffer) -> bytes:
     """One zstd frame (codec ``zstd``) of a byte plane, coded with :data:`PLANE_PARAMS`."""
-    return _compressor("zplane").compress(data)
+    return _zstd_ctx("zplane").compress(data)
 
 
 def _zstd_decode(data: Buffer, raw_len: int) -> bytes:
@@ -143,12 +144,12 @@ def _zstd_decode(data: Buffer, raw_len: int) -> bytes:
         raise DecodeError(f"zstd frame is corrupt: {e}") from e
     try:
         if declared == raw_len:  # the buffer is allocated at the size the frame declares: checked
-            return _compressor("unzstd").decompress(data)
+            return _zstd_ctx("unzstd").decompress(data)
         if declared >= 0:
             raise DecodeError(f"zstd frame declares {declared} bytes, expected {raw_len}")
         # No declared size (not written by s4weights): a stream reader never allocates more than
         # we ask for.
-        with _compressor("unzstd").stream_reader(io.BytesIO(data)) as r:
+        with _zstd_ctx("unzstd").stream_reader(io.BytesIO(data)) as r:
             return r.read(raw_len + 1)
     except zstandard.ZstdError as e:
         raise DecodeError(f"zstd frame is corrupt: {e}") from e

@@ -181,18 +181,25 @@ class ContainerReader:
 
     ``read_range(offset, length)`` returns exactly those bytes (a file, an mmap, an S3 ranged GET);
     ``readinto`` (optional, :data:`ReadInto`) reads into the caller's buffers instead, which
-    :meth:`read_into` uses when it is given (no intermediate ``bytes``).
+    :meth:`read_into` uses when it is given (no intermediate ``bytes``); ``view`` (optional, the
+    whole container as one byte view) makes :meth:`read_chunk` return views of it instead of copies.
     The constructor reads and checks header, trailer and manifest checksum; it does not read data.
     """
 
     def __init__(
-        self, read_range: ReadRange, size: int, name: str = "<container>", *, readinto: ReadInto | None = None
+        self,
+        read_range: ReadRange,
+        size: int,
+        name: str = "<container>",
+        *,
+        readinto: ReadInto | None = None,
+        view: memoryview | None = None,
     ) -> None:
         self.name = name
         self.size = size
         self._read = read_range
         self._readinto = readinto
-        self._view: memoryview | None = None  # set by from_bytes
+        self._view = view  # the whole container in memory (from_bytes): chunks are read as views of it
         self._fp: IO[bytes] | None = None
         if size < HEADER_SIZE + TRAILER_SIZE:
             raise TruncatedError(
@@ -280,9 +287,7 @@ class ContainerReader:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, name: str = "<bytes>") -> "ContainerReader":
         mv = memoryview(data).cast("B")
-        r = cls(lambda o, n: bytes(mv[o : o + n]), mv.nbytes, name, readinto=functools.partial(copy_into, mv))
-        r._view = mv
-        return r
+        return cls(lambda o, n: bytes(mv[o : o + n]), mv.nbytes, name, readinto=functools.partial(copy_into, mv), view=mv)
 
     @classmethod
     def from_file(cls, fp: IO[bytes], name: str | None = None) -> "ContainerReader":
