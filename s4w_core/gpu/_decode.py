@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -40,12 +40,13 @@ from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._encode import TRACE_MARKS, _mark
-from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy
-from s4w_core.planes.triton_kernels import merge_planes_batched
+from s4w_core.gpu.kernels import fold64_finish, fold64_rows, gather_copy
+from s4w_core.planes.triton_kernels import MERGE, OPS, launch_rows
 
 __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
 _A = _nvcomp.ALIGN
+_ROTL1 = "planes-rotl1"
 
 #: a file gap (bytes of chunks outside the batch) up to this size between two chunks is read and
 #: dropped, so that both chunks come in one read ...
@@ -129,13 +130,23 @@ _GPU_DECODERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 @dataclass
 class Staged:
-    """A batch of chunks checked and packed on the host, ready for one host-to-device copy."""
+    """A batch of chunks checked and packed on the host, ready for one host-to-device copy.
+
+    The chunk table is held as numpy arrays (lists given to the constructor are converted once),
+    so the device decode works on it without a Python step per chunk; :func:`stage` builds it on
+    the stager thread, while the GPU decodes the batch before."""
 
     host: torch.Tensor  # pinned uint8
-    slot: list[int]  # offset of each chunk in ``host`` (a multiple of _nvcomp.ALIGN)
-    kinds: list[str]  # "ans"/"inflate" (decoded by nvCOMP) or "copy" (raw or CPU-decoded bytes)
-    stored: list[int]  # bytes of each chunk in ``host``
-    recs: list[tuple[int, int, int, int]]  # (entry, plane, s0, raw_len)
+    slot: Any  # offset of each chunk in ``host`` (a multiple of _nvcomp.ALIGN); int64 array
+    kinds: Any  # "ans"/"inflate" (decoded by nvCOMP) or "copy" (raw or CPU-decoded bytes); str array
+    stored: Any  # bytes of each chunk in ``host``; int64 array
+    recs: Any  # (entry, plane, s0, raw_len) per chunk; int64 array of shape (chunks, 4)
+
+    def __post_init__(self) -> None:
+        self.slot = np.asarray(self.slot, dtype=np.int64)
+        self.kinds = np.asarray(self.kinds, dtype=str)
+        self.stored = np.asarray(self.stored, dtype=np.int64)
+        self.recs = np.asarray(self.recs, dtype=np.int64).reshape(-1, 4)
 
 
 class _Chunk(NamedTuple):
@@ -311,24 +322,28 @@ def decode_device(
 ) -> list[int]:
     """Device part of decoding (call under ``_nvcomp.on_stream``): chunks already on the device in
     ``staged`` to ``outs``. Returns the fold64 word sums per entry (0 for xxh3 entries); reading
-    them back is the one synchronization."""
+    them back, with nvCOMP's decoded sizes, is the one synchronization: every launch is enqueued
+    first. Host work is numpy over the chunk and entry tables, no Python step per chunk."""
     TRACE_MARKS.clear()
     _mark("start", dev)
-    width = np.array([e["_width"] for e in entries], dtype=np.int64)
-    n_el = np.array([e["nbytes"] for e in entries], dtype=np.int64) // width
+    k_n = len(entries)
+    meta = np.array([(e["_width"], e["nbytes"], e["transform"] == _ROTL1) for e in entries], dtype=np.int64).reshape(
+        k_n, 3
+    )
+    width, rot = meta[:, 0], meta[:, 2].astype(bool)
+    n_el = meta[:, 1] // width
     ps = (n_el + _A - 1) // _A * _A
     size = (width * ps + 255) // 256 * 256
     region = np.cumsum(size) - size
     planes = torch.empty(max(int(size.sum()), 1), dtype=torch.uint8, device=dev)
-    rec = np.asarray(st.recs, dtype=np.int64).reshape(-1, 4)
+    rec = st.recs
     k, j, s0, raw_len = rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3]
     dst = region[k] + j * ps[k] + s0
-    slot = np.asarray(st.slot, dtype=np.int64)
-    stored = np.asarray(st.stored, dtype=np.int64)
-    kinds = np.asarray(st.kinds)
+    slot, stored, kinds = st.slot, st.stored, st.kinds
     cp = kinds == "copy"
-    gather_copy(staged, planes, slot[cp].tolist(), dst[cp].tolist(), raw_len[cp].tolist(), pad_ok=True)
+    gather_copy(staged, planes, slot[cp], dst[cp], raw_len[cp], pad_ok=True)
     _mark("tables+place_raw", dev)
+    checks = []
     for kind, (algorithm, opts) in _GPU_DECODERS.items():
         sel = kinds == kind
         if not sel.any():
@@ -336,41 +351,54 @@ def decode_device(
         # one nvCOMP call for every chunk of this codec (two if some places are not 16-byte aligned)
         direct = sel & (dst % _A == 0)
         via = sel & (dst % _A != 0)
-        _gpu_decode(
-            algorithm, opts, dev, staged, planes, slot[direct], stored[direct], dst[direct], raw_len[direct], name
+        checks.append(
+            _gpu_decode(algorithm, opts, dev, staged, planes, slot[direct], stored[direct], dst[direct], raw_len[direct], name)
         )
         if via.any():
             rl = raw_len[via]
             sz = (rl + _A - 1) // _A * _A
             soff = np.cumsum(sz) - sz
             scratch = torch.empty(int(sz.sum()), dtype=torch.uint8, device=dev)
-            _gpu_decode(algorithm, opts, dev, staged, scratch, slot[via], stored[via], soff, rl, name)
-            gather_copy(scratch, planes, soff.tolist(), dst[via].tolist(), rl.tolist())
+            checks.append(_gpu_decode(algorithm, opts, dev, staged, scratch, slot[via], stored[via], soff, rl, name))
+            gather_copy(scratch, planes, soff, dst[via], rl)
     _mark("nvcomp_decode", dev)
     # merge (one launch per element width and delta op: the op is undone in the same pass),
     # then raw checksums (one launch)
-    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int, int, str | None]]] = {}
-    folds: list[tuple[torch.Tensor, int]] = []
-    for i, e in enumerate(entries):
-        off = int(region[i])
-        base = bases[i]
-        op = (e.get("delta") or {}).get("op", "xor") if base is not None else None
-        if e["transform"] == "planes-rotl1":
-            by_width.setdefault(int(width[i]), []).append((outs[i], base, off, int(ps[i]), op))
-        elif base is None:
-            outs[i].copy_(planes[off : off + int(n_el[i])])
-        elif op == "xor":
-            torch.bitwise_xor(planes[off : off + int(n_el[i])], base, out=outs[i])
-        else:
+    out_addr = np.fromiter((o.data_ptr() for o in outs), dtype=np.int64, count=k_n)
+    base_addr = np.zeros(k_n, dtype=np.int64)
+    op_code = np.zeros(k_n, dtype=np.int64)
+    for i in [i for i, b in enumerate(bases) if b is not None]:
+        e = entries[i]
+        op = (e.get("delta") or {}).get("op", "xor")
+        if rot[i]:
+            base = bases[i]
+            assert base is not None
+            if op not in ("xor", "sub") or base.numel() != e["nbytes"]:
+                raise DecodeError(f"{name}: delta op {op!r} or its base does not apply to tensor {e['path']!r}")
+            base_addr[i], op_code[i] = base.data_ptr(), OPS[op]
+        elif op != "xor":
             raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r} (transform bytes)")
-        if e["checksum"].startswith("fold64:"):
-            folds.append((outs[i], i))
-    for w_, items in by_width.items():
-        merge_planes_batched(items, w_, planes)
+    rows = np.column_stack([out_addr, base_addr, region, n_el, ps])
+    for w_ in np.unique(width[rot]).tolist():
+        sel = rot & (width == w_)
+        launch_rows(MERGE, int(w_), planes, rows[sel], op_code[sel])
+    for i in np.nonzero(~rot)[0].tolist():  # storages coded as bytes
+        off = int(region[i])
+        src = planes[off : off + int(n_el[i])]
+        base = bases[i]
+        if base is None:
+            outs[i].copy_(src)
+        else:
+            torch.bitwise_xor(src, base, out=outs[i])
     _mark("merge", dev)
-    acc = torch.zeros(max(1, len(entries)), dtype=torch.int64, device=dev)
-    fold64_batched(folds, acc)
+    fold = np.fromiter((e["checksum"].startswith("fold64:") for e in entries), dtype=bool, count=k_n)
+    acc = torch.zeros(max(1, k_n), dtype=torch.int64, device=dev)
+    if fold.any():
+        idx = np.nonzero(fold)[0]
+        fold64_rows(out_addr[idx], meta[idx, 1], idx, acc)
     sums = [int(x) for x in acc.cpu().tolist()]
+    for check in checks:
+        check()
     _mark("fold64+readback", dev)
     return sums
 
@@ -386,17 +414,27 @@ def _gpu_decode(
     dst_off: np.ndarray,
     raw: np.ndarray,
     name: str,
-) -> None:
+) -> Callable[[], None]:
+    """Enqueue one nvCOMP decode call; returns the check of its decoded sizes, to be called once
+    the rest of the batch is enqueued (reading the sizes back synchronizes)."""
     if not len(src_off):
-        return
+        return lambda: None
     c = _nvcomp.codec(algorithm, dev, _round(int(raw.max()), 1 << 16), **opts)
     try:
         got = _nvcomp.decode_batch(c, src, src_off.tolist(), lengths.tolist(), dst, dst_off.tolist(), raw.tolist())
     except (RuntimeError, ValueError) as e:
         raise DecodeError(f"{name}: nvCOMP {algorithm} failed to decode a chunk whose checksum matched: {e}") from e
-    bad = [i for i, (g, r) in enumerate(zip(got, raw.tolist())) if g != r]
-    if bad:
-        raise DecodeError(
-            f"{name}: nvCOMP {algorithm} decoded {len(bad)} chunk(s) to a different length than recorded "
-            f"(first: {got[bad[0]]} bytes, expected {int(raw[bad[0]])})"
-        )
+
+    def check() -> None:
+        try:
+            sizes = np.asarray(list(got), dtype=np.int64)
+        except (RuntimeError, ValueError) as e:
+            raise DecodeError(f"{name}: nvCOMP {algorithm} failed to decode a chunk whose checksum matched: {e}") from e
+        bad = np.nonzero(sizes != raw)[0]
+        if len(bad):
+            raise DecodeError(
+                f"{name}: nvCOMP {algorithm} decoded {len(bad)} chunk(s) to a different length than recorded "
+                f"(first: {int(sizes[bad[0]])} bytes, expected {int(raw[bad[0]])})"
+            )
+
+    return check

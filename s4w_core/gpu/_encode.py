@@ -36,8 +36,8 @@ from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW
 from s4w_core.errors import BaseMismatchError
 from s4w_core.format.container import ContainerWriter
 from s4w_core.gpu import _nvcomp
-from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy
-from s4w_core.planes.triton_kernels import split_planes_batched
+from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy, sample_entropy
+from s4w_core.planes.triton_kernels import OPS, SPLIT, launch_rows, split_planes_batched
 
 __all__ = ["encode_storages", "PROFILES", "MIN_GAIN"]
 
@@ -46,6 +46,7 @@ MIN_GAIN = 0.005
 #: non-float storages up to this size take the CPU path (zstd) in the fast profile.
 SMALL_BYTES_STORAGE = 1 << 20
 _REGION_ALIGN = 256
+ROTL1 = "planes-rotl1"
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class _Writer:
 @dataclass
 class _Piece:
     ji: int  # job index in the sink
-    raw: torch.Tensor  # whole storage bytes on the device
+    raw: torch.Tensor  # the whole storage on the device, contiguous (its bytes, or the tensor itself)
     base: torch.Tensor | None  # whole base storage (device or host); None: no delta
     op: str | None  # delta op of s4w_core.delta, fused into the split kernel
     dtype: torch.dtype
@@ -437,12 +438,13 @@ def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") ->
     """
     prof = PROFILES[profile]
     batch = _Batch()
+    seg = prof.segment_elems
     for i, t in enumerate(tensors):
-        raw = t.contiguous().view(-1).view(torch.uint8)
-        transform, w = engine.transform_for(t.dtype, raw.numel())
-        n = raw.numel() // w
-        batch.pieces.append(_Piece(i, raw, None, None, t.dtype, transform, w, 0, n, prof.segment_elems, 0))
-        batch.nbytes += raw.numel()
+        raw = t if t.is_contiguous() else t.contiguous()  # the kernels take its address: no byte view needed
+        nbytes = raw.numel() * raw.element_size()
+        transform, w = engine.transform_for(raw.dtype, nbytes)
+        batch.pieces.append(_Piece(i, raw, None, None, raw.dtype, transform, w, 0, nbytes // w, seg, 0))
+        batch.nbytes += nbytes
     with _nvcomp.on_stream(batch.pieces[0].raw.device):
         return _encode_batch_device(batch, prof, batch.pieces[0].raw.device)
 
@@ -477,29 +479,28 @@ def _worth_coding(
     runs, run = 16, PROBE_BYTES // 16
     step = (lengths[cand] - run) // (runs - 1)
     starts = src_off[cand][:, None] + step[:, None] * np.arange(runs)[None, :]
-    table = torch.from_numpy(starts.reshape(-1)).to(dev, non_blocking=True)
-    index = (table[:, None] + torch.arange(run, device=dev)[None, :]).view(len(cand), -1)
-    keys = planes[index].to(torch.int32) + (torch.arange(len(cand), dtype=torch.int32, device=dev) * 256)[:, None]
-    bits = _entropy_bits(keys.view(-1), len(cand), torch.full((len(cand),), float(PROBE_BYTES), device=dev))
+    bits = sample_entropy(planes, starts, run)  # one histogram per chunk, in one launch
     keep = (bits < 8.0 * (1.0 - PROBE_MIN_GAIN)).cpu().numpy()
     todo[cand] = keep
     return todo
 
 
-def _stage_bases(pieces: list[_Piece], dev: torch.device) -> list[torch.Tensor | None]:
-    """Each piece's slice of its delta base on ``dev``: device bases as views; host bases (the
-    store's cache of the previous step) copied slice by slice into one buffer for this batch, so
-    device memory for bases is bounded by the batch, not by the checkpoint."""
-    out: list[torch.Tensor | None] = [None] * len(pieces)
+def _stage_bases(pieces: list[_Piece], dev: torch.device) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
+    """Each piece's slice of its delta base on ``dev``, as the address of its first byte (0: no
+    base). Device bases are used in place; host bases (the store's cache of the previous step) are
+    copied slice by slice into one buffer for this batch, so device memory for bases is bounded by
+    the batch, not by the checkpoint. Also returns the staged slices (piece index -> tensor), which
+    must stay referenced until the batch's kernels are enqueued."""
+    addr = np.zeros(len(pieces), dtype=np.int64)
     host: list[int] = []
     for k, p in enumerate(pieces):
         if p.base is None:
             continue
-        sl = p.base[p.e0 * p.w : p.e1 * p.w]
-        if sl.device == dev:
-            out[k] = sl
+        if p.base.device == dev:
+            addr[k] = p.base.data_ptr() + p.e0 * p.w
         else:
             host.append(k)
+    staged: dict[int, torch.Tensor] = {}
     if host:
         sizes = [(pieces[k].e1 - pieces[k].e0) * pieces[k].w for k in host]
         slots = [_round(n, _REGION_ALIGN) for n in sizes]
@@ -509,37 +510,51 @@ def _stage_bases(pieces: list[_Piece], dev: torch.device) -> list[torch.Tensor |
             p = pieces[k]
             dst = buf[pos : pos + n]
             dst.copy_(p.base[p.e0 * p.w : p.e1 * p.w], non_blocking=True)  # type: ignore[index]
-            out[k] = dst
+            staged[k] = dst
+            addr[k] = dst.data_ptr()
             pos += slot
-    return out
+    return addr, staged
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view."""
+    return t if t.dtype == torch.uint8 and t.dim() == 1 else t.reshape(-1).view(torch.uint8)
 
 
 def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _Encoded:
     pieces = batch.pieces
     TRACE_MARKS.clear()
     _mark("start", dev)
-    # 1. planes of every piece into one buffer (one launch per element width), the chunk table
-    ne = np.array([p.e1 - p.e0 for p in pieces], dtype=np.int64)
-    w = np.array([p.w for p in pieces], dtype=np.int64)
-    seg = np.array([p.seg for p in pieces], dtype=np.int64)
+    # 1. planes of every piece into one buffer (one launch per element width and delta op; the
+    #    item table is built with numpy from one pass over the pieces), the chunk table
+    k = len(pieces)
+    meta = np.array(
+        [(p.e0, p.e1, p.w, p.seg, p.raw.data_ptr(), OPS[p.op] if p.base is not None else 0, p.transform == ROTL1)
+         for p in pieces],
+        dtype=np.int64,
+    ).reshape(k, 7)
+    e0, e1, w, seg, rot = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3], meta[:, 6].astype(bool)
+    ne = e1 - e0
     ps = (ne + _REGION_ALIGN - 1) // _REGION_ALIGN * _REGION_ALIGN
     size = w * ps
     off = np.cumsum(size) - size
     total = int(size.sum())
     planes = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
-    bases = _stage_bases(pieces, dev)
-    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int, int, str | None]]] = {}
-    for k, p in enumerate(pieces):
-        src = p.raw[p.e0 * p.w : p.e1 * p.w]
-        b = bases[k]
-        if p.transform == "planes-rotl1":
-            by_width.setdefault(p.w, []).append((src, b, int(off[k]), int(ps[k]), p.op))
-        elif b is None:
-            planes[int(off[k]) : int(off[k]) + int(ne[k])].copy_(src)
+    base_addr, staged = _stage_bases(pieces, dev)
+    rows = np.column_stack([meta[:, 4] + e0 * w, base_addr, off, ne, ps])
+    for width in np.unique(w[rot]).tolist():
+        sel = rot & (w == width)
+        launch_rows(SPLIT, int(width), planes, rows[sel], meta[sel, 5])
+    for i in np.nonzero(~rot)[0].tolist():  # storages coded as bytes (rare on this path)
+        p = pieces[i]
+        src = _as_bytes(p.raw)[p.e0 * p.w : p.e1 * p.w]
+        dst = planes[int(off[i]) : int(off[i]) + int(ne[i])]
+        if p.base is None:
+            dst.copy_(src)
         else:
-            torch.bitwise_xor(src, b, out=planes[int(off[k]) : int(off[k]) + int(ne[k])])
-    for width, items in by_width.items():
-        split_planes_batched(items, width, planes)
+            b = staged[i] if i in staged else p.base[p.e0 * p.w : p.e1 * p.w]
+            torch.bitwise_xor(src, b, out=dst)
+    del staged
     _mark("split", dev)
     nseg = (ne + seg - 1) // seg
     nch = nseg * w
@@ -580,8 +595,8 @@ def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _En
     pos = int(slot.sum())
     compact = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
     raw_m = ~coded
-    gather_copy(planes, compact, src_off[raw_m].tolist(), out_off[raw_m].tolist(), lengths[raw_m].tolist(), pad_ok=True)
-    gather_copy(comp, compact, comp_off[coded].tolist(), out_off[coded].tolist(), sizes[coded].tolist(), pad_ok=True)
+    gather_copy(planes, compact, src_off[raw_m], out_off[raw_m], lengths[raw_m], pad_ok=True)
+    gather_copy(comp, compact, comp_off[coded], out_off[coded], sizes[coded], pad_ok=True)
     _mark("choose+compact", dev)
     codec_ids = np.where(coded, prof.codec_id, RAW.id).tolist()
     owner = list(zip(owner_ji.tolist(), owner_ci.tolist()))

@@ -10,10 +10,12 @@ tensor handed to ``as_array`` is read as half its bytes).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -138,10 +140,15 @@ def batch_bytes(device: torch.device) -> int:
 
 
 def codec(algorithm: str, device: torch.device, chunk_bytes: int, **opts: Any) -> Any:
-    """A cached RAW-bitstream codec on our stream of ``device`` (one chunk per buffer)."""
+    """A cached codec on our stream of ``device`` (one chunk per buffer): for ANS on bytes, the
+    low-level C API (:class:`_AnsC`: no Python step per chunk, sizes and statuses stay on the
+    device) where the loaded nvCOMP has it (``S4W_NVCOMP_C=0`` turns it off); otherwise nvCOMP's
+    Python ``Codec`` with a RAW bitstream. Both write and read the same bitstream (tested)."""
     _use_torch_allocator()
     s = stream_for(device)
     idx = s.device.index
+    if algorithm == "ANS" and opts == {"data_type": "|u1"} and _ans_c() is not None:
+        return _AnsC(idx, s)
     key = (algorithm, idx, s.cuda_stream, chunk_bytes, tuple(sorted(opts.items())))
     nvcomp = _nv()
     with _lock:
@@ -158,6 +165,159 @@ def codec(algorithm: str, device: torch.device, chunk_bytes: int, **opts: Any) -
     return c
 
 
+# ----------------------------------------------------------------------------- ANS through the C API
+class _AnsCompressOpts(ctypes.Structure):
+    """``nvcompBatchedANSCompressOpts_t`` (nvCOMP 5/6: 64 bytes, unused bytes zero)."""
+
+    _fields_ = [("type", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
+                ("reserved", ctypes.c_char * 55)]
+
+
+class _AnsDecompressOpts(ctypes.Structure):
+    """``nvcompBatchedANSDecompressOpts_t`` (nvCOMP 5/6: 64 bytes, unused bytes zero)."""
+
+    _fields_ = [("backend", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
+                ("reserved", ctypes.c_char * 55)]
+
+
+_NVCOMP_TYPE_UCHAR = 1  # nvcompType_t: the Python API's '|u1'
+_C_LIB: Any = None
+_C_TRIED = False
+
+
+def _ans_c() -> Any:
+    """libnvcomp with the batched ANS entry points typed, or None (nvCOMP older than 6, the
+    library not found, or ``S4W_NVCOMP_C=0``)."""
+    global _C_LIB, _C_TRIED
+    if _C_TRIED:
+        return _C_LIB
+    with _lock:
+        if _C_TRIED:
+            return _C_LIB
+        _C_TRIED = True
+        if os.environ.get("S4W_NVCOMP_C", "1") == "0" or ctypes.sizeof(_AnsCompressOpts) != 64:
+            return None
+        try:
+            major = int(str(versions().get("nvcomp", "0")).split(".")[0])
+            if major != 6:  # the option structs above are nvCOMP 6's
+                return None
+            import nvidia.libnvcomp as libpkg
+
+            libdir = os.path.join(list(libpkg.__path__)[0], "lib64")
+            names = sorted(n for n in os.listdir(libdir) if n.startswith("libnvcomp.so"))
+            lib = ctypes.CDLL(os.path.join(libdir, names[0]))
+            vp, sz = ctypes.c_void_p, ctypes.c_size_t
+            # nvCOMP 6.0's signatures (temp-size queries take the stream, for logging only)
+            sigs: dict[str, list[Any]] = {
+                "nvcompBatchedANSCompressGetTempSize": [sz, sz, _AnsCompressOpts, ctypes.POINTER(sz), sz, vp],
+                "nvcompBatchedANSCompressGetMaxOutputChunkSize": [sz, _AnsCompressOpts, ctypes.POINTER(sz)],
+                "nvcompBatchedANSCompressAsync": [vp, vp, sz, sz, vp, sz, vp, vp, _AnsCompressOpts, vp, vp],
+                "nvcompBatchedANSDecompressGetTempSize": [sz, sz, _AnsDecompressOpts, ctypes.POINTER(sz), sz, vp],
+                "nvcompBatchedANSDecompressAsync": [vp, vp, vp, vp, sz, vp, sz, vp, _AnsDecompressOpts, vp, vp],
+            }
+            for name, argtypes in sigs.items():
+                f = getattr(lib, name)  # AttributeError: another nvCOMP 6 API revision; keep the Python API
+                f.argtypes = argtypes
+                f.restype = ctypes.c_int
+        except Exception:  # noqa: BLE001 - no C path: the Python API is used
+            return None
+        _C_LIB = lib
+        return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"nvCOMP {what} returned status {rc}")
+
+
+class _AnsC:
+    """nvCOMP ANS (byte data) through the low-level batched C API: chunk pointers and sizes are
+    built with numpy and go to the device in one copy; compressed sizes, decoded sizes and
+    statuses stay on the device until the caller reads them back."""
+
+    __slots__ = ("dev", "stream")
+
+    def __init__(self, dev: int, stream: torch.cuda.Stream) -> None:
+        self.dev = torch.device("cuda", dev)
+        self.stream = stream
+
+    @staticmethod
+    def copts() -> _AnsCompressOpts:
+        return _AnsCompressOpts(type=0, data_type=_NVCOMP_TYPE_UCHAR, max_sub_chunk_count=0)
+
+    @staticmethod
+    def dopts() -> _AnsDecompressOpts:
+        return _AnsDecompressOpts(backend=0, data_type=0, max_sub_chunk_count=0)
+
+    def max_compressed(self, raw_len: int) -> int:
+        out = ctypes.c_size_t()
+        _check(_ans_c().nvcompBatchedANSCompressGetMaxOutputChunkSize(max(raw_len, 1), self.copts(), ctypes.byref(out)),
+               "ANS max output size")
+        return int(out.value)
+
+    def _table(self, cols: list[np.ndarray], extra: int) -> torch.Tensor:
+        """``cols`` (int64, one row each) on the device, followed by ``extra`` int64 slots."""
+        n = len(cols[0])
+        host = torch.from_numpy(np.concatenate(cols).astype(np.int64, copy=False)).pin_memory()
+        t = torch.empty(len(cols) * n + extra, dtype=torch.int64, device=self.dev)
+        t[: len(cols) * n].copy_(host, non_blocking=True)
+        return t
+
+    def encode(self, src: torch.Tensor, so: np.ndarray, ln: np.ndarray, dst: torch.Tensor, do: np.ndarray) -> Any:
+        lib = _ans_c()
+        n = len(ln)
+        t = self._table([src.data_ptr() + so, ln, dst.data_ptr() + do], 2 * n)
+        w = t.data_ptr()
+        in_ptrs, in_bytes, out_ptrs, out_bytes, status = w, w + 8 * n, w + 16 * n, w + 24 * n, w + 32 * n
+        status_t = t[4 * n :].view(torch.int32)  # n int32 statuses in the last n int64 slots
+        maxlen, total = int(ln.max()), int(ln.sum())
+        temp_bytes = ctypes.c_size_t()
+        _check(lib.nvcompBatchedANSCompressGetTempSize(n, maxlen, self.copts(), ctypes.byref(temp_bytes), total,
+                                                       self.stream.cuda_stream), "ANS compress temp size")
+        temp = torch.empty(max(int(temp_bytes.value), 1), dtype=torch.uint8, device=self.dev)
+        _check(lib.nvcompBatchedANSCompressAsync(in_ptrs, in_bytes, maxlen, n, temp.data_ptr(), temp_bytes.value,
+                                                 out_ptrs, out_bytes, self.copts(), status, self.stream.cuda_stream),
+               "ANS compress")
+        return _DeviceSizes(t[3 * n : 4 * n], status_t[:n], "ANS compress")
+
+    def decode(self, src: torch.Tensor, so: np.ndarray, ln: np.ndarray, dst: torch.Tensor, do: np.ndarray,
+               raw: np.ndarray) -> Any:
+        lib = _ans_c()
+        n = len(ln)
+        t = self._table([src.data_ptr() + so, ln, raw, dst.data_ptr() + do], 2 * n)
+        w = t.data_ptr()
+        in_ptrs, in_bytes, out_cap, out_ptrs, out_bytes, status = (w, w + 8 * n, w + 16 * n, w + 24 * n,
+                                                                   w + 32 * n, w + 40 * n)
+        status_t = t[5 * n :].view(torch.int32)
+        maxlen, total = int(raw.max()), int(raw.sum())
+        temp_bytes = ctypes.c_size_t()
+        _check(lib.nvcompBatchedANSDecompressGetTempSize(n, maxlen, self.dopts(), ctypes.byref(temp_bytes), total,
+                                                         self.stream.cuda_stream), "ANS decompress temp size")
+        temp = torch.empty(max(int(temp_bytes.value), 1), dtype=torch.uint8, device=self.dev)
+        _check(lib.nvcompBatchedANSDecompressAsync(in_ptrs, in_bytes, out_cap, out_bytes, n, temp.data_ptr(),
+                                                   temp_bytes.value, out_ptrs, self.dopts(), status,
+                                                   self.stream.cuda_stream),
+               "ANS decompress")
+        return _DeviceSizes(t[4 * n : 5 * n], status_t[:n], "ANS decompress")
+
+
+class _DeviceSizes:
+    """Per-chunk sizes and statuses of one C-API call, on the device; iterating reads them back
+    (synchronizing our stream) and raises RuntimeError if any chunk's status is not success."""
+
+    def __init__(self, sizes: torch.Tensor, status: torch.Tensor, what: str) -> None:
+        self.sizes, self.status, self.what = sizes, status, what
+
+    def __iter__(self) -> Iterator[int]:
+        both = torch.cat([self.sizes, self.status.to(torch.int64)]).cpu().numpy()
+        n = len(self.sizes)
+        bad = np.nonzero(both[n:] != 0)[0]
+        if len(bad):
+            raise RuntimeError(f"nvCOMP {self.what}: {len(bad)} chunk(s) failed (first: chunk {int(bad[0])}, "
+                               f"status {int(both[n + bad[0]])})")
+        return iter(both[:n].tolist())
+
+
 def release() -> None:
     with _lock:
         _codecs.clear()
@@ -169,8 +329,10 @@ _max_comp: dict[tuple[int, int], int] = {}
 
 def max_compressed(c: Any, raw_len: int, device: torch.device) -> int:
     """Upper bound of one chunk's compressed size, rounded up to :data:`ALIGN` (cached)."""
-    key = (id(c), raw_len)
+    key = (id(c) if not isinstance(c, _AnsC) else -1, raw_len)
     n = _max_comp.get(key)
+    if n is None and isinstance(c, _AnsC):
+        n = _max_comp[key] = -(-c.max_compressed(raw_len) // ALIGN) * ALIGN
     if n is None:
         probe = torch.empty(max(raw_len, 1), dtype=torch.uint8, device=device)
         n = int(c.get_max_comp_buffer_size(_nv().as_array(probe, stream_for(device).cuda_stream)))
@@ -191,6 +353,9 @@ def encode_batch(
 
     Returns the compressed sizes (reading them back synchronizes our stream once).
     """
+    if isinstance(c, _AnsC):
+        return list(c.encode(src, np.asarray(src_off, np.int64), np.asarray(lengths, np.int64), dst,
+                             np.asarray(dst_off, np.int64)))
     sp = stream_for(src.device).cuda_stream
     srcs = _nv().as_arrays(src, src_off, lengths, sp)
     outs = _nv().as_arrays(dst, dst_off, capacity, sp)
@@ -206,13 +371,27 @@ def decode_batch(
     dst: torch.Tensor,
     dst_off: list[int],
     raw_lengths: list[int],
-) -> list[int]:
-    """Decompress chunks of ``src`` into ``dst[dst_off[i]:+raw_lengths[i]]``, one call.
+) -> Iterable[int]:
+    """Decompress chunks of ``src`` into ``dst[dst_off[i]:+raw_lengths[i]]``, one call, enqueued.
 
-    Returns the decoded sizes nvCOMP reports (the caller compares them with ``raw_lengths``).
+    Returns the decoded sizes nvCOMP reports as a lazy iterable: iterating it reads them back
+    (which synchronizes our stream), so the caller enqueues the rest of its work first and then
+    compares them with ``raw_lengths``.
     """
+    if isinstance(c, _AnsC):
+        return c.decode(src, np.asarray(src_off, np.int64), np.asarray(lengths, np.int64), dst,
+                        np.asarray(dst_off, np.int64), np.asarray(raw_lengths, np.int64))
     sp = stream_for(src.device).cuda_stream
     srcs = _nv().as_arrays(src, src_off, lengths, sp)
     outs = _nv().as_arrays(dst, dst_off, raw_lengths, sp)
-    res = c.decode(srcs, out=outs)
-    return [int(x) for x in res.buffer_sizes]
+    return _DecodedSizes(c.decode(srcs, out=outs))
+
+
+class _DecodedSizes:
+    """nvCOMP's decoded sizes of one call, read back on first iteration."""
+
+    def __init__(self, res: Any) -> None:
+        self._res = res
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([int(x) for x in self._res.buffer_sizes])

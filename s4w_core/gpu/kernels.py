@@ -12,12 +12,14 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gather_copy", "fold64_into", "fold64_finish", "fold64", "fold64_batched"]
+__all__ = ["gather_copy", "fold64_into", "fold64_finish", "fold64", "fold64_batched", "fold64_rows", "sample_entropy"]
 
 _COPY_BLOCK = 8192
 _FOLD_BLOCK = 2048  # words per program
@@ -61,61 +63,62 @@ def _gather_words_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, len_ptr, BL
 def gather_copy(
     src: torch.Tensor,
     dst: torch.Tensor,
-    src_off: list[int],
-    dst_off: list[int],
-    lengths: list[int],
+    src_off: Sequence[int] | np.ndarray,
+    dst_off: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
     pad_ok: bool = False,
 ) -> None:
     """``dst[dst_off[i] : +lengths[i]] = src[src_off[i] : +lengths[i]]`` for every ``i``, one launch.
 
-    ``src``/``dst``: 1-D uint8 tensors on one device. Ranges must lie inside the buffers (checked
-    here, on the host, from the lists). Enqueued on the current stream.
+    ``src``/``dst``: 1-D uint8 tensors on one device. Offsets and lengths: sequences or int64 numpy
+    arrays. Ranges must lie inside the buffers (checked here, on the host, with numpy: no host work
+    per range). Enqueued on the current stream.
     ``pad_ok``: the caller guarantees that each destination range may be written up to its next
     16-byte boundary (slot padding nobody reads) and no two rounded ranges overlap; with every
     offset 16-byte aligned the copy then moves whole 16-byte granules (about 10x faster).
     """
-    if not lengths:
+    so = np.asarray(src_off, dtype=np.int64)
+    do = np.asarray(dst_off, dtype=np.int64)
+    ln = np.asarray(lengths, dtype=np.int64)
+    if not len(ln):
         return
     if (
-        max(o + n for o, n in zip(src_off, lengths)) > src.numel()
-        or max(o + n for o, n in zip(dst_off, lengths)) > dst.numel()
-        or min(src_off) < 0
-        or min(dst_off) < 0
+        int((so + ln).max()) > src.numel()
+        or int((do + ln).max()) > dst.numel()
+        or int(so.min()) < 0
+        or int(do.min()) < 0
+        or int(ln.min()) < 0
     ):
         raise ValueError("gather_copy: a range lies outside its buffer")
-    aligned = (
-        all(o % 16 == 0 for o in src_off)
-        and all(o % 16 == 0 for o in dst_off)
-        and src.data_ptr() % 16 == 0
-        and dst.data_ptr() % 16 == 0
-    )
+    aligned = not ((so | do) % 16).any() and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0
+    rounded = -(-ln // 16) * 16
     words = (
         pad_ok
         and aligned
         and src.numel() % 16 == 0
         and dst.numel() % 16 == 0
-        and max(o + -(-n // 16) * 16 for o, n in zip(src_off, lengths)) <= src.numel()
-        and max(o + -(-n // 16) * 16 for o, n in zip(dst_off, lengths)) <= dst.numel()
+        and int((so + rounded).max()) <= src.numel()
+        and int((do + rounded).max()) <= dst.numel()
     )
     if words:
-        table = torch.tensor(
-            [[o // 8 for o in src_off], [o // 8 for o in dst_off], [-(-n // 16) * 2 for n in lengths]], dtype=torch.int64
-        )
+        table_np = np.stack([so // 8, do // 8, rounded // 8])
         block = int(os.environ.get("S4W_GATHER_WORDS", "8192"))
         iters = int(os.environ.get("S4W_GATHER_ITERS", "2"))
     else:
-        table = torch.tensor([src_off, dst_off, lengths], dtype=torch.int64)
+        table_np = np.stack([so, do, ln])
         block = _COPY_BLOCK
+    table = torch.from_numpy(table_np)
     if src.device.type == "cuda":
         table = table.pin_memory().to(src.device, non_blocking=True)
+    longest = max(int(ln.max()), 1)
     if words:
-        grid = (len(lengths), triton.cdiv(max(int(max(lengths)), 1), 8 * block * iters))
+        grid = (len(ln), triton.cdiv(longest, 8 * block * iters))
         _gather_words_kernel[grid](
             src.view(torch.int64), dst.view(torch.int64), table[0], table[1], table[2], BLOCK=block, ITERS=iters,
             num_warps=int(os.environ.get("S4W_GATHER_WARPS", "16")),
         )
     else:
-        grid = (len(lengths), triton.cdiv(max(int(max(lengths)), 1), _COPY_BLOCK))
+        grid = (len(ln), triton.cdiv(longest, _COPY_BLOCK))
         _gather_copy_kernel[grid](src, dst, table[0], table[1], table[2], ALIGNED=aligned, BLOCK=block, num_warps=4)
 
 
@@ -175,28 +178,67 @@ def _fold64_batched_kernel(items_ptr, map_ptr, acc_ptr, WORDS: tl.constexpr, BLO
 
 def fold64_batched(items: list[tuple[torch.Tensor, int]], acc: torch.Tensor) -> None:
     """:func:`fold64_into` for many ``(flat_u8, slot)`` pairs in at most two launches (aligned whole
-    words, and the rest). A small item table goes to the device in one copy; the program-to-item
-    map is built there, so no host work grows with the bytes checked."""
-    for words in (True, False):
-        rows: list[list[int]] = []
-        counts: list[int] = []
-        first = 0
-        for x, slot in items:
-            n = x.numel()
-            if n == 0 or (n % 4 == 0 and x.data_ptr() % 4 == 0) != words:
-                continue
-            nb = -(-((n + 3) // 4) // _FOLD_BLOCK)
-            rows.append([x.data_ptr(), n, slot, first])
-            counts.append(nb)
-            first += nb
-        if not rows:
-            continue
-        table = torch.tensor(rows, dtype=torch.int64).view(-1)
-        nbs = torch.tensor(counts, dtype=torch.int64)
-        if acc.device.type == "cuda":
-            both = torch.cat([table, nbs]).pin_memory().to(acc.device, non_blocking=True)
-            table, nbs = both[: table.numel()], both[table.numel() :]
-        prog_map = torch.repeat_interleave(
-            torch.arange(len(rows), dtype=torch.int32, device=acc.device), nbs, output_size=first
+    words, and the rest); see :func:`fold64_rows`."""
+    items = [(x, slot) for x, slot in items if x.numel()]
+    if items:
+        fold64_rows(
+            np.fromiter((x.data_ptr() for x, _ in items), dtype=np.int64, count=len(items)),
+            np.fromiter((x.numel() for x, _ in items), dtype=np.int64, count=len(items)),
+            np.fromiter((slot for _, slot in items), dtype=np.int64, count=len(items)),
+            acc,
         )
-        _fold64_batched_kernel[(first,)](table, prog_map, acc, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
+
+
+def fold64_rows(addr: np.ndarray, nbytes: np.ndarray, slot: np.ndarray, acc: torch.Tensor) -> None:
+    """Add the fold64 word sums of the byte ranges ``addr[i] : +nbytes[i]`` (device addresses of
+    the caller's tensors, on ``acc``'s device) into ``acc[slot[i]]``: at most two launches (whole
+    aligned words, and the rest). A small item table goes to the device in one copy and the
+    program-to-item map is built there, so host work is a few numpy operations whatever the number
+    of items or bytes."""
+    live = nbytes > 0
+    addr, nbytes, slot = addr[live], nbytes[live], slot[live]
+    whole = (nbytes % 4 == 0) & (addr % 4 == 0)
+    for words in (True, False):
+        sel = whole if words else ~whole
+        if not sel.any():
+            continue
+        n = nbytes[sel]
+        nb = -(-((n + 3) // 4) // _FOLD_BLOCK)
+        first = np.cumsum(nb) - nb
+        total = int(nb.sum())
+        k = int(sel.sum())
+        both = torch.from_numpy(np.concatenate([np.column_stack([addr[sel], n, slot[sel], first]).reshape(-1), nb]))
+        if acc.device.type == "cuda":
+            both = both.pin_memory().to(acc.device, non_blocking=True)
+        table, nbs = both[: 4 * k], both[4 * k :]
+        prog_map = torch.repeat_interleave(torch.arange(k, dtype=torch.int32, device=acc.device), nbs, output_size=total)
+        _fold64_batched_kernel[(total,)](table, prog_map, acc, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
+
+
+@triton.jit
+def _sample_entropy_kernel(buf_ptr, starts_ptr, out_ptr, RUNS: tl.constexpr, RUN: tl.constexpr):
+    c = tl.program_id(0)
+    st = tl.load(starts_ptr + c * RUNS + tl.arange(0, RUNS))
+    x = tl.load(buf_ptr + st[:, None] + tl.arange(0, RUN)[None, :]).to(tl.int32) & 0xFF
+    h = tl.histogram(tl.reshape(x, (RUNS * RUN,)), 256).to(tl.float32)
+    p = h / (RUNS * RUN)
+    bits = -tl.sum(tl.where(h > 0, p * tl.log2(tl.where(h > 0, p, 1.0)), 0.0), axis=0)
+    tl.store(out_ptr + c, bits)
+
+
+def sample_entropy(buf: torch.Tensor, starts: np.ndarray, run: int) -> torch.Tensor:
+    """Order-0 entropy (bits per byte, float32, on ``buf``'s device) of one sample per row of
+    ``starts``: the bytes ``buf[s : s + run]`` for every ``s`` in the row, taken together. One
+    launch, one program (one histogram) per row; no host synchronization. ``starts``: int64
+    ``(k, runs)`` with ``runs`` and ``run`` powers of two; every run must lie inside ``buf``."""
+    k, runs = starts.shape
+    out = torch.empty(k, dtype=torch.float32, device=buf.device)
+    if not k:
+        return out
+    if int(starts.min()) < 0 or int(starts.max()) + run > buf.numel():
+        raise ValueError("sample_entropy: a run lies outside the buffer")
+    table = torch.from_numpy(np.ascontiguousarray(starts, dtype=np.int64).reshape(-1))
+    if buf.device.type == "cuda":
+        table = table.pin_memory().to(buf.device, non_blocking=True)
+    _sample_entropy_kernel[(k,)](buf, table, out, RUNS=runs, RUN=run, num_warps=4)
+    return out

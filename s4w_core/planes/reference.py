@@ -23,7 +23,7 @@ _SIGN_MASK = {2: 0x7FFF, 4: 0x7FFFFFFF}
 
 
 def plane_width(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 _UINT: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +42,9 @@ __all__ = [
     "merge_planes_batched",
     "OPS",
     "block_config",
+    "launch_rows",
+    "SPLIT",
+    "MERGE",
 ]
 
 #: delta ops the kernels apply (0: none): codes of the ``OP`` constexpr.
@@ -297,11 +301,11 @@ def _norm(piece: Piece) -> tuple[torch.Tensor, torch.Tensor | None, int, int, st
 
 
 def _launch(kernel: object, pieces: list[Piece], w: int, buf: torch.Tensor, what: str) -> None:
+    """Check ``pieces`` (tensors) and launch through :func:`launch_rows`."""
     if w not in (2, 4):
         raise ValueError(f"element width must be 2 or 4, got {w}")
-    block, warps = block_config()
-    groups: dict[str | None, list[tuple[int, int, int, int, int]]] = {}
-    aligned: dict[str | None, bool] = {}
+    rows: list[tuple[int, int, int, int, int]] = []
+    ops: list[int] = []
     for piece in pieces:
         t, base, off, ps, op = _norm(piece)
         if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
@@ -313,33 +317,54 @@ def _launch(kernel: object, pieces: list[Piece], w: int, buf: torch.Tensor, what
             raise ValueError(f"{what}: a piece does not fit its planes buffer")
         if base is not None and (base.numel() != t.numel() or not base.is_contiguous()):
             raise ValueError(f"{what}: base has a different size")
-        ba = base.data_ptr() if base is not None else 0
-        groups.setdefault(op, []).append((t.data_ptr(), ba, off, n, ps))
-        aligned[op] = aligned.get(op, True) and t.data_ptr() % 16 == 0 and ba % 16 == 0 and off % 16 == 0 and ps % 16 == 0
-    for op, rows in groups.items():
-        nb = [-(-r[3] // block) for r in rows]
-        first, acc = [], 0
-        for k in nb:
-            first.append(acc)
-            acc += k
-        table = torch.tensor([[*r, f] for r, f in zip(rows, first)], dtype=torch.int64).view(-1)
-        counts = torch.tensor(nb, dtype=torch.int64)
+        rows.append((t.data_ptr(), base.data_ptr() if base is not None else 0, off, n, ps))
+        ops.append(OPS[op])
+    if rows:
+        launch_rows(kernel, w, buf, np.asarray(rows, dtype=np.int64), np.asarray(ops, dtype=np.int64))
+
+
+def launch_rows(kernel: object, w: int, buf: torch.Tensor, rows: np.ndarray, ops: np.ndarray) -> None:
+    """One launch of ``kernel`` (:data:`SPLIT` or :data:`MERGE`) per delta op present in ``ops``.
+
+    ``rows``: int64 ``(k, 5)`` array, one row per item: element address (raw input for a split,
+    output for a merge), delta-base address (0: none), planes offset in ``buf``, element count,
+    plane stride; ``ops``: the items' :data:`OPS` codes (0 where the base address is 0). The planes
+    ranges are checked against ``buf`` here; the element and base addresses must be the caller's
+    own tensors of ``n * w`` bytes (the GPU writer and reader derive them from tensors they sized).
+    Host work is a few numpy operations and one small upload, whatever the number of items.
+    """
+    if w not in (2, 4):
+        raise ValueError(f"element width must be 2 or 4, got {w}")
+    live = rows[:, 3] > 0
+    rows, ops = rows[live], ops[live]
+    if not len(rows):
+        return
+    off, n, ps = rows[:, 2], rows[:, 3], rows[:, 4]
+    if (ps < n).any() or (off < 0).any() or int((off + (w - 1) * ps + n).max()) > buf.numel():
+        raise ValueError("launch_rows: an item does not fit its planes buffer")
+    block, warps = block_config()
+    wide = os.environ.get("S4W_PLANES_WIDE", "1") != "0" and buf.data_ptr() % 16 == 0
+    for code in np.unique(ops).tolist():
+        r = rows[ops == code]
+        nb = -(-r[:, 3] // block)
+        first = np.cumsum(nb) - nb
+        total = int(nb.sum())
+        aligned = wide and not ((r[:, 0] | r[:, 1] | r[:, 2] | r[:, 4]) % 16).any()
+        both = torch.from_numpy(np.concatenate([np.column_stack([r, first]).reshape(-1), nb]))
         if buf.device.type == "cuda":
-            both = torch.cat([table, counts]).pin_memory().to(buf.device, non_blocking=True)
-            table, counts = both[: table.numel()], both[table.numel() :]
+            both = both.pin_memory().to(buf.device, non_blocking=True)
+        table, counts = both[: 6 * len(r)], both[6 * len(r) :]
         prog_map = torch.repeat_interleave(
-            torch.arange(len(rows), dtype=torch.int32, device=buf.device), counts, output_size=acc
+            torch.arange(len(r), dtype=torch.int32, device=buf.device), counts, output_size=total
         )
-        kernel[(acc,)](  # type: ignore[index]
-            table,
-            prog_map,
-            buf,
-            W=w,
-            OP=OPS[op],
-            ALIGNED=aligned[op] and buf.data_ptr() % 16 == 0 and os.environ.get("S4W_PLANES_WIDE", "1") != "0",
-            BLOCK=block,
-            num_warps=warps,
+        kernel[(total,)](  # type: ignore[index]
+            table, prog_map, buf, W=w, OP=int(code), ALIGNED=aligned, BLOCK=block, num_warps=warps
         )
+
+
+#: the kernels :func:`launch_rows` takes
+SPLIT = _split_kernel
+MERGE = _merge_kernel
 
 
 def split_planes_batched(pieces: list[Piece], w: int, out: torch.Tensor) -> None:

@@ -190,6 +190,38 @@ def gather_copy_ranges() -> None:
         raise AssertionError("out-of-range copy was not refused")
 
 
+def sample_entropy_vs_numpy(device: str = "cpu") -> None:
+    """The probe's per-chunk histogram entropy (one Triton histogram per row) against numpy."""
+    from s4w_core.gpu import kernels as k
+
+    rng = np.random.default_rng(21)
+    buf = rng.integers(0, 256, size=300_000, dtype=np.uint8)
+    buf[:40_000] = 7  # constant: 0 bits
+    buf[40_000:90_000] = rng.integers(0, 4, size=50_000, dtype=np.uint8)  # 2 bits
+    buf[90_000:140_000] = np.minimum(rng.geometric(0.3, size=50_000), 255).astype(np.uint8)  # skewed
+    runs, run = 16, 256
+    rows = [np.arange(runs) * 2000 + s for s in (0, 40_000, 60_000, 90_000, 100_000, 150_000)]
+    rows.append(rng.integers(0, buf.size - run, size=runs))  # any start, unaligned
+    starts = np.stack(rows).astype(np.int64)
+    got = k.sample_entropy(torch.from_numpy(buf).to(device), starts, run).cpu().numpy()
+    for i, row in enumerate(starts):
+        sample = np.concatenate([buf[s : s + run] for s in row])
+        p = np.bincount(sample, minlength=256) / sample.size
+        exp = -(p[p > 0] * np.log2(p[p > 0])).sum()
+        assert abs(float(got[i]) - exp) < 1e-4, (i, float(got[i]), exp)
+    try:
+        k.sample_entropy(torch.from_numpy(buf).to(device), np.array([[buf.size - run + 1] * runs]), run)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a run past the buffer was not refused")
+
+
+@check
+def sample_entropy() -> None:
+    sample_entropy_vs_numpy("cpu")
+
+
 def batched_kernels_vs_reference(device: str = "cpu") -> None:
     """split/merge/fold64 batched launches (table of addresses) against the reference, on ``device``."""
     from s4w_core import checksum as ck

@@ -91,3 +91,10 @@ def test_batched_launches_on_device():
     from tests.parity._interpret_checks import batched_kernels_vs_reference
 
     batched_kernels_vs_reference("cuda")
+
+
+def test_sample_entropy_on_device():
+    pytest.importorskip("triton")
+    from tests.parity._interpret_checks import sample_entropy_vs_numpy
+
+    sample_entropy_vs_numpy("cuda")

@@ -1,0 +1,231 @@
+"""Where the GPU codec's time goes, on a real model state: host work, GPU kernels, nvCOMP.
+
+Builds the state of ``bench_peers.py``'s model (``--model``, ``--steps`` optimizer steps on real
+text; weights + AdamW moments on the GPU), then for the ``fast`` profile at each ``--segments``
+size (elements per segment = bytes per ANS chunk):
+
+* ratio, encode and decode GB/s (synchronized wall clock, median of ``--repeats``; the same rule as
+  ``bench_peers.py``'s codec rows);
+* stage marks (each stage synchronized, so their sum exceeds the pipelined time);
+* one ``torch.profiler`` pass per direction: GPU time per kernel name, the sum of GPU time, and the
+  wall time of the profiled call -- the gap between the two is host work the GPU waits for;
+
+and nvCOMP ANS alone (``'<f2'``/``'<f4'``, one batched call) on the same tensors, for reference.
+
+    python benchmarks/profile_codec.py --model medium --steps 20 --segments 524288,131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import _train_gpt  # noqa: E402
+import bench_peers  # noqa: E402
+
+from s4w_core.gpu import _encode  # noqa: E402
+
+GB = 1e9
+
+
+def wall(fn: Callable[[], Any], repeats: int, dev: torch.device) -> float:
+    fn()
+    torch.cuda.synchronize(dev)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def marks(fn: Callable[[], Any]) -> dict[str, float]:
+    _encode.TRACE = True
+    try:
+        fn()
+        m = list(_encode.TRACE_MARKS)
+    finally:
+        _encode.TRACE = False
+    return {name: round((t - m[i][1]) * 1e3, 3) for i, (name, t) in enumerate(m[1:])}
+
+
+def kernels(fn: Callable[[], Any], dev: torch.device, top: int = 12) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        w = time.perf_counter() - t0
+    rows = []
+    total = 0.0
+    for ev in prof.key_averages():
+        dt = getattr(ev, "device_time_total", None)
+        if dt is None:
+            dt = getattr(ev, "cuda_time_total", 0.0)
+        self_dt = getattr(ev, "self_device_time_total", None)
+        if self_dt is None:
+            self_dt = getattr(ev, "self_cuda_time_total", 0.0)
+        if self_dt > 0:
+            rows.append((ev.key[:70], ev.count, self_dt / 1e3))
+            total += self_dt / 1e3
+    rows.sort(key=lambda r: -r[2])
+    return {
+        "wall_ms_profiled": round(w * 1e3, 3),
+        "gpu_ms_sum": round(total, 3),
+        "top": [{"kernel": k, "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:top]],
+    }
+
+
+def run_s4w(tl: list[torch.Tensor], seg: int, repeats: int, dev: torch.device) -> dict[str, Any]:
+    base = _encode.PROFILES["fast"]
+    _encode.PROFILES["fast"] = dataclasses.replace(base, segment_elems=seg)
+    try:
+        raw = sum(t.numel() * t.element_size() for t in tl)
+        enc = _encode.encode_tensors_device(tl, "fast")
+        plan = bench_peers._s4w_decode_plan(enc, tl)
+        outs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in plan.nbytes]
+
+        def encode() -> Any:
+            return _encode.encode_tensors_device(tl, "fast")
+
+        def decode() -> None:
+            bench_peers._s4w_device_decode(enc, plan, outs)
+
+        decode()
+        torch.cuda.synchronize(dev)
+        exact = all(torch.equal(o, t.contiguous().view(-1).view(torch.uint8)) for o, t in zip(outs, tl))
+        te, td = wall(encode, repeats, dev), wall(decode, repeats, dev)
+        ids = enc.codec_ids
+        host = nvcomp_host_cost(enc, dev)
+        return {
+            "segment_elems": seg,
+            "ratio": raw / enc.stored_bytes,
+            "chunks": len(ids),
+            "ans_chunks": sum(1 for c in ids if c != "raw"),
+            "enc_ms": round(te * 1e3, 3),
+            "dec_ms": round(td * 1e3, 3),
+            "enc_GBps": raw / te / GB,
+            "dec_GBps": raw / td / GB,
+            "bit_exact": exact,
+            "nvcomp_host_ms": host,
+            "enc_marks_ms": marks(encode),
+            "dec_marks_ms": marks(decode),
+            "enc_kernels": kernels(encode, dev),
+            "dec_kernels": kernels(decode, dev),
+        }
+    finally:
+        _encode.PROFILES["fast"] = base
+
+
+def nvcomp_host_cost(enc: Any, dev: torch.device) -> dict[str, float]:
+    """Host milliseconds of nvCOMP's Python layer for this many chunks: building the two chunk
+    lists (``as_arrays``) of a call, and enqueuing the decode (no synchronization)."""
+    from nvidia import nvcomp
+
+    from s4w_core.gpu import _nvcomp
+
+    coded = [i for i, c in enumerate(enc.codec_ids) if c != "raw"]
+    offs = [enc.out_off[i] for i in coded]
+    lens = [enc.out_len[i] for i in coded]
+    s = _nvcomp.stream_for(dev).cuda_stream
+    t0 = time.perf_counter()
+    for _ in range(5):
+        nvcomp.as_arrays(enc.compact, offs, lens, s)
+    t_arr = (time.perf_counter() - t0) / 5
+    return {"chunks": len(coded), "as_arrays_ms": round(t_arr * 1e3, 3)}
+
+
+def run_ans(tl: list[torch.Tensor], repeats: int, dev: torch.device) -> dict[str, Any]:
+    from nvidia import nvcomp
+
+    from s4w_core.gpu import _nvcomp
+
+    _nvcomp._use_torch_allocator()
+    el = tl[0].element_size()
+    sizes = [t.numel() * el for t in tl]
+    offs, pos = [], 0
+    for n in sizes:
+        offs.append(pos)
+        pos += -(-n // 256) * 256
+    buf = torch.zeros(pos, dtype=torch.uint8, device=dev)
+    for o, t, n in zip(offs, tl, sizes):
+        buf[o : o + n] = t.contiguous().view(-1).view(torch.uint8)
+    out = torch.empty_like(buf)
+    s = torch.cuda.Stream(device=dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        codec = nvcomp.Codec(algorithm="ANS", data_type={2: "<f2", 4: "<f4"}[el], cuda_stream=s.cuda_stream)
+        srcs = nvcomp.as_arrays(buf, offs, sizes, s.cuda_stream)
+        outs = nvcomp.as_arrays(out, offs, sizes, s.cuda_stream)
+        cc = codec.compression_config(sizes)
+        enc = codec.encode(srcs, compression_config=cc)
+        dc = codec.decompression_config(cc)
+        codec.decode(enc, out=outs, decompression_config=dc)
+        s.synchronize()
+        stored = sum(int(x) for x in enc.buffer_sizes)
+        te = wall(lambda: codec.encode(srcs, compression_config=cc), repeats, dev)
+        td = wall(lambda: codec.decode(enc, out=outs, decompression_config=dc), repeats, dev)
+    raw = sum(sizes)
+    return {"ratio": raw / stored, "enc_ms": round(te * 1e3, 3), "dec_ms": round(td * 1e3, 3),
+            "enc_GBps": raw / te / GB, "dec_GBps": raw / td / GB}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="medium")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variants", default="bf16")
+    ap.add_argument("--segments", default="524288")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "variants": {}}
+    for variant in a.variants.split(","):
+        cfg = dict(_train_gpt.MODELS[a.model])
+        tr = _train_gpt.Trainer(variant, max(a.steps, 1), device="cuda", **cfg)
+        for _ in range(a.steps):
+            tr.step()
+        torch.cuda.synchronize(dev)
+        tl = [t for t in tr._live() if t.is_floating_point() and t.numel() > 0 and t.is_cuda]
+        raw = sum(t.numel() * t.element_size() for t in tl)
+        v: dict[str, Any] = {"tensors": len(tl), "raw_bytes": raw, "ans_alone": run_ans(tl, a.repeats, dev), "s4w": []}
+        print(f"[{variant}] {len(tl)} tensors, {raw / GB:.3f} GB; ANS alone {json.dumps(v['ans_alone'])}", flush=True)
+        for seg in (int(x) for x in a.segments.split(",")):
+            r = run_s4w(tl, seg, a.repeats, dev)
+            v["s4w"].append(r)
+            print(f"[{variant}] seg {seg}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s dec {r['dec_GBps']:.1f} GB/s "
+                  f"exact {r['bit_exact']}", flush=True)
+            print("   enc marks", r["enc_marks_ms"], "\n   dec marks", r["dec_marks_ms"], flush=True)
+            for d in ("enc", "dec"):
+                k = r[f"{d}_kernels"]
+                print(f"   {d}: wall {k['wall_ms_profiled']} ms, GPU sum {k['gpu_ms_sum']} ms", flush=True)
+                for row in k["top"]:
+                    print(f"      {row['ms']:8.3f} ms {row['calls']:5d}x {row['kernel']}", flush=True)
+        res["variants"][variant] = v
+        del tr, tl
+        torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

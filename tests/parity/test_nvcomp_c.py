@@ -1,0 +1,95 @@
+"""@gpu: nvCOMP ANS through the low-level C API (``_nvcomp._AnsC``) against nvCOMP's Python API.
+
+The writer and reader call ANS through the C API where it is available; files written before (or
+on a machine where only the Python API is usable) must decode either way, so both directions are
+checked byte for byte, plus the reporting of sizes and failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def nv():
+    pytest.importorskip("nvidia.nvcomp")
+    from s4w_core.gpu import _nvcomp
+
+    if _nvcomp._ans_c() is None:
+        pytest.skip("this nvCOMP has no usable C API for ANS")
+    return _nvcomp
+
+
+def _chunks(seed: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    g = torch.Generator().manual_seed(seed)
+    lens = np.array([1, 17, 4096, 65536, 300_001, 1 << 19, 1 << 19], dtype=np.int64)
+    parts = []
+    for i, n in enumerate(lens.tolist()):
+        if i % 3 == 0:  # exponent-like: few symbols
+            parts.append((torch.randn(n, generator=g) * 3).round().clamp(-8, 8).to(torch.int16).to(torch.uint8) + 120)
+        elif i % 3 == 1:
+            parts.append(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+        else:
+            parts.append(torch.full((n,), 7, dtype=torch.uint8))
+    slots = -(-lens // 256) * 256
+    offs = np.cumsum(slots) - slots
+    buf = torch.zeros(int(slots.sum()), dtype=torch.uint8)
+    for o, p in zip(offs.tolist(), parts):
+        buf[o : o + p.numel()] = p
+    return buf.cuda(), offs, lens
+
+
+def _encode(nv, c, src, offs, lens):
+    cap = max(nv.max_compressed(c, int(n), src.device) for n in lens.tolist())
+    dst = torch.zeros(cap * len(lens), dtype=torch.uint8, device=src.device)
+    do = np.arange(len(lens), dtype=np.int64) * cap
+    with nv.on_stream(src.device):
+        sizes = nv.encode_batch(c, src, offs.tolist(), lens.tolist(), dst, do.tolist(), [cap] * len(lens))
+    return dst, do, np.asarray(sizes, dtype=np.int64)
+
+
+def _decode(nv, c, comp, co, cl, offs, lens, dev):
+    out = torch.full((int(offs[-1] + lens[-1]) + 256,), 0xA5, dtype=torch.uint8, device=dev)
+    with nv.on_stream(dev):
+        got = nv.decode_batch(c, comp, co.tolist(), cl.tolist(), out, offs.tolist(), lens.tolist())
+        sizes = list(got)
+    assert sizes == lens.tolist()
+    return out
+
+
+def test_c_and_python_api_read_each_others_chunks(nv, monkeypatch):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    src, offs, lens = _chunks(1)
+    c_api = nv.codec("ANS", dev, 1 << 19, data_type="|u1")
+    assert isinstance(c_api, nv._AnsC)
+    monkeypatch.setenv("S4W_NVCOMP_C", "0")
+    monkeypatch.setattr(nv, "_ans_c", lambda: None)
+    py_api = nv.codec("ANS", dev, 1 << 19, data_type="|u1")
+    assert not isinstance(py_api, nv._AnsC)
+    monkeypatch.undo()
+    for enc, dec in ((c_api, py_api), (py_api, c_api), (c_api, c_api)):
+        comp, co, cl = _encode(nv, enc, src, offs, lens)
+        # chunks 2 and 5 are constant (tiny when coded), 3 and 6 have few symbols, 1 and 4 are random
+        assert (cl > 0).all() and cl[2] < 512 and cl[5] < 4096 and cl[6] < lens[6] // 2 and cl[4] > lens[4] * 0.99
+        out = _decode(nv, dec, comp, co, cl, offs, lens, dev)
+        for o, n in zip(offs.tolist(), lens.tolist()):
+            assert torch.equal(out[o : o + n], src[o : o + n]), (type(enc).__name__, type(dec).__name__, n)
+
+
+def test_c_api_reports_a_bad_chunk(nv):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    src, offs, lens = _chunks(2)
+    c = nv.codec("ANS", dev, 1 << 19, data_type="|u1")
+    comp, co, cl = _encode(nv, c, src, offs, lens)
+    # an output capacity smaller than the chunk decodes to: nvCOMP's status says so, and reading
+    # the sizes raises (the reader turns that into DecodeError)
+    out = torch.zeros(int(offs[-1] + lens[-1]) + 256, dtype=torch.uint8, device=dev)
+    short = lens.copy()
+    short[4] = 1000
+    with nv.on_stream(dev):
+        got = nv.decode_batch(c, comp, co.tolist(), cl.tolist(), out, offs.tolist(), short.tolist())
+        with pytest.raises(RuntimeError, match="1 chunk\\(s\\) failed \\(first: chunk 4"):
+            list(got)
