@@ -5,7 +5,8 @@ text; weights + AdamW moments on the GPU), then for the ``fast`` profile at each
 size (elements per segment = bytes per ANS chunk):
 
 * ratio, encode and decode GB/s (synchronized wall clock, median of ``--repeats``; the same rule as
-  ``bench_peers.py``'s codec rows);
+  ``bench_peers.py``'s codec rows), and the decode again with ``S4W_MERGE_IN_PLACE=0`` (raw chunks
+  placed into the planes buffer before the merge: the A/B of the in-place merge);
 * stage marks (each stage synchronized, so their sum exceeds the pipelined time);
 * one ``torch.profiler`` pass per direction: GPU time per kernel name, the sum of GPU time, and the
   wall time of the profiled call -- the gap between the two is host work the GPU waits for;
@@ -111,6 +112,11 @@ def run_s4w(tl: list[torch.Tensor], seg: int, repeats: int, dev: torch.device) -
         torch.cuda.synchronize(dev)
         exact = all(torch.equal(o, t.contiguous().view(-1).view(torch.uint8)) for o, t in zip(outs, tl))
         te, td = wall(encode, repeats, dev), wall(decode, repeats, dev)
+        os.environ["S4W_MERGE_IN_PLACE"] = "0"  # the same decode with raw chunks placed first (A/B)
+        try:
+            td_placed = wall(decode, repeats, dev)
+        finally:
+            del os.environ["S4W_MERGE_IN_PLACE"]
         ids = enc.codec_ids
         host = nvcomp_host_cost(enc, dev)
         return {
@@ -122,6 +128,7 @@ def run_s4w(tl: list[torch.Tensor], seg: int, repeats: int, dev: torch.device) -
             "dec_ms": round(td * 1e3, 3),
             "enc_GBps": raw / te / GB,
             "dec_GBps": raw / td / GB,
+            "dec_ms_raw_placed_first": round(td_placed * 1e3, 3),
             "bit_exact": exact,
             "nvcomp_host_ms": host,
             "enc_marks_ms": marks(encode),
@@ -211,7 +218,8 @@ def main() -> int:
             r = run_s4w(tl, seg, a.repeats, dev)
             v["s4w"].append(r)
             print(f"[{variant}] seg {seg}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s dec {r['dec_GBps']:.1f} GB/s "
-                  f"exact {r['bit_exact']}", flush=True)
+                  f"exact {r['bit_exact']} (dec with raw chunks placed first: {r['dec_ms_raw_placed_first']} ms "
+                  f"against {r['dec_ms']} ms)", flush=True)
             print("   enc marks", r["enc_marks_ms"], "\n   dec marks", r["dec_marks_ms"], flush=True)
             for d in ("enc", "dec"):
                 k = r[f"{d}_kernels"]

@@ -41,7 +41,7 @@ from s4w_core.format.container import ContainerReader
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._encode import TRACE_MARKS, _mark
 from s4w_core.gpu.kernels import fold64_finish, fold64_rows, gather_copy
-from s4w_core.planes.triton_kernels import MERGE, OPS, launch_rows
+from s4w_core.planes.triton_kernels import MERGE, OPS, launch_rows, merge_block, merge_chunks
 
 __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
@@ -327,10 +327,10 @@ def decode_device(
     TRACE_MARKS.clear()
     _mark("start", dev)
     k_n = len(entries)
-    meta = np.array([(e["_width"], e["nbytes"], e["transform"] == _ROTL1) for e in entries], dtype=np.int64).reshape(
-        k_n, 3
-    )
-    width, rot = meta[:, 0], meta[:, 2].astype(bool)
+    meta = np.array(
+        [(e["_width"], e["nbytes"], e["transform"] == _ROTL1, e["segment_elems"]) for e in entries], dtype=np.int64
+    ).reshape(k_n, 4)
+    width, rot, seg = meta[:, 0], meta[:, 2].astype(bool), meta[:, 3]
     n_el = meta[:, 1] // width
     ps = (n_el + _A - 1) // _A * _A
     size = (width * ps + 255) // 256 * 256
@@ -341,7 +341,14 @@ def decode_device(
     dst = region[k] + j * ps[k] + s0
     slot, stored, kinds = st.slot, st.stored, st.kinds
     cp = kinds == "copy"
-    gather_copy(staged, planes, slot[cp], dst[cp], raw_len[cp], pad_ok=True)
+    if cp.any() and int((slot[cp] + raw_len[cp]).max()) > staged.numel():
+        raise DecodeError(f"{name}: a staged chunk lies outside the staged buffer")
+    # plane-transformed storages merge their raw chunks where they lie in ``staged`` (no placement
+    # copy) when every segment is a whole number of merge blocks (``S4W_MERGE_IN_PLACE=0``: never);
+    # other raw chunks are placed into ``planes`` first
+    in_place = bool(rot.any()) and not (seg[rot] % merge_block()).any() and os.environ.get("S4W_MERGE_IN_PLACE", "1") != "0"
+    place = cp & ~rot[k] if in_place else cp
+    gather_copy(staged, planes, slot[place], dst[place], raw_len[place], pad_ok=True)
     _mark("tables+place_raw", dev)
     checks = []
     for kind, (algorithm, opts) in _GPU_DECODERS.items():
@@ -378,10 +385,13 @@ def decode_device(
             base_addr[i], op_code[i] = base.data_ptr(), OPS[op]
         elif op != "xor":
             raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r} (transform bytes)")
-    rows = np.column_stack([out_addr, base_addr, region, n_el, ps])
-    for w_ in np.unique(width[rot]).tolist():
-        sel = rot & (width == w_)
-        launch_rows(MERGE, int(w_), planes, rows[sel], op_code[sel])
+    if in_place:
+        _merge_in_place(staged, planes, st, entries, rec, dst, cp, rot, width, n_el, seg, out_addr, base_addr, op_code, name)
+    else:
+        rows = np.column_stack([out_addr, base_addr, region, n_el, ps])
+        for w_ in np.unique(width[rot]).tolist():
+            sel = rot & (width == w_)
+            launch_rows(MERGE, int(w_), planes, rows[sel], op_code[sel])
     for i in np.nonzero(~rot)[0].tolist():  # storages coded as bytes
         off = int(region[i])
         src = planes[off : off + int(n_el[i])]
@@ -401,6 +411,46 @@ def decode_device(
         check()
     _mark("fold64+readback", dev)
     return sums
+
+
+def _merge_in_place(
+    staged: torch.Tensor,
+    planes: torch.Tensor,
+    st: Staged,
+    entries: list[dict[str, Any]],
+    rec: np.ndarray,
+    dst: np.ndarray,
+    cp: np.ndarray,
+    rot: np.ndarray,
+    width: np.ndarray,
+    n_el: np.ndarray,
+    seg: np.ndarray,
+    out_addr: np.ndarray,
+    base_addr: np.ndarray,
+    op_code: np.ndarray,
+    name: str,
+) -> None:
+    """Merge the plane-transformed storages from a table of chunk addresses: raw chunks where they
+    lie in ``staged``, decoded ones in ``planes`` (:func:`merge_chunks`; one small upload)."""
+    k, j, s0 = rec[:, 0], rec[:, 1], rec[:, 2]
+    nch = np.where(rot, -(-n_el // np.maximum(seg, 1)) * width, 0)
+    first = np.cumsum(nch) - nch
+    mine = rot[k]
+    idx = first[k[mine]] + (s0[mine] // seg[k[mine]]) * width[k[mine]] + j[mine]
+    total = int(nch.sum())
+    have = np.bincount(idx, minlength=total) if total else np.zeros(0, dtype=np.int64)
+    if len(have) != total or (have != 1).any():
+        raise DecodeError(f"{name}: the chunk table does not cover every segment and plane exactly once")
+    addr = np.zeros(total, dtype=np.int64)
+    addr[idx] = np.where(cp[mine], staged.data_ptr() + st.slot[mine], planes.data_ptr() + dst[mine])
+    chunks = torch.from_numpy(addr)
+    if planes.device.type == "cuda":
+        chunks = chunks.pin_memory().to(planes.device, non_blocking=True)
+    aligned = not ((addr % 16).any() or (out_addr[rot] % 16).any() or (base_addr[rot] % 16).any())
+    rows = np.column_stack([out_addr, base_addr, first, n_el, seg])
+    for w_ in np.unique(width[rot]).tolist():
+        sel = rot & (width == w_)
+        merge_chunks(int(w_), chunks, rows[sel], op_code[sel], aligned)
 
 
 def _gpu_decode(

@@ -142,7 +142,10 @@ def _get(wait: bool = False, nbytes: int = 0) -> dict[str, Any] | None:
                     if importlib.util.find_spec("numba") is None:
                         _ready.set()
                     else:
-                        threading.Thread(target=_warm, name="s4w-numba", daemon=True).start()
+                        # not a daemon: an interpreter that exits while LLVM compiles on a daemon
+                        # thread aborts ("terminate called without an active exception"); exit
+                        # joins this thread first, before atexit handlers and finalization (~2 s)
+                        threading.Thread(target=_warm, name="s4w-numba", daemon=False).start()
         if not wait:
             return None
         _ready.wait()

@@ -43,6 +43,8 @@ __all__ = [
     "OPS",
     "block_config",
     "launch_rows",
+    "merge_chunks",
+    "merge_block",
     "SPLIT",
     "MERGE",
 ]
@@ -284,6 +286,141 @@ def _merge_kernel(items_ptr, map_ptr, planes_ptr, W: tl.constexpr, OP: tl.conste
     else:
         offs = start + tl.arange(0, BLOCK)
         _merge_elems(out_addr, base_addr, planes_ptr, p_off, ps, offs, offs < n, W, OP)
+
+
+@triton.jit
+def _merge_elems_at(out_addr, base_addr, a0, a1, a2, a3, offs, mask, W: tl.constexpr, OP: tl.constexpr):
+    """:func:`_merge_elems` with one address per plane: plane ``j``'s byte of element ``i`` is at
+    ``aj + i`` (int64 addresses; ``a2``/``a3`` unused for W=2)."""
+    if W == 2:
+        p0 = tl.load(a0.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int32) & 0xFF
+        p1 = tl.load(a1.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int32) & 0xFF
+        v = p0
+        if OP != 0:
+            v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        x = _inv16((p0 << 8) | p1, v, OP)
+        tl.store(out_addr.to(tl.pointer_type(tl.int16)) + offs, x.to(tl.int16), mask=mask)
+    else:
+        p0 = tl.load(a0.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        p1 = tl.load(a1.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        p2 = tl.load(a2.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        p3 = tl.load(a3.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        v = p0
+        if OP != 0:
+            v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        x = _inv32((p0 << 24) | (p1 << 16) | (p2 << 8) | p3, v, OP)
+        tl.store(out_addr.to(tl.pointer_type(tl.int32)) + offs, x.to(tl.int32), mask=mask)
+
+
+@triton.jit
+def _merge_chunks_kernel(items_ptr, map_ptr, chunks_ptr, W: tl.constexpr, OP: tl.constexpr, ALIGNED: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """:func:`_merge_kernel` reading every chunk where it lies: item row = (out, base, index of the
+    item's first chunk in ``chunks_ptr``, n, segment elements, first program); the chunk of plane
+    ``j`` of segment ``s`` starts at address ``chunks_ptr[first + s * W + j]``. ``BLOCK`` divides
+    the segment length, so a program reads one segment of each plane."""
+    row, start = _item_of(items_ptr, map_ptr, tl.program_id(0), BLOCK)
+    out_addr = tl.load(row)
+    base_addr = tl.load(row + 1)
+    c0 = tl.load(row + 2)
+    n = tl.load(row + 3)
+    seg = tl.load(row + 4)
+    s = start // seg
+    cp = chunks_ptr + c0 + s * W
+    # plane j's byte of element i (of this segment) is at a_j + i
+    a0 = tl.load(cp) - s * seg
+    a1 = tl.load(cp + 1) - s * seg
+    a2 = a0
+    a3 = a0
+    if W == 4:
+        a2 = tl.load(cp + 2) - s * seg
+        a3 = tl.load(cp + 3) - s * seg
+    if ALIGNED:
+        q = start // 4 + tl.arange(0, BLOCK // 4)
+        m = q < n // 4
+        op = tl.multiple_of(out_addr.to(tl.pointer_type(tl.int64)), 16)
+        # each plane's bytes of this block as int32 words (the block starts 16-byte aligned in its chunk)
+        l0 = tl.multiple_of((a0 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
+        l1 = tl.multiple_of((a1 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
+        if W == 2:
+            a = tl.load(l0, mask=m, other=0).to(tl.int64)
+            b = tl.load(l1, mask=m, other=0).to(tl.int64)
+            r0 = ((_byte(a, 0) << 8) | _byte(b, 0)).to(tl.int32)
+            r1 = ((_byte(a, 8) << 8) | _byte(b, 8)).to(tl.int32)
+            r2 = ((_byte(a, 16) << 8) | _byte(b, 16)).to(tl.int32)
+            r3 = ((_byte(a, 24) << 8) | _byte(b, 24)).to(tl.int32)
+        else:
+            l2 = tl.multiple_of((a2 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
+            l3 = tl.multiple_of((a3 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
+            a = tl.load(l0, mask=m, other=0).to(tl.int64)
+            b = tl.load(l1, mask=m, other=0).to(tl.int64)
+            c = tl.load(l2, mask=m, other=0).to(tl.int64)
+            d = tl.load(l3, mask=m, other=0).to(tl.int64)
+            r0 = (_byte(a, 0) << 24) | (_byte(b, 0) << 16) | (_byte(c, 0) << 8) | _byte(d, 0)
+            r1 = (_byte(a, 8) << 24) | (_byte(b, 8) << 16) | (_byte(c, 8) << 8) | _byte(d, 8)
+            r2 = (_byte(a, 16) << 24) | (_byte(b, 16) << 16) | (_byte(c, 16) << 8) | _byte(d, 16)
+            r3 = (_byte(a, 24) << 24) | (_byte(b, 24) << 16) | (_byte(c, 24) << 8) | _byte(d, 24)
+        v0, v1, v2, v3 = r0, r1, r2, r3
+        if OP != 0:
+            bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
+            v0, v1, v2, v3 = _lanes(bp, q, m, W)
+        if W == 2:
+            x = (_inv16(r0, v0, OP).to(tl.int64) | (_inv16(r1, v1, OP).to(tl.int64) << 16)
+                 | (_inv16(r2, v2, OP).to(tl.int64) << 32) | (_inv16(r3, v3, OP).to(tl.int64) << 48))
+            tl.store(op + q, x, mask=m)
+        else:
+            xa = _inv32(r0, v0, OP) | (_inv32(r1, v1, OP) << 32)
+            xb = _inv32(r2, v2, OP) | (_inv32(r3, v3, OP) << 32)
+            tl.store(op + 2 * q, xa, mask=m)
+            tl.store(op + 2 * q + 1, xb, mask=m)
+        if start + BLOCK >= n:
+            e = (n // 4) * 4 + tl.arange(0, 4)
+            _merge_elems_at(out_addr, base_addr, a0, a1, a2, a3, e, e < n, W, OP)
+    else:
+        offs = start + tl.arange(0, BLOCK)
+        _merge_elems_at(out_addr, base_addr, a0, a1, a2, a3, offs, offs < n, W, OP)
+
+
+def merge_chunks(w: int, chunks: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: bool) -> None:
+    """Merge planes read in place from their chunks (no placement copy), one launch per delta op.
+
+    ``chunks``: int64 device tensor of chunk addresses. ``rows``: int64 ``(k, 5)``: output address,
+    base address (0: none), index of the item's first chunk in ``chunks`` (plane ``j`` of segment
+    ``s`` is ``chunks[first + s * w + j]``), element count, segment elements -- which
+    :func:`merge_block` must divide. ``aligned``: every output, base and chunk address (and so every
+    block start) is 16-byte aligned, for the vectorized path. The caller owns the addresses: its
+    chunks hold ``min(seg, n - s * seg)`` bytes each."""
+    if w not in (2, 4):
+        raise ValueError(f"element width must be 2 or 4, got {w}")
+    block, warps = block_config()
+    live = rows[:, 3] > 0
+    rows, ops = rows[live], ops[live]
+    if not len(rows):
+        return
+    if (rows[:, 4] % block).any():
+        raise ValueError("merge_chunks: the segment length must be a multiple of the block")
+    for code in np.unique(ops).tolist():
+        r = rows[ops == code]
+        nb = -(-r[:, 3] // block)
+        first = np.cumsum(nb) - nb
+        total = int(nb.sum())
+        both = torch.from_numpy(np.concatenate([np.column_stack([r, first]).reshape(-1), nb]))
+        if chunks.device.type == "cuda":
+            both = both.pin_memory().to(chunks.device, non_blocking=True)
+        table, counts = both[: 6 * len(r)], both[6 * len(r) :]
+        prog_map = torch.repeat_interleave(
+            torch.arange(len(r), dtype=torch.int32, device=chunks.device), counts, output_size=total
+        )
+        _merge_chunks_kernel[(total,)](
+            table, prog_map, chunks, W=w, OP=int(code), ALIGNED=aligned and os.environ.get("S4W_PLANES_WIDE", "1") != "0",
+            BLOCK=block, num_warps=warps,
+        )
+
+
+def merge_block() -> int:
+    """Elements per program of the merge kernels (a segment length must be a multiple of it for
+    :func:`merge_chunks`)."""
+    return block_config()[0]
 
 
 # ----------------------------------------------------------------------------- launches

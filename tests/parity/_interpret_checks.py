@@ -222,6 +222,69 @@ def sample_entropy() -> None:
     sample_entropy_vs_numpy("cpu")
 
 
+def merge_chunks_vs_reference(device: str = "cpu") -> None:
+    """The in-place merge (planes read chunk by chunk from a table of addresses, chunks scattered
+    over two buffers in shuffled order) against the reference, every width and delta op, with
+    16-byte aligned chunks (vector path) and with odd ones (element path)."""
+    from s4w_core import delta
+    from s4w_core.planes import triton_kernels as tk
+
+    block = tk.merge_block()
+    rng = np.random.default_rng(33)
+    for dt, w in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
+        for aligned in (True, False):
+            seg = 2 * block
+            sizes = [1, 3, block, 2 * block + 5, 5 * block + 3, 0]
+            raws = [torch.from_numpy(rng.integers(0, 256, size=n * w, dtype=np.uint8)) for n in sizes]
+            bases = [torch.from_numpy(rng.integers(0, 256, size=r.numel(), dtype=np.uint8)) for r in raws]
+            ops = [None, "xor", "sub", None, "sub", "xor"]
+            # every chunk's bytes (the reference planes of the delta residual), in shuffled order
+            chunks = []
+            for i, (r, b, op) in enumerate(zip(raws, bases, ops)):
+                n = r.numel() // w
+                resid = delta.forward(op, r, b, dt) if op else r
+                planes = ref.split_planes(resid, dt)
+                for s0 in range(0, n, seg):
+                    for j in range(w):
+                        chunks.append((i, s0 // seg, j, planes[j, s0 : min(n, s0 + seg)].clone()))
+            order = rng.permutation(len(chunks))
+            bufs = [bytearray(), bytearray()]
+            place = {}
+            for c in order.tolist():
+                i, s, j, data = chunks[c]
+                b = bufs[c % 2]
+                b.extend(b"\0" * ((-len(b)) % 16 + (0 if aligned else 1 + c % 7)))
+                place[(i, s, j)] = (c % 2, len(b))
+                b.extend(data.numpy().tobytes())
+            dev_bufs = [torch.frombuffer(bytearray(b) + bytearray(16), dtype=torch.uint8).clone().to(device) for b in bufs]
+            outs = [torch.full((r.numel(),), 0x5A, dtype=torch.uint8, device=device) for r in raws]
+            dbases = [b.to(device) for b in bases]
+            table, rows, codes = [], [], []
+            for i, r in enumerate(raws):
+                n = r.numel() // w
+                rows.append((outs[i].data_ptr(), dbases[i].data_ptr() if ops[i] else 0, len(table), n, seg))
+                codes.append(tk.OPS[ops[i]])
+                for s in range(-(-n // seg)):
+                    for j in range(w):
+                        which, off = place[(i, s, j)]
+                        table.append(dev_bufs[which].data_ptr() + off)
+            tk.merge_chunks(w, torch.tensor(table, dtype=torch.int64, device=device),
+                            np.array(rows, dtype=np.int64), np.array(codes, dtype=np.int64), aligned)
+            for i, (o, r) in enumerate(zip(outs, raws)):
+                assert torch.equal(o.cpu(), r), (dt, aligned, i, sizes[i], ops[i])
+    try:
+        tk.merge_chunks(2, torch.zeros(1, dtype=torch.int64), np.array([[0, 0, 0, 10, block + 1]]), np.zeros(1, np.int64), False)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a segment that is not a whole number of blocks was accepted")
+
+
+@check
+def merge_chunks() -> None:
+    merge_chunks_vs_reference("cpu")
+
+
 def batched_kernels_vs_reference(device: str = "cpu") -> None:
     """split/merge/fold64 batched launches (table of addresses) against the reference, on ``device``."""
     from s4w_core import checksum as ck

@@ -98,3 +98,10 @@ def test_sample_entropy_on_device():
     from tests.parity._interpret_checks import sample_entropy_vs_numpy
 
     sample_entropy_vs_numpy("cuda")
+
+
+def test_merge_chunks_on_device():
+    pytest.importorskip("triton")
+    from tests.parity._interpret_checks import merge_chunks_vs_reference
+
+    merge_chunks_vs_reference("cuda")

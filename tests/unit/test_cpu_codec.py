@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,3 +279,26 @@ def test_small_work_does_not_load_numba() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@numba_only
+def test_exit_while_loading_is_clean(tmp_path: Path) -> None:
+    """A process that exits while the kernels load (a short script that saved 8 MiB) exits 0 and
+    quietly. With the loader on a daemon thread, CI once saw the interpreter abort at exit
+    ("terminate called without an active exception", LLVM still compiling); the loader is now a
+    non-daemon thread that exit joins. Cold numba cache, exits at several points of the load."""
+    import subprocess
+    import sys
+
+    for delay in (0.0, 0.4, 0.8):
+        code = (
+            "import time\n"
+            "from s4w_core.planes import _jit\n"
+            "_jit._get(nbytes=_jit.START_AFTER_BYTES)  # what the CPU path does after 8 MiB of work\n"
+            "assert _jit._started and not _jit._ready.is_set()\n"
+            f"time.sleep({delay})\n"
+        )
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / f"cache{delay}"))
+        r = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "terminate called" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
