@@ -150,25 +150,8 @@ def _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, mask, W: tl.co
 @triton.jit
 def _merge_elems(out_addr, base_addr, planes_ptr, p_off, ps, offs, mask, W: tl.constexpr, OP: tl.constexpr):
     """Element-wise merge of the elements at ``offs`` (any alignment)."""
-    p = planes_ptr + p_off + offs
-    if W == 2:
-        p0 = tl.load(p, mask=mask, other=0).to(tl.int32) & 0xFF
-        p1 = tl.load(p + ps, mask=mask, other=0).to(tl.int32) & 0xFF
-        v = p0
-        if OP != 0:
-            v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        x = _inv16((p0 << 8) | p1, v, OP)
-        tl.store(out_addr.to(tl.pointer_type(tl.int16)) + offs, x.to(tl.int16), mask=mask)
-    else:
-        p0 = tl.load(p, mask=mask, other=0).to(tl.int64) & 0xFF
-        p1 = tl.load(p + ps, mask=mask, other=0).to(tl.int64) & 0xFF
-        p2 = tl.load(p + 2 * ps, mask=mask, other=0).to(tl.int64) & 0xFF
-        p3 = tl.load(p + 3 * ps, mask=mask, other=0).to(tl.int64) & 0xFF
-        v = p0
-        if OP != 0:
-            v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-        x = _inv32((p0 << 24) | (p1 << 16) | (p2 << 8) | p3, v, OP)
-        tl.store(out_addr.to(tl.pointer_type(tl.int32)) + offs, x.to(tl.int32), mask=mask)
+    p = planes_ptr + p_off
+    _merge_elems_at(out_addr, base_addr, p, p + ps, p + 2 * ps, p + 3 * ps, offs, mask, W, OP)
 
 
 @triton.jit
@@ -236,6 +219,37 @@ def _split_kernel(items_ptr, map_ptr, out_ptr, W: tl.constexpr, OP: tl.constexpr
 
 
 @triton.jit
+def _merge_quads(a, b, c, d, out_addr, base_addr, q, m, W: tl.constexpr, OP: tl.constexpr):
+    """The merge's vector step: ``a``..``d`` are the planes' int32 words (as int64) holding quads
+    ``q`` (``c``/``d`` unused for W=2); rebuild the elements, undo the delta op against the base,
+    store them as 64-bit words."""
+    op = tl.multiple_of(out_addr.to(tl.pointer_type(tl.int64)), 16)
+    if W == 2:
+        r0 = ((_byte(a, 0) << 8) | _byte(b, 0)).to(tl.int32)
+        r1 = ((_byte(a, 8) << 8) | _byte(b, 8)).to(tl.int32)
+        r2 = ((_byte(a, 16) << 8) | _byte(b, 16)).to(tl.int32)
+        r3 = ((_byte(a, 24) << 8) | _byte(b, 24)).to(tl.int32)
+    else:
+        r0 = (_byte(a, 0) << 24) | (_byte(b, 0) << 16) | (_byte(c, 0) << 8) | _byte(d, 0)
+        r1 = (_byte(a, 8) << 24) | (_byte(b, 8) << 16) | (_byte(c, 8) << 8) | _byte(d, 8)
+        r2 = (_byte(a, 16) << 24) | (_byte(b, 16) << 16) | (_byte(c, 16) << 8) | _byte(d, 16)
+        r3 = (_byte(a, 24) << 24) | (_byte(b, 24) << 16) | (_byte(c, 24) << 8) | _byte(d, 24)
+    v0, v1, v2, v3 = r0, r1, r2, r3
+    if OP != 0:
+        bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
+        v0, v1, v2, v3 = _lanes(bp, q, m, W)
+    if W == 2:
+        x = (_inv16(r0, v0, OP).to(tl.int64) | (_inv16(r1, v1, OP).to(tl.int64) << 16)
+             | (_inv16(r2, v2, OP).to(tl.int64) << 32) | (_inv16(r3, v3, OP).to(tl.int64) << 48))
+        tl.store(op + q, x, mask=m)
+    else:
+        xa = _inv32(r0, v0, OP) | (_inv32(r1, v1, OP) << 32)
+        xb = _inv32(r2, v2, OP) | (_inv32(r3, v3, OP) << 32)
+        tl.store(op + 2 * q, xa, mask=m)
+        tl.store(op + 2 * q + 1, xb, mask=m)
+
+
+@triton.jit
 def _merge_kernel(items_ptr, map_ptr, planes_ptr, W: tl.constexpr, OP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     row, start = _item_of(items_ptr, map_ptr, tl.program_id(0), BLOCK)
     out_addr = tl.load(row)
@@ -250,36 +264,14 @@ def _merge_kernel(items_ptr, map_ptr, planes_ptr, W: tl.constexpr, OP: tl.conste
         m = q < n // 4
         p = (planes_ptr + p_off).to(tl.pointer_type(tl.int32)) + q
         ps4 = ps // 4
-        op = tl.multiple_of(out_addr.to(tl.pointer_type(tl.int64)), 16)
-        if W == 2:
-            a = tl.load(p, mask=m, other=0).to(tl.int64)
-            b = tl.load(p + ps4, mask=m, other=0).to(tl.int64)
-            r0 = ((_byte(a, 0) << 8) | _byte(b, 0)).to(tl.int32)
-            r1 = ((_byte(a, 8) << 8) | _byte(b, 8)).to(tl.int32)
-            r2 = ((_byte(a, 16) << 8) | _byte(b, 16)).to(tl.int32)
-            r3 = ((_byte(a, 24) << 8) | _byte(b, 24)).to(tl.int32)
-        else:
-            a = tl.load(p, mask=m, other=0).to(tl.int64)
-            b = tl.load(p + ps4, mask=m, other=0).to(tl.int64)
+        a = tl.load(p, mask=m, other=0).to(tl.int64)
+        b = tl.load(p + ps4, mask=m, other=0).to(tl.int64)
+        c = a
+        d = a
+        if W == 4:
             c = tl.load(p + 2 * ps4, mask=m, other=0).to(tl.int64)
             d = tl.load(p + 3 * ps4, mask=m, other=0).to(tl.int64)
-            r0 = (_byte(a, 0) << 24) | (_byte(b, 0) << 16) | (_byte(c, 0) << 8) | _byte(d, 0)
-            r1 = (_byte(a, 8) << 24) | (_byte(b, 8) << 16) | (_byte(c, 8) << 8) | _byte(d, 8)
-            r2 = (_byte(a, 16) << 24) | (_byte(b, 16) << 16) | (_byte(c, 16) << 8) | _byte(d, 16)
-            r3 = (_byte(a, 24) << 24) | (_byte(b, 24) << 16) | (_byte(c, 24) << 8) | _byte(d, 24)
-        v0, v1, v2, v3 = r0, r1, r2, r3
-        if OP != 0:
-            bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
-            v0, v1, v2, v3 = _lanes(bp, q, m, W)
-        if W == 2:
-            x = (_inv16(r0, v0, OP).to(tl.int64) | (_inv16(r1, v1, OP).to(tl.int64) << 16)
-                 | (_inv16(r2, v2, OP).to(tl.int64) << 32) | (_inv16(r3, v3, OP).to(tl.int64) << 48))
-            tl.store(op + q, x, mask=m)
-        else:
-            xa = _inv32(r0, v0, OP) | (_inv32(r1, v1, OP) << 32)
-            xb = _inv32(r2, v2, OP) | (_inv32(r3, v3, OP) << 32)
-            tl.store(op + 2 * q, xa, mask=m)
-            tl.store(op + 2 * q + 1, xb, mask=m)
+        _merge_quads(a, b, c, d, out_addr, base_addr, q, m, W, OP)
         if start + BLOCK >= n:
             e = (n // 4) * 4 + tl.arange(0, 4)
             _merge_elems(out_addr, base_addr, planes_ptr, p_off, ps, e, e < n, W, OP)
@@ -289,22 +281,22 @@ def _merge_kernel(items_ptr, map_ptr, planes_ptr, W: tl.constexpr, OP: tl.conste
 
 
 @triton.jit
-def _merge_elems_at(out_addr, base_addr, a0, a1, a2, a3, offs, mask, W: tl.constexpr, OP: tl.constexpr):
-    """:func:`_merge_elems` with one address per plane: plane ``j``'s byte of element ``i`` is at
-    ``aj + i`` (int64 addresses; ``a2``/``a3`` unused for W=2)."""
+def _merge_elems_at(out_addr, base_addr, q0, q1, q2, q3, offs, mask, W: tl.constexpr, OP: tl.constexpr):
+    """Element-wise merge of the elements at ``offs`` (any alignment): plane ``j``'s byte of element
+    ``i`` is at ``qj + i`` (uint8 pointers; ``q2``/``q3`` unused for W=2)."""
     if W == 2:
-        p0 = tl.load(a0.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int32) & 0xFF
-        p1 = tl.load(a1.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int32) & 0xFF
+        p0 = tl.load(q0 + offs, mask=mask, other=0).to(tl.int32) & 0xFF
+        p1 = tl.load(q1 + offs, mask=mask, other=0).to(tl.int32) & 0xFF
         v = p0
         if OP != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
         x = _inv16((p0 << 8) | p1, v, OP)
         tl.store(out_addr.to(tl.pointer_type(tl.int16)) + offs, x.to(tl.int16), mask=mask)
     else:
-        p0 = tl.load(a0.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
-        p1 = tl.load(a1.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
-        p2 = tl.load(a2.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
-        p3 = tl.load(a3.to(tl.pointer_type(tl.uint8)) + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        p0 = tl.load(q0 + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        p1 = tl.load(q1 + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        p2 = tl.load(q2 + offs, mask=mask, other=0).to(tl.int64) & 0xFF
+        p3 = tl.load(q3 + offs, mask=mask, other=0).to(tl.int64) & 0xFF
         v = p0
         if OP != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
@@ -338,47 +330,23 @@ def _merge_chunks_kernel(items_ptr, map_ptr, chunks_ptr, W: tl.constexpr, OP: tl
     if ALIGNED:
         q = start // 4 + tl.arange(0, BLOCK // 4)
         m = q < n // 4
-        op = tl.multiple_of(out_addr.to(tl.pointer_type(tl.int64)), 16)
         # each plane's bytes of this block as int32 words (the block starts 16-byte aligned in its chunk)
-        l0 = tl.multiple_of((a0 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
-        l1 = tl.multiple_of((a1 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
-        if W == 2:
-            a = tl.load(l0, mask=m, other=0).to(tl.int64)
-            b = tl.load(l1, mask=m, other=0).to(tl.int64)
-            r0 = ((_byte(a, 0) << 8) | _byte(b, 0)).to(tl.int32)
-            r1 = ((_byte(a, 8) << 8) | _byte(b, 8)).to(tl.int32)
-            r2 = ((_byte(a, 16) << 8) | _byte(b, 16)).to(tl.int32)
-            r3 = ((_byte(a, 24) << 8) | _byte(b, 24)).to(tl.int32)
-        else:
-            l2 = tl.multiple_of((a2 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
-            l3 = tl.multiple_of((a3 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4)
-            a = tl.load(l0, mask=m, other=0).to(tl.int64)
-            b = tl.load(l1, mask=m, other=0).to(tl.int64)
-            c = tl.load(l2, mask=m, other=0).to(tl.int64)
-            d = tl.load(l3, mask=m, other=0).to(tl.int64)
-            r0 = (_byte(a, 0) << 24) | (_byte(b, 0) << 16) | (_byte(c, 0) << 8) | _byte(d, 0)
-            r1 = (_byte(a, 8) << 24) | (_byte(b, 8) << 16) | (_byte(c, 8) << 8) | _byte(d, 8)
-            r2 = (_byte(a, 16) << 24) | (_byte(b, 16) << 16) | (_byte(c, 16) << 8) | _byte(d, 16)
-            r3 = (_byte(a, 24) << 24) | (_byte(b, 24) << 16) | (_byte(c, 24) << 8) | _byte(d, 24)
-        v0, v1, v2, v3 = r0, r1, r2, r3
-        if OP != 0:
-            bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
-            v0, v1, v2, v3 = _lanes(bp, q, m, W)
-        if W == 2:
-            x = (_inv16(r0, v0, OP).to(tl.int64) | (_inv16(r1, v1, OP).to(tl.int64) << 16)
-                 | (_inv16(r2, v2, OP).to(tl.int64) << 32) | (_inv16(r3, v3, OP).to(tl.int64) << 48))
-            tl.store(op + q, x, mask=m)
-        else:
-            xa = _inv32(r0, v0, OP) | (_inv32(r1, v1, OP) << 32)
-            xb = _inv32(r2, v2, OP) | (_inv32(r3, v3, OP) << 32)
-            tl.store(op + 2 * q, xa, mask=m)
-            tl.store(op + 2 * q + 1, xb, mask=m)
+        a = tl.load(tl.multiple_of((a0 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4), mask=m, other=0)
+        b = tl.load(tl.multiple_of((a1 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4), mask=m, other=0)
+        c = a
+        d = a
+        if W == 4:
+            c = tl.load(tl.multiple_of((a2 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4), mask=m, other=0)
+            d = tl.load(tl.multiple_of((a3 + start).to(tl.pointer_type(tl.int32)), 16) + (q - start // 4), mask=m, other=0)
+        _merge_quads(a.to(tl.int64), b.to(tl.int64), c.to(tl.int64), d.to(tl.int64), out_addr, base_addr, q, m, W, OP)
         if start + BLOCK >= n:
             e = (n // 4) * 4 + tl.arange(0, 4)
-            _merge_elems_at(out_addr, base_addr, a0, a1, a2, a3, e, e < n, W, OP)
+            _merge_elems_at(out_addr, base_addr, a0.to(tl.pointer_type(tl.uint8)), a1.to(tl.pointer_type(tl.uint8)),
+                            a2.to(tl.pointer_type(tl.uint8)), a3.to(tl.pointer_type(tl.uint8)), e, e < n, W, OP)
     else:
         offs = start + tl.arange(0, BLOCK)
-        _merge_elems_at(out_addr, base_addr, a0, a1, a2, a3, offs, offs < n, W, OP)
+        _merge_elems_at(out_addr, base_addr, a0.to(tl.pointer_type(tl.uint8)), a1.to(tl.pointer_type(tl.uint8)),
+                        a2.to(tl.pointer_type(tl.uint8)), a3.to(tl.pointer_type(tl.uint8)), offs, offs < n, W, OP)
 
 
 def merge_chunks(w: int, chunks: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: bool) -> None:
