@@ -439,7 +439,7 @@ def _build_tensors(m: dict[str, Any], raws: list[torch.Tensor]) -> list[torch.Te
     for i, t in enumerate(m["tensors"]):
         raw = raws[t["storage"]]
         dt = engine.dtype_from_name(t["dtype"])
-        item = torch.empty((), dtype=dt).element_size()
+        item = dt.itemsize
         if t["_extent"] * item > raw.numel():
             raise ManifestError(f"manifest: tensor {i} ({t['path']!r}) reaches past the end of its storage")
         x = torch.empty(0, dtype=dt, device=raw.device).set_(raw.untyped_storage(), t["offset"], t["shape"], t["stride"])

@@ -8,6 +8,7 @@ with the codec that measured best for it (never larger than raw: raw is always a
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,10 +58,20 @@ def dtype_name(dt: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype named ``name`` (as written by :func:`dtype_name`); ManifestError otherwise."""
+    """The torch dtype named ``name`` (as written by :func:`dtype_name`); ManifestError otherwise.
+    Cached per name (a load asks once per tensor); an unknown name raises every time."""
     from s4w_core.errors import ManifestError
 
-    ok = isinstance(name, str) and not name.startswith(("_", "q"))  # no quantized dtypes (qint8, ...)
+    if not isinstance(name, str):
+        raise ManifestError(f"manifest names unknown dtype {name!r}")
+    return _dtype_from_str(name)
+
+
+@functools.cache
+def _dtype_from_str(name: str) -> torch.dtype:
+    from s4w_core.errors import ManifestError
+
+    ok = not name.startswith(("_", "q"))  # no quantized dtypes (qint8, ...)
     dt = getattr(torch, name, None) if ok else None
     if not isinstance(dt, torch.dtype):
         raise ManifestError(f"manifest names unknown dtype {name!r}")

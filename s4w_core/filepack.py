@@ -74,7 +74,7 @@ _STORAGE_DTYPES: dict[str, torch.dtype] = {
 
 
 def _typed(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     if nbytes % item or offset % item:
@@ -224,7 +224,7 @@ def _zip_regions(buf: bytearray) -> list[tuple[int, int, str, torch.dtype]] | No
         if b > len(buf):
             return None
         dt, numel = types.get(key, (torch.uint8, i.file_size))
-        if numel * torch.empty((), dtype=dt).element_size() != i.file_size:
+        if numel * dt.itemsize != i.file_size:
             dt = torch.uint8
         out.append((a, b, key, dt))
     return out

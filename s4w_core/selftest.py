@@ -52,7 +52,7 @@ def _signed(vals: list[int], bits: int) -> list[int]:
 
 
 def _random_bits(dtype: torch.dtype, n: int, g: torch.Generator) -> torch.Tensor:
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     raw = torch.randint(0, 256, (n * item,), dtype=torch.uint8, generator=g)
     if dtype == torch.bool:
         raw &= 1
