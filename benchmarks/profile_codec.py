@@ -93,7 +93,27 @@ def kernels(fn: Callable[[], Any], dev: torch.device, top: int = 12) -> dict[str
     }
 
 
-def run_s4w(tl: list[torch.Tensor], seg: int, repeats: int, dev: torch.device) -> dict[str, Any]:
+def host_profile(fn: Callable[[], Any], dev: torch.device, top: int = 15) -> str:
+    """cProfile of 10 calls (each synchronized), by time spent in each function itself: which
+    Python work the codec's host time goes to."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(10):
+        fn()
+        torch.cuda.synchronize(dev)
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def run_s4w(
+    tl: list[torch.Tensor], seg: int, repeats: int, dev: torch.device, cprofile: bool = False
+) -> dict[str, Any]:
     base = _encode.PROFILES["fast"]
     _encode.PROFILES["fast"] = dataclasses.replace(base, segment_elems=seg)
     try:
@@ -135,6 +155,7 @@ def run_s4w(tl: list[torch.Tensor], seg: int, repeats: int, dev: torch.device) -
             "dec_marks_ms": marks(decode),
             "enc_kernels": kernels(encode, dev),
             "dec_kernels": kernels(decode, dev),
+            **({"enc_cprofile": host_profile(encode, dev), "dec_cprofile": host_profile(decode, dev)} if cprofile else {}),
         }
     finally:
         _encode.PROFILES["fast"] = base
@@ -148,8 +169,8 @@ def nvcomp_host_cost(enc: Any, dev: torch.device) -> dict[str, float]:
     from s4w_core.gpu import _nvcomp
 
     coded = [i for i, c in enumerate(enc.codec_ids) if c != "raw"]
-    offs = [enc.out_off[i] for i in coded]
-    lens = [enc.out_len[i] for i in coded]
+    offs = enc.out_off[coded].tolist()
+    lens = enc.out_len[coded].tolist()
     s = _nvcomp.stream_for(dev).cuda_stream
     t0 = time.perf_counter()
     for _ in range(5):
@@ -200,6 +221,7 @@ def main() -> int:
     ap.add_argument("--variants", default="bf16")
     ap.add_argument("--segments", default="524288")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--cprofile", action="store_true", help="also print a cProfile of the host work per direction")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -215,7 +237,7 @@ def main() -> int:
         v: dict[str, Any] = {"tensors": len(tl), "raw_bytes": raw, "ans_alone": run_ans(tl, a.repeats, dev), "s4w": []}
         print(f"[{variant}] {len(tl)} tensors, {raw / GB:.3f} GB; ANS alone {json.dumps(v['ans_alone'])}", flush=True)
         for seg in (int(x) for x in a.segments.split(",")):
-            r = run_s4w(tl, seg, a.repeats, dev)
+            r = run_s4w(tl, seg, a.repeats, dev, a.cprofile)
             v["s4w"].append(r)
             print(f"[{variant}] seg {seg}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s dec {r['dec_GBps']:.1f} GB/s "
                   f"exact {r['bit_exact']} (dec with raw chunks placed first: {r['dec_ms_raw_placed_first']} ms "
@@ -226,6 +248,8 @@ def main() -> int:
                 print(f"   {d}: wall {k['wall_ms_profiled']} ms, GPU sum {k['gpu_ms_sum']} ms", flush=True)
                 for row in k["top"]:
                     print(f"      {row['ms']:8.3f} ms {row['calls']:5d}x {row['kernel']}", flush=True)
+                if a.cprofile:
+                    print(r[f"{d}_cprofile"], flush=True)
         res["variants"][variant] = v
         del tr, tl
         torch.cuda.empty_cache()

@@ -328,8 +328,10 @@ def decode_device(
     _mark("start", dev)
     k_n = len(entries)
     meta = np.array(
-        [(e["_width"], e["nbytes"], e["transform"] == _ROTL1, e["segment_elems"]) for e in entries], dtype=np.int64
-    ).reshape(k_n, 4)
+        [(e["_width"], e["nbytes"], e["transform"] == _ROTL1, e["segment_elems"], e["checksum"].startswith("fold64:"))
+         for e in entries],
+        dtype=np.int64,
+    ).reshape(k_n, 5)
     width, rot, seg = meta[:, 0], meta[:, 2].astype(bool), meta[:, 3]
     n_el = meta[:, 1] // width
     ps = (n_el + _A - 1) // _A * _A
@@ -401,7 +403,7 @@ def decode_device(
         else:
             torch.bitwise_xor(src, base, out=outs[i])
     _mark("merge", dev)
-    fold = np.fromiter((e["checksum"].startswith("fold64:") for e in entries), dtype=bool, count=k_n)
+    fold = meta[:, 4].astype(bool)
     acc = torch.zeros(max(1, k_n), dtype=torch.int64, device=dev)
     if fold.any():
         idx = np.nonzero(fold)[0]
@@ -471,7 +473,7 @@ def _gpu_decode(
         return lambda: None
     c = _nvcomp.codec(algorithm, dev, _round(int(raw.max()), 1 << 16), **opts)
     try:
-        got = _nvcomp.decode_batch(c, src, src_off.tolist(), lengths.tolist(), dst, dst_off.tolist(), raw.tolist())
+        got = _nvcomp.decode_batch(c, src, src_off, lengths, dst, dst_off, raw)
     except (RuntimeError, ValueError) as e:
         raise DecodeError(f"{name}: nvCOMP {algorithm} failed to decode a chunk whose checksum matched: {e}") from e
 

@@ -185,7 +185,7 @@ class _Writer:
         self.pool.shutdown(wait=True)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Piece:
     ji: int  # job index in the sink
     raw: torch.Tensor  # the whole storage on the device, contiguous (its bytes, or the tensor itself)
@@ -404,18 +404,30 @@ def encode_storages(
 
 @dataclass
 class _Encoded:
-    """A batch coded on the device: chosen chunk bytes back to back (16-byte aligned) in ``compact``."""
+    """A batch coded on the device: chosen chunk bytes back to back (16-byte aligned) in ``compact``.
+    Per chunk, as numpy arrays: offset and length in ``compact``, coded or raw, owner (sink job,
+    chunk index)."""
 
     compact: torch.Tensor
-    out_off: list[int]
-    out_len: list[int]
-    codec_ids: list[str]
-    owner: list[tuple[int, int]]  # (sink job index, chunk index) per chunk
+    out_off: np.ndarray
+    out_len: np.ndarray
+    coded: np.ndarray  # bool: coded with ``codec_id``, else stored raw
+    codec_id: str
+    owner_ji: np.ndarray
+    owner_ci: np.ndarray
     raw_bytes: int
 
     @property
     def stored_bytes(self) -> int:
-        return sum(self.out_len)
+        return int(self.out_len.sum())
+
+    @property
+    def codec_ids(self) -> list[str]:
+        return np.where(self.coded, self.codec_id, RAW.id).tolist()
+
+    @property
+    def owner(self) -> list[tuple[int, int]]:
+        return list(zip(self.owner_ji.tolist(), self.owner_ci.tolist()))
 
 
 def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, io: _Writer) -> None:
@@ -425,10 +437,8 @@ def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, io: _Writer) -> 
     host.copy_(r.compact, non_blocking=True)
     _nvcomp.synchronize(dev)
     mv = memoryview(host.numpy())
-    io.submit(
-        [(ji, ci, r.codec_ids[i], mv[r.out_off[i] : r.out_off[i] + r.out_len[i]]) for i, (ji, ci) in enumerate(r.owner)],
-        keep=host,
-    )
+    ids, off, ln = r.codec_ids, r.out_off.tolist(), r.out_len.tolist()
+    io.submit([(ji, ci, ids[i], mv[off[i] : off[i] + ln[i]]) for i, (ji, ci) in enumerate(r.owner)], keep=host)
 
 
 def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") -> _Encoded:
@@ -583,7 +593,7 @@ def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _En
         comp = torch.empty(cap * len(idx), dtype=torch.uint8, device=dev)
         comp_off[idx] = np.arange(len(idx), dtype=np.int64) * cap
         sizes[idx] = _nvcomp.encode_batch(
-            c, planes, src_off[idx].tolist(), lengths[idx].tolist(), comp, comp_off[idx].tolist(), [cap] * len(idx)
+            c, planes, src_off[idx], lengths[idx], comp, comp_off[idx], np.full(len(idx), cap, dtype=np.int64)
         )
     _mark("nvcomp_encode+sizes", dev)
     # 3. choose per chunk: coded only if smaller (first plane) or MIN_GAIN smaller (other planes)
@@ -598,6 +608,4 @@ def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _En
     gather_copy(planes, compact, src_off[raw_m], out_off[raw_m], lengths[raw_m], pad_ok=True)
     gather_copy(comp, compact, comp_off[coded], out_off[coded], sizes[coded], pad_ok=True)
     _mark("choose+compact", dev)
-    codec_ids = np.where(coded, prof.codec_id, RAW.id).tolist()
-    owner = list(zip(owner_ji.tolist(), owner_ci.tolist()))
-    return _Encoded(compact, out_off.tolist(), out_len.tolist(), codec_ids, owner, batch.nbytes)
+    return _Encoded(compact, out_off, out_len, coded, prof.codec_id, owner_ji, owner_ci, batch.nbytes)

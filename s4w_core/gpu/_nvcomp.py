@@ -13,7 +13,7 @@ import contextlib
 import ctypes
 import os
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -343,22 +343,23 @@ def max_compressed(c: Any, raw_len: int, device: torch.device) -> int:
 def encode_batch(
     c: Any,
     src: torch.Tensor,
-    src_off: list[int],
-    lengths: list[int],
+    src_off: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
     dst: torch.Tensor,
-    dst_off: list[int],
-    capacity: list[int],
+    dst_off: Sequence[int] | np.ndarray,
+    capacity: Sequence[int] | np.ndarray,
 ) -> list[int]:
     """Compress ``src[src_off[i]:+lengths[i]]`` into ``dst[dst_off[i]:+capacity[i]]``, one call.
 
-    Returns the compressed sizes (reading them back synchronizes our stream once).
+    Offsets and lengths: sequences or int64 numpy arrays. Returns the compressed sizes (reading
+    them back synchronizes our stream once).
     """
     if isinstance(c, _AnsC):
         return list(c.encode(src, np.asarray(src_off, np.int64), np.asarray(lengths, np.int64), dst,
                              np.asarray(dst_off, np.int64)))
     sp = stream_for(src.device).cuda_stream
-    srcs = _nv().as_arrays(src, src_off, lengths, sp)
-    outs = _nv().as_arrays(dst, dst_off, capacity, sp)
+    srcs = _nv().as_arrays(src, _ints(src_off), _ints(lengths), sp)
+    outs = _nv().as_arrays(dst, _ints(dst_off), _ints(capacity), sp)
     res = c.encode(srcs, out=outs)
     return [int(x) for x in res.buffer_sizes]
 
@@ -366,11 +367,11 @@ def encode_batch(
 def decode_batch(
     c: Any,
     src: torch.Tensor,
-    src_off: list[int],
-    lengths: list[int],
+    src_off: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
     dst: torch.Tensor,
-    dst_off: list[int],
-    raw_lengths: list[int],
+    dst_off: Sequence[int] | np.ndarray,
+    raw_lengths: Sequence[int] | np.ndarray,
 ) -> Iterable[int]:
     """Decompress chunks of ``src`` into ``dst[dst_off[i]:+raw_lengths[i]]``, one call, enqueued.
 
@@ -382,9 +383,14 @@ def decode_batch(
         return c.decode(src, np.asarray(src_off, np.int64), np.asarray(lengths, np.int64), dst,
                         np.asarray(dst_off, np.int64), np.asarray(raw_lengths, np.int64))
     sp = stream_for(src.device).cuda_stream
-    srcs = _nv().as_arrays(src, src_off, lengths, sp)
-    outs = _nv().as_arrays(dst, dst_off, raw_lengths, sp)
+    srcs = _nv().as_arrays(src, _ints(src_off), _ints(lengths), sp)
+    outs = _nv().as_arrays(dst, _ints(dst_off), _ints(raw_lengths), sp)
     return _DecodedSizes(c.decode(srcs, out=outs))
+
+
+def _ints(x: Sequence[int] | np.ndarray) -> list[int]:
+    """Python ints for nvCOMP's Python API."""
+    return x.tolist() if isinstance(x, np.ndarray) else [int(v) for v in x]
 
 
 class _DecodedSizes:
