@@ -41,7 +41,7 @@ from s4w_core.format.container import ContainerReader
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._encode import TRACE_MARKS, _mark
 from s4w_core.gpu.kernels import fold64_finish, fold64_rows, gather_copy
-from s4w_core.planes.triton_kernels import MERGE, OPS, launch_rows, merge_block, merge_chunks
+from s4w_core.planes.triton_kernels import MERGE, OPS, launch_rows, merge_block, merge_chunks, upload
 
 __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
@@ -445,9 +445,7 @@ def _merge_in_place(
         raise DecodeError(f"{name}: the chunk table does not cover every segment and plane exactly once")
     addr = np.zeros(total, dtype=np.int64)
     addr[idx] = np.where(cp[mine], staged.data_ptr() + st.slot[mine], planes.data_ptr() + dst[mine])
-    chunks = torch.from_numpy(addr)
-    if planes.device.type == "cuda":
-        chunks = chunks.pin_memory().to(planes.device, non_blocking=True)
+    chunks = upload(addr, planes.device)
     aligned = not ((addr % 16).any() or (out_addr[rot] % 16).any() or (base_addr[rot] % 16).any())
     rows = np.column_stack([out_addr, base_addr, first, n_el, seg])
     for w_ in np.unique(width[rot]).tolist():

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from s4w_core.planes.triton_kernels import item_table, upload
+
 __all__ = ["gather_copy", "fold64_into", "fold64_finish", "fold64", "fold64_batched", "fold64_rows", "sample_entropy"]
 
 _COPY_BLOCK = 8192
@@ -107,9 +109,7 @@ def gather_copy(
     else:
         table_np = np.stack([so, do, ln])
         block = _COPY_BLOCK
-    table = torch.from_numpy(table_np)
-    if src.device.type == "cuda":
-        table = table.pin_memory().to(src.device, non_blocking=True)
+    table = upload(table_np, src.device)
     longest = max(int(ln.max()), 1)
     if words:
         grid = (len(ln), triton.cdiv(longest, 8 * block * iters))
@@ -203,15 +203,9 @@ def fold64_rows(addr: np.ndarray, nbytes: np.ndarray, slot: np.ndarray, acc: tor
         if not sel.any():
             continue
         n = nbytes[sel]
-        nb = -(-((n + 3) // 4) // _FOLD_BLOCK)
-        first = np.cumsum(nb) - nb
-        total = int(nb.sum())
-        k = int(sel.sum())
-        both = torch.from_numpy(np.concatenate([np.column_stack([addr[sel], n, slot[sel], first]).reshape(-1), nb]))
-        if acc.device.type == "cuda":
-            both = both.pin_memory().to(acc.device, non_blocking=True)
-        table, nbs = both[: 4 * k], both[4 * k :]
-        prog_map = torch.repeat_interleave(torch.arange(k, dtype=torch.int32, device=acc.device), nbs, output_size=total)
+        table, prog_map, total = item_table(
+            np.column_stack([addr[sel], n, slot[sel]]), -(-((n + 3) // 4) // _FOLD_BLOCK), acc.device
+        )
         _fold64_batched_kernel[(total,)](table, prog_map, acc, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
 
 
@@ -237,8 +231,5 @@ def sample_entropy(buf: torch.Tensor, starts: np.ndarray, run: int) -> torch.Ten
         return out
     if int(starts.min()) < 0 or int(starts.max()) + run > buf.numel():
         raise ValueError("sample_entropy: a run lies outside the buffer")
-    table = torch.from_numpy(np.ascontiguousarray(starts, dtype=np.int64).reshape(-1))
-    if buf.device.type == "cuda":
-        table = table.pin_memory().to(buf.device, non_blocking=True)
-    _sample_entropy_kernel[(k,)](buf, table, out, RUNS=runs, RUN=run, num_warps=4)
+    _sample_entropy_kernel[(k,)](buf, upload(starts.reshape(-1), buf.device), out, RUNS=runs, RUN=run, num_warps=4)
     return out

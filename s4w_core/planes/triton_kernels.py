@@ -25,6 +25,7 @@ GPU and the interpreter.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,8 @@ __all__ = [
     "OPS",
     "block_config",
     "launch_rows",
+    "upload",
+    "item_table",
     "merge_chunks",
     "merge_block",
     "SPLIT",
@@ -349,6 +352,41 @@ def _merge_chunks_kernel(items_ptr, map_ptr, chunks_ptr, W: tl.constexpr, OP: tl
                         a2.to(tl.pointer_type(tl.uint8)), a3.to(tl.pointer_type(tl.uint8)), offs, offs < n, W, OP)
 
 
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 host table on ``device``: one non-blocking copy through pinned memory (a view of
+    the array itself on the CPU, where the interpreter runs the kernels)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def item_table(rows: np.ndarray, programs: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The tables of a batched launch, on ``device`` in one upload: ``rows`` (int64, one row per
+    item) with each item's first program appended as its last column, and the program-to-item map
+    (built on the device, so no host work grows with the programs). Returns ``(table, map, programs)``."""
+    first = np.cumsum(programs) - programs
+    total = int(programs.sum())
+    k, cols = len(rows), rows.shape[1] + 1
+    both = upload(np.concatenate([np.column_stack([rows, first]).reshape(-1), programs]), device)
+    prog_map = torch.repeat_interleave(
+        torch.arange(k, dtype=torch.int32, device=device), both[cols * k :], output_size=total
+    )
+    return both[: cols * k], prog_map, total
+
+
+def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: Any) -> None:
+    """One launch of ``kernel(table, map, arg, ...)`` per delta op in ``ops`` over the items
+    ``rows`` (element count in column 3); ``aligned(rows)``: whether they may take the vector path."""
+    block, warps = block_config()
+    for code in np.unique(ops).tolist():
+        r = rows[ops == code]
+        table, prog_map, total = item_table(r, -(-r[:, 3] // block), arg.device)
+        kernel[(total,)](table, prog_map, arg, W=w, OP=int(code), ALIGNED=aligned(r), BLOCK=block, num_warps=warps)
+
+
+def _wide() -> bool:
+    return os.environ.get("S4W_PLANES_WIDE", "1") != "0"
+
+
 def merge_chunks(w: int, chunks: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: bool) -> None:
     """Merge planes read in place from their chunks (no placement copy), one launch per delta op.
 
@@ -360,29 +398,14 @@ def merge_chunks(w: int, chunks: torch.Tensor, rows: np.ndarray, ops: np.ndarray
     chunks hold ``min(seg, n - s * seg)`` bytes each."""
     if w not in (2, 4):
         raise ValueError(f"element width must be 2 or 4, got {w}")
-    block, warps = block_config()
     live = rows[:, 3] > 0
     rows, ops = rows[live], ops[live]
     if not len(rows):
         return
-    if (rows[:, 4] % block).any():
+    if (rows[:, 4] % merge_block()).any():
         raise ValueError("merge_chunks: the segment length must be a multiple of the block")
-    for code in np.unique(ops).tolist():
-        r = rows[ops == code]
-        nb = -(-r[:, 3] // block)
-        first = np.cumsum(nb) - nb
-        total = int(nb.sum())
-        both = torch.from_numpy(np.concatenate([np.column_stack([r, first]).reshape(-1), nb]))
-        if chunks.device.type == "cuda":
-            both = both.pin_memory().to(chunks.device, non_blocking=True)
-        table, counts = both[: 6 * len(r)], both[6 * len(r) :]
-        prog_map = torch.repeat_interleave(
-            torch.arange(len(r), dtype=torch.int32, device=chunks.device), counts, output_size=total
-        )
-        _merge_chunks_kernel[(total,)](
-            table, prog_map, chunks, W=w, OP=int(code), ALIGNED=aligned and os.environ.get("S4W_PLANES_WIDE", "1") != "0",
-            BLOCK=block, num_warps=warps,
-        )
+    wide = aligned and _wide()
+    _launch_by_op(_merge_chunks_kernel, w, chunks, rows, ops, lambda r: wide)
 
 
 def merge_block() -> int:
@@ -447,24 +470,8 @@ def launch_rows(kernel: object, w: int, buf: torch.Tensor, rows: np.ndarray, ops
     off, n, ps = rows[:, 2], rows[:, 3], rows[:, 4]
     if (ps < n).any() or (off < 0).any() or int((off + (w - 1) * ps + n).max()) > buf.numel():
         raise ValueError("launch_rows: an item does not fit its planes buffer")
-    block, warps = block_config()
-    wide = os.environ.get("S4W_PLANES_WIDE", "1") != "0" and buf.data_ptr() % 16 == 0
-    for code in np.unique(ops).tolist():
-        r = rows[ops == code]
-        nb = -(-r[:, 3] // block)
-        first = np.cumsum(nb) - nb
-        total = int(nb.sum())
-        aligned = wide and not ((r[:, 0] | r[:, 1] | r[:, 2] | r[:, 4]) % 16).any()
-        both = torch.from_numpy(np.concatenate([np.column_stack([r, first]).reshape(-1), nb]))
-        if buf.device.type == "cuda":
-            both = both.pin_memory().to(buf.device, non_blocking=True)
-        table, counts = both[: 6 * len(r)], both[6 * len(r) :]
-        prog_map = torch.repeat_interleave(
-            torch.arange(len(r), dtype=torch.int32, device=buf.device), counts, output_size=total
-        )
-        kernel[(total,)](  # type: ignore[index]
-            table, prog_map, buf, W=w, OP=int(code), ALIGNED=aligned, BLOCK=block, num_warps=warps
-        )
+    wide = _wide() and buf.data_ptr() % 16 == 0
+    _launch_by_op(kernel, w, buf, rows, ops, lambda r: wide and not ((r[:, 0] | r[:, 1] | r[:, 2] | r[:, 4]) % 16).any())
 
 
 #: the kernels :func:`launch_rows` takes
