@@ -446,6 +446,7 @@ def _s4w_decode_plan(enc: Any, tensors: list[torch.Tensor], profile: str = "fast
             raise RuntimeError(f"unexpected codec {cid!r} in the fast profile")
         kinds.append("ans" if cid == NVCOMP_ANS.id else "copy")
     st = _decode.Staged(host=None, slot=list(enc.out_off), kinds=kinds, stored=list(enc.out_len), recs=recs)
+    st.plan_for(entries)  # what the stager thread does in a load, off the decode's critical path
     return _DevicePlan(st, entries, [e["nbytes"] for e in entries])
 
 

@@ -7,7 +7,8 @@ size (elements per segment = bytes per ANS chunk):
 * ratio, encode and decode GB/s (synchronized wall clock, median of ``--repeats``; the same rule as
   ``bench_peers.py``'s codec rows), and the decode again with ``S4W_MERGE_IN_PLACE=0`` (raw chunks
   placed into the planes buffer before the merge: the A/B of the in-place merge);
-* stage marks (each stage synchronized, so their sum exceeds the pipelined time);
+* stage marks (each stage synchronized, so their sum exceeds the pipelined time), and a timeline of
+  one unsynchronized call: when the host enqueued each stage and when the GPU reached it;
 * one ``torch.profiler`` pass per direction: GPU time per kernel name, the sum of GPU time, and the
   wall time of the profiled call -- the gap between the two is host work the GPU waits for;
 
@@ -60,7 +61,31 @@ def marks(fn: Callable[[], Any]) -> dict[str, float]:
         m = list(_encode.TRACE_MARKS)
     finally:
         _encode.TRACE = False
-    return {name: round((t - m[i][1]) * 1e3, 3) for i, (name, t) in enumerate(m[1:])}
+    return {name: round((t - m[i][1]) * 1e3, 3) for i, (name, t, _e) in enumerate(m[1:])}
+
+
+def timeline(fn: Callable[[], Any], dev: torch.device) -> dict[str, list[float]]:
+    """Per stage mark of one unsynchronized call: [ms since the start when the host got there, ms
+    since the start when the GPU got there]. Where the GPU's time equals the host's, the GPU was
+    waiting for the host; the last row is the call's return (host) and the GPU's finish."""
+    fn()
+    torch.cuda.synchronize(dev)
+    _encode.TRACE = "timeline"
+    try:
+        t0 = time.perf_counter()
+        fn()
+        t_ret = time.perf_counter()
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(dev))
+        torch.cuda.synchronize(dev)
+        m = list(_encode.TRACE_MARKS)
+    finally:
+        _encode.TRACE = False
+    h0, e0 = m[0][1], m[0][2]
+    out = {name: [round((t - h0) * 1e3, 3), round(e0.elapsed_time(ev), 3)] for name, t, ev in m[1:]}
+    out["(return / GPU done)"] = [round((t_ret - h0) * 1e3, 3), round(e0.elapsed_time(end), 3)]
+    out["(call started)"] = [round((t0 - h0) * 1e3, 3), 0.0]
+    return out
 
 
 def kernels(fn: Callable[[], Any], dev: torch.device, top: int = 12) -> dict[str, Any]:
@@ -153,6 +178,8 @@ def run_s4w(
             "nvcomp_host_ms": host,
             "enc_marks_ms": marks(encode),
             "dec_marks_ms": marks(decode),
+            "enc_timeline_ms": timeline(encode, dev),
+            "dec_timeline_ms": timeline(decode, dev),
             "enc_kernels": kernels(encode, dev),
             "dec_kernels": kernels(decode, dev),
             **({"enc_cprofile": host_profile(encode, dev), "dec_cprofile": host_profile(decode, dev)} if cprofile else {}),
@@ -243,6 +270,8 @@ def main() -> int:
                   f"exact {r['bit_exact']} (dec with raw chunks placed first: {r['dec_ms_raw_placed_first']} ms "
                   f"against {r['dec_ms']} ms)", flush=True)
             print("   enc marks", r["enc_marks_ms"], "\n   dec marks", r["dec_marks_ms"], flush=True)
+            for d in ("enc", "dec"):
+                print(f"   {d} timeline (host ms, GPU ms):", r[f"{d}_timeline_ms"], flush=True)
             for d in ("enc", "dec"):
                 k = r[f"{d}_kernels"]
                 print(f"   {d}: wall {k['wall_ms_profiled']} ms, GPU sum {k['gpu_ms_sum']} ms", flush=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,8 +40,18 @@ from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._encode import TRACE_MARKS, _mark
-from s4w_core.gpu.kernels import fold64_finish, fold64_rows, gather_copy
-from s4w_core.planes.triton_kernels import MERGE, OPS, launch_rows, merge_block, merge_chunks, upload
+from s4w_core.gpu.kernels import fold64_finish, fold64_launch, fold64_programs, fold64_rows, gather_copy
+from s4w_core.planes.triton_kernels import (
+    MERGE,
+    MERGE_CHUNKS,
+    OPS,
+    Tables,
+    block_config,
+    launch_items,
+    launch_rows,
+    merge_block,
+    program_map,
+)
 
 __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
@@ -141,12 +151,19 @@ class Staged:
     kinds: Any  # "ans"/"inflate" (decoded by nvCOMP) or "copy" (raw or CPU-decoded bytes); str array
     stored: Any  # bytes of each chunk in ``host``; int64 array
     recs: Any  # (entry, plane, s0, raw_len) per chunk; int64 array of shape (chunks, 4)
+    plan: DecodePlan | None = None  # built by plan_for() (stage() does, on the stager thread)
 
     def __post_init__(self) -> None:
         self.slot = np.asarray(self.slot, dtype=np.int64)
         self.kinds = np.asarray(self.kinds, dtype=str)
         self.stored = np.asarray(self.stored, dtype=np.int64)
         self.recs = np.asarray(self.recs, dtype=np.int64).reshape(-1, 4)
+
+    def plan_for(self, entries: list[dict[str, Any]], name: str = "<checkpoint>") -> DecodePlan:
+        """The device decode's tables for this batch of ``entries`` (built once, then cached)."""
+        if self.plan is None or self.plan.entries is not entries or self.plan.key != _plan_key():
+            self.plan = DecodePlan.build(self, entries, name)
+        return self.plan
 
 
 class _Chunk(NamedTuple):
@@ -207,7 +224,9 @@ def stage(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPo
     _wait_in_order(futs)
     kinds = ["copy" if ch.kind == "host" else ch.kind for ch in chunks]
     stored = [ch.raw_len if ch.kind == "host" else ch.length for ch in chunks]
-    return Staged(host, slot, kinds, stored, recs)
+    st = Staged(host, slot, kinds, stored, recs)
+    st.plan_for(entries, reader.name)  # here, on the stager thread, while the GPU decodes the batch before
+    return st
 
 
 def _read_block(data: int) -> int:
@@ -311,6 +330,186 @@ def _decode_group(
     return outs
 
 
+def _plan_key() -> tuple[Any, ...]:
+    """What a plan depends on besides its batch: the in-place merge switch and the merge block."""
+    return os.environ.get("S4W_MERGE_IN_PLACE", "1"), block_config()
+
+
+class _Call(NamedTuple):
+    """One nvCOMP call of a batch's decode: chunks at ``src`` (offsets in the staged buffer) decode
+    to ``dst`` (offsets in the planes buffer, or in a scratch buffer of ``scratch`` bytes whose
+    slots are then copied to ``place`` in the planes buffer: places not 16-byte aligned)."""
+
+    algorithm: str
+    opts: dict[str, Any]
+    chunk_bytes: int  # the codec's chunk size (the largest chunk, rounded up to 64 KiB)
+    src: np.ndarray
+    lengths: np.ndarray
+    dst: np.ndarray
+    raw: np.ndarray
+    scratch: int
+    place: np.ndarray | None
+
+
+class _Group(NamedTuple):
+    """The entries of one batched launch (a merge: one element width and delta op; a fold64: whole
+    words or not), with the launch's static table columns and its program-to-item map."""
+
+    w: int  # element width (merge) or 1 for whole words, 0 for bytes (fold64)
+    op: int
+    idx: np.ndarray  # entry indices, in the table's row order
+    cols: np.ndarray  # the table's columns after the addresses, ending in each row's first program
+    pmap: np.ndarray  # int32
+    programs: int
+
+
+def _group(w: int, op: int, idx: np.ndarray, cols: list[np.ndarray], programs: np.ndarray) -> _Group:
+    first = np.cumsum(programs) - programs
+    return _Group(w, op, idx, np.column_stack([*cols, first]), program_map(programs), int(programs.sum()))
+
+
+class DecodePlan:
+    """Everything the device decode of one staged batch needs that does not depend on where its
+    buffers lie: per-entry geometry and delta ops, the planes layout, the nvCOMP calls, which raw
+    chunks are placed and which are merged where they were staged, the merge's chunk table, and the
+    merge and fold64 launches' tables and program maps. Built with numpy on the stager thread
+    (:func:`stage`), so that :func:`decode_device` enqueues the entropy decoders at once and keeps
+    the GPU busy while it finishes the rest: its own host work is filling in buffer addresses, one
+    table upload and the launches. Validated here: a chunk table that does not cover every segment
+    and plane of every plane-transformed entry exactly once, or a delta op that does not apply,
+    raises :class:`DecodeError`."""
+
+    __slots__ = (
+        "entries", "key", "k", "width", "nbytes", "rot", "n_el", "region", "op", "planes_bytes", "staged_end",
+        "calls", "place", "in_place", "chunk_staged", "chunk_off", "chunk_aligned", "merge_cols", "rot_widths",
+        "merge_groups", "byte_entries", "fold_idx", "fold_groups",
+    )
+    entries: list[dict[str, Any]]
+    key: tuple[Any, ...]
+    k: int
+    width: np.ndarray
+    nbytes: np.ndarray
+    rot: np.ndarray
+    n_el: np.ndarray
+    region: np.ndarray
+    op: np.ndarray  # OPS code per entry (0: no delta base)
+    planes_bytes: int
+    staged_end: int
+    calls: list[_Call]
+    place: tuple[np.ndarray, np.ndarray, np.ndarray]
+    in_place: bool
+    chunk_staged: np.ndarray | None
+    chunk_off: np.ndarray | None
+    chunk_aligned: bool
+    merge_cols: np.ndarray
+    rot_widths: list[int]
+    merge_groups: list[_Group]
+    byte_entries: list[int]
+    fold_idx: np.ndarray
+    fold_groups: list[_Group]
+
+    @classmethod
+    def build(cls, st: Staged, entries: list[dict[str, Any]], name: str = "<checkpoint>") -> DecodePlan:
+        p = cls()
+        p.entries = entries
+        p.key = _plan_key()
+        k_n = p.k = len(entries)
+        meta = np.array(
+            [(e["_width"], e["nbytes"], e["transform"] == _ROTL1, e["segment_elems"], e["checksum"].startswith("fold64:"))
+             for e in entries],
+            dtype=np.int64,
+        ).reshape(k_n, 5)
+        width, rot, seg = meta[:, 0], meta[:, 2].astype(bool), meta[:, 3]
+        p.width, p.nbytes, p.rot = width, meta[:, 1], rot
+        p.op = np.zeros(k_n, dtype=np.int64)
+        for i, e in enumerate(entries):
+            if e.get("delta"):
+                op = e["delta"].get("op", "xor")
+                if op not in (("xor", "sub") if rot[i] else ("xor",)):
+                    raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r}")
+                p.op[i] = OPS[op]
+        n_el = p.n_el = meta[:, 1] // width
+        ps = (n_el + _A - 1) // _A * _A
+        size = (width * ps + 255) // 256 * 256
+        region = p.region = np.cumsum(size) - size
+        p.planes_bytes = int(size.sum())
+        rec = st.recs
+        k, j, s0, raw_len = rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3]
+        dst = region[k] + j * ps[k] + s0
+        slot, stored, kinds = st.slot, st.stored, st.kinds
+        cp = kinds == "copy"
+        ends = slot + np.where(cp, np.maximum(stored, raw_len), stored)
+        p.staged_end = int(ends.max()) if len(ends) else 0
+        # one nvCOMP call for every chunk of a codec (two if some places are not 16-byte aligned)
+        p.calls = []
+        for kind, (algorithm, opts) in _GPU_DECODERS.items():
+            sel = kinds == kind
+            if not sel.any():
+                continue
+            direct = sel & (dst % _A == 0)
+            via = sel & (dst % _A != 0)
+            for m, scratched in ((direct, False), (via, True)):
+                if not m.any():
+                    continue
+                rl = raw_len[m]
+                chunk_bytes = _round(int(rl.max()), 1 << 16)
+                if scratched:
+                    sz = (rl + _A - 1) // _A * _A
+                    soff = np.cumsum(sz) - sz
+                    call = _Call(algorithm, opts, chunk_bytes, slot[m], stored[m], soff, rl, int(sz.sum()), dst[m])
+                else:
+                    call = _Call(algorithm, opts, chunk_bytes, slot[m], stored[m], dst[m], rl, 0, None)
+                p.calls.append(call)
+        # plane-transformed storages merge their raw chunks where they lie in the staged buffer (no
+        # placement copy) when every segment is a whole number of merge blocks (``S4W_MERGE_IN_PLACE=0``:
+        # never); other raw chunks are placed into the planes buffer first
+        block = merge_block()
+        p.in_place = in_place = (
+            bool(rot.any()) and not (seg[rot] % block).any() and os.environ.get("S4W_MERGE_IN_PLACE", "1") != "0"
+        )
+        place = cp & ~rot[k] if in_place else cp
+        p.place = (slot[place], dst[place], raw_len[place])
+        p.rot_widths = np.unique(width[rot]).tolist()
+        p.merge_groups = []
+        if in_place:
+            nch = np.where(rot, -(-n_el // np.maximum(seg, 1)) * width, 0)
+            first = np.cumsum(nch) - nch
+            mine = rot[k]
+            km = k[mine]
+            idx = first[km] + (s0[mine] // seg[km]) * width[km] + j[mine]
+            total = int(nch.sum())
+            have = np.bincount(idx, minlength=total) if total and not (idx < 0).any() else np.zeros(0, dtype=np.int64)
+            if len(have) != total or (have != 1).any():
+                raise DecodeError(f"{name}: the chunk table does not cover every segment and plane exactly once")
+            p.chunk_staged = np.zeros(total, dtype=bool)
+            p.chunk_off = np.zeros(total, dtype=np.int64)
+            p.chunk_staged[idx] = cp[mine]
+            p.chunk_off[idx] = np.where(cp[mine], slot[mine], dst[mine])
+            p.chunk_aligned = not (p.chunk_off % 16).any()
+            p.merge_cols = np.column_stack([first, n_el, seg])
+            # one launch per element width and delta op (the op is undone in the same pass)
+            for w_ in p.rot_widths:
+                for code in np.unique(p.op[rot & (width == w_)]).tolist():
+                    g = np.nonzero(rot & (width == w_) & (p.op == code) & (n_el > 0))[0]
+                    if len(g):
+                        p.merge_groups.append(
+                            _group(int(w_), int(code), g, [first[g], n_el[g], seg[g]], -(-n_el[g] // block))
+                        )
+        else:
+            p.chunk_staged = p.chunk_off = None
+            p.chunk_aligned = False
+            p.merge_cols = np.column_stack([region, n_el, ps])
+        p.byte_entries = np.nonzero(~rot)[0].tolist()
+        fold = meta[:, 4].astype(bool) & (p.nbytes > 0)
+        p.fold_idx = np.nonzero(fold)[0]
+        p.fold_groups = []
+        for words in (True, False):
+            g = np.nonzero(fold & ((p.nbytes % 4 == 0) == words))[0]
+            if len(g):
+                p.fold_groups.append(_group(int(words), 0, g, [p.nbytes[g], g], fold64_programs(p.nbytes[g])))
+        return p
+
+
 def decode_device(
     staged: torch.Tensor,
     st: Staged,
@@ -321,170 +520,142 @@ def decode_device(
     name: str = "<checkpoint>",
 ) -> list[int]:
     """Device part of decoding (call under ``_nvcomp.on_stream``): chunks already on the device in
-    ``staged`` to ``outs``. Returns the fold64 word sums per entry (0 for xxh3 entries); reading
-    them back, with nvCOMP's decoded sizes, is the one synchronization: every launch is enqueued
-    first. Host work is numpy over the chunk and entry tables, no Python step per chunk."""
+    ``staged`` to ``outs``. Returns the fold64 word sums per entry (0 for xxh3 entries).
+
+    The entropy decoders are enqueued before anything else (their tables come from the batch's
+    :class:`DecodePlan`, built on the stager thread), so the GPU decodes while the host fills in
+    the merge's addresses; every other table goes to the device in one copy. The one
+    synchronization is one read-back at the end: the fold64 sums and, counted on the device, the
+    chunks nvCOMP failed on or decoded to another length (those are read back in full, for the
+    message, only when there are any)."""
     TRACE_MARKS.clear()
     _mark("start", dev)
-    k_n = len(entries)
-    meta = np.array(
-        [(e["_width"], e["nbytes"], e["transform"] == _ROTL1, e["segment_elems"], e["checksum"].startswith("fold64:"))
-         for e in entries],
-        dtype=np.int64,
-    ).reshape(k_n, 5)
-    width, rot, seg = meta[:, 0], meta[:, 2].astype(bool), meta[:, 3]
-    n_el = meta[:, 1] // width
-    ps = (n_el + _A - 1) // _A * _A
-    size = (width * ps + 255) // 256 * 256
-    region = np.cumsum(size) - size
-    planes = torch.empty(max(int(size.sum()), 1), dtype=torch.uint8, device=dev)
-    rec = st.recs
-    k, j, s0, raw_len = rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3]
-    dst = region[k] + j * ps[k] + s0
-    slot, stored, kinds = st.slot, st.stored, st.kinds
-    cp = kinds == "copy"
-    if cp.any() and int((slot[cp] + raw_len[cp]).max()) > staged.numel():
+    plan = st.plan_for(entries, name)
+    _mark("plan", dev)
+    if plan.staged_end > staged.numel():
         raise DecodeError(f"{name}: a staged chunk lies outside the staged buffer")
-    # plane-transformed storages merge their raw chunks where they lie in ``staged`` (no placement
-    # copy) when every segment is a whole number of merge blocks (``S4W_MERGE_IN_PLACE=0``: never);
-    # other raw chunks are placed into ``planes`` first
-    in_place = bool(rot.any()) and not (seg[rot] % merge_block()).any() and os.environ.get("S4W_MERGE_IN_PLACE", "1") != "0"
-    place = cp & ~rot[k] if in_place else cp
-    gather_copy(staged, planes, slot[place], dst[place], raw_len[place], pad_ok=True)
-    _mark("tables+place_raw", dev)
-    checks = []
-    for kind, (algorithm, opts) in _GPU_DECODERS.items():
-        sel = kinds == kind
-        if not sel.any():
-            continue
-        # one nvCOMP call for every chunk of this codec (two if some places are not 16-byte aligned)
-        direct = sel & (dst % _A == 0)
-        via = sel & (dst % _A != 0)
-        checks.append(
-            _gpu_decode(algorithm, opts, dev, staged, planes, slot[direct], stored[direct], dst[direct], raw_len[direct], name)
-        )
-        if via.any():
-            rl = raw_len[via]
-            sz = (rl + _A - 1) // _A * _A
-            soff = np.cumsum(sz) - sz
-            scratch = torch.empty(int(sz.sum()), dtype=torch.uint8, device=dev)
-            checks.append(_gpu_decode(algorithm, opts, dev, staged, scratch, slot[via], stored[via], soff, rl, name))
-            gather_copy(scratch, planes, soff, dst[via], rl)
+    planes = torch.empty(max(plan.planes_bytes, 1), dtype=torch.uint8, device=dev)
+    pending = [_gpu_decode(call, dev, staged, planes, name) for call in plan.calls]
     _mark("nvcomp_decode", dev)
-    # merge (one launch per element width and delta op: the op is undone in the same pass),
-    # then raw checksums (one launch)
+    gather_copy(staged, planes, *plan.place, pad_ok=True)
+    _mark("place", dev)
+    k_n = plan.k
     out_addr = np.fromiter((o.data_ptr() for o in outs), dtype=np.int64, count=k_n)
+    has = np.fromiter((b is not None for b in bases), dtype=bool, count=k_n)
+    if (has != (plan.op != 0)).any():
+        i = int(np.nonzero(has != (plan.op != 0))[0][0])
+        raise DecodeError(f"{name}: tensor {entries[i]['path']!r}: a delta base was {'' if has[i] else 'not '}given "
+                          f"but the entry is {'' if plan.op[i] else 'not '}a delta")
     base_addr = np.zeros(k_n, dtype=np.int64)
-    op_code = np.zeros(k_n, dtype=np.int64)
-    for i in [i for i, b in enumerate(bases) if b is not None]:
-        e = entries[i]
-        op = (e.get("delta") or {}).get("op", "xor")
-        if rot[i]:
-            base = bases[i]
-            assert base is not None
-            if op not in ("xor", "sub") or base.numel() != e["nbytes"]:
-                raise DecodeError(f"{name}: delta op {op!r} or its base does not apply to tensor {e['path']!r}")
-            base_addr[i], op_code[i] = base.data_ptr(), OPS[op]
-        elif op != "xor":
-            raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r} (transform bytes)")
-    if in_place:
-        _merge_in_place(staged, planes, st, entries, rec, dst, cp, rot, width, n_el, seg, out_addr, base_addr, op_code, name)
+    for i in np.nonzero(has)[0].tolist():
+        base = bases[i]
+        assert base is not None
+        if base.numel() != int(plan.nbytes[i]):
+            raise DecodeError(f"{name}: the delta base of tensor {entries[i]['path']!r} has the wrong size")
+        base_addr[i] = base.data_ptr()
+    rot = plan.rot
+    tables = Tables()
+    if plan.in_place:
+        assert plan.chunk_staged is not None and plan.chunk_off is not None
+        t_chunks = tables.add(np.where(plan.chunk_staged, staged.data_ptr(), planes.data_ptr()) + plan.chunk_off)
+        aligned = (
+            plan.chunk_aligned
+            and staged.data_ptr() % 16 == 0
+            and planes.data_ptr() % 16 == 0
+            and not ((out_addr[rot] | base_addr[rot]) % 16).any()
+        )
+        merges = [
+            (g, tables.add(np.column_stack([out_addr[g.idx], base_addr[g.idx], g.cols])), tables.add(g.pmap))
+            for g in plan.merge_groups
+        ]
+    fold_words_ok = not (out_addr[plan.fold_idx] % 4).any()
+    if fold_words_ok:
+        folds = [
+            (g, tables.add(np.column_stack([out_addr[g.idx], g.cols])), tables.add(g.pmap)) for g in plan.fold_groups
+        ]
+    dev_tables = tables.upload(dev)
+    _mark("merge_tables", dev)
+    if plan.in_place:
+        for g, t_rows, t_map in merges:
+            launch_items(MERGE_CHUNKS, g.w, g.op, dev_tables[t_rows], dev_tables[t_map], g.programs,
+                         dev_tables[t_chunks], aligned)
     else:
-        rows = np.column_stack([out_addr, base_addr, region, n_el, ps])
-        for w_ in np.unique(width[rot]).tolist():
-            sel = rot & (width == w_)
-            launch_rows(MERGE, int(w_), planes, rows[sel], op_code[sel])
-    for i in np.nonzero(~rot)[0].tolist():  # storages coded as bytes
-        off = int(region[i])
-        src = planes[off : off + int(n_el[i])]
+        rows = np.column_stack([out_addr, base_addr, plan.merge_cols])
+        for w_ in plan.rot_widths:
+            sel = rot & (plan.width == w_)
+            launch_rows(MERGE, int(w_), planes, rows[sel], plan.op[sel])
+    for i in plan.byte_entries:  # storages coded as bytes
+        off = int(plan.region[i])
+        src = planes[off : off + int(plan.n_el[i])]
         base = bases[i]
         if base is None:
             outs[i].copy_(src)
         else:
             torch.bitwise_xor(src, base, out=outs[i])
     _mark("merge", dev)
-    fold = meta[:, 4].astype(bool)
-    acc = torch.zeros(max(1, k_n), dtype=torch.int64, device=dev)
-    if fold.any():
-        idx = np.nonzero(fold)[0]
-        fold64_rows(out_addr[idx], meta[idx, 1], idx, acc)
-    sums = [int(x) for x in acc.cpu().tolist()]
-    for check in checks:
-        check()
-    _mark("fold64+readback", dev)
-    return sums
+    # one read-back: the fold64 sums, then per nvCOMP call the chunks that failed on the device
+    acc = torch.zeros(k_n + len(pending), dtype=torch.int64, device=dev)
+    if fold_words_ok:
+        for g, t_rows, t_map in folds:
+            fold64_launch(dev_tables[t_rows], dev_tables[t_map], g.programs, acc, bool(g.w))
+    elif len(plan.fold_idx):
+        idx = plan.fold_idx
+        fold64_rows(out_addr[idx], plan.nbytes[idx], idx, acc)
+    counted = []
+    for m, pd in enumerate(pending):
+        f = pd.failures()
+        if f is not None:
+            acc[k_n + m : k_n + m + 1].copy_(f)
+        counted.append(f is not None)
+    _mark("fold64", dev)
+    vals = acc.cpu().tolist()
+    _mark("readback", dev)
+    for m, pd in enumerate(pending):
+        if not counted[m] or vals[k_n + m]:
+            pd.check()
+    _mark("checks", dev)
+    return [int(x) for x in vals[:k_n]]
 
 
-def _merge_in_place(
-    staged: torch.Tensor,
-    planes: torch.Tensor,
-    st: Staged,
-    entries: list[dict[str, Any]],
-    rec: np.ndarray,
-    dst: np.ndarray,
-    cp: np.ndarray,
-    rot: np.ndarray,
-    width: np.ndarray,
-    n_el: np.ndarray,
-    seg: np.ndarray,
-    out_addr: np.ndarray,
-    base_addr: np.ndarray,
-    op_code: np.ndarray,
-    name: str,
-) -> None:
-    """Merge the plane-transformed storages from a table of chunk addresses: raw chunks where they
-    lie in ``staged``, decoded ones in ``planes`` (:func:`merge_chunks`; one small upload)."""
-    k, j, s0 = rec[:, 0], rec[:, 1], rec[:, 2]
-    nch = np.where(rot, -(-n_el // np.maximum(seg, 1)) * width, 0)
-    first = np.cumsum(nch) - nch
-    mine = rot[k]
-    idx = first[k[mine]] + (s0[mine] // seg[k[mine]]) * width[k[mine]] + j[mine]
-    total = int(nch.sum())
-    have = np.bincount(idx, minlength=total) if total else np.zeros(0, dtype=np.int64)
-    if len(have) != total or (have != 1).any():
-        raise DecodeError(f"{name}: the chunk table does not cover every segment and plane exactly once")
-    addr = np.zeros(total, dtype=np.int64)
-    addr[idx] = np.where(cp[mine], staged.data_ptr() + st.slot[mine], planes.data_ptr() + dst[mine])
-    chunks = upload(addr, planes.device)
-    aligned = not ((addr % 16).any() or (out_addr[rot] % 16).any() or (base_addr[rot] % 16).any())
-    rows = np.column_stack([out_addr, base_addr, first, n_el, seg])
-    for w_ in np.unique(width[rot]).tolist():
-        sel = rot & (width == w_)
-        merge_chunks(int(w_), chunks, rows[sel], op_code[sel], aligned)
+class _Pending:
+    """One enqueued nvCOMP decode call: its decoded sizes (and statuses) to check."""
 
+    __slots__ = ("call", "got", "name")
 
-def _gpu_decode(
-    algorithm: str,
-    opts: dict[str, Any],
-    dev: torch.device,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_off: np.ndarray,
-    lengths: np.ndarray,
-    dst_off: np.ndarray,
-    raw: np.ndarray,
-    name: str,
-) -> Callable[[], None]:
-    """Enqueue one nvCOMP decode call; returns the check of its decoded sizes, to be called once
-    the rest of the batch is enqueued (reading the sizes back synchronizes)."""
-    if not len(src_off):
-        return lambda: None
-    c = _nvcomp.codec(algorithm, dev, _round(int(raw.max()), 1 << 16), **opts)
-    try:
-        got = _nvcomp.decode_batch(c, src, src_off, lengths, dst, dst_off, raw)
-    except (RuntimeError, ValueError) as e:
-        raise DecodeError(f"{name}: nvCOMP {algorithm} failed to decode a chunk whose checksum matched: {e}") from e
+    def __init__(self, call: _Call, got: Any, name: str) -> None:
+        self.call, self.got, self.name = call, got, name
 
-    def check() -> None:
+    def failures(self) -> torch.Tensor | None:
+        """The number of failed chunks, counted on the device, or None where only a read-back tells."""
+        f: torch.Tensor | None = self.got.failures() if hasattr(self.got, "failures") else None
+        return f
+
+    def check(self) -> None:
+        """Read the sizes back and raise DecodeError naming the first bad chunk."""
+        algorithm, raw = self.call.algorithm, self.call.raw
         try:
-            sizes = np.asarray(list(got), dtype=np.int64)
+            sizes = np.asarray(list(self.got), dtype=np.int64)
         except (RuntimeError, ValueError) as e:
-            raise DecodeError(f"{name}: nvCOMP {algorithm} failed to decode a chunk whose checksum matched: {e}") from e
+            raise DecodeError(
+                f"{self.name}: nvCOMP {algorithm} failed to decode a chunk whose checksum matched: {e}"
+            ) from e
         bad = np.nonzero(sizes != raw)[0]
         if len(bad):
             raise DecodeError(
-                f"{name}: nvCOMP {algorithm} decoded {len(bad)} chunk(s) to a different length than recorded "
+                f"{self.name}: nvCOMP {algorithm} decoded {len(bad)} chunk(s) to a different length than recorded "
                 f"(first: {int(sizes[bad[0]])} bytes, expected {int(raw[bad[0]])})"
             )
 
-    return check
+
+def _gpu_decode(call: _Call, dev: torch.device, staged: torch.Tensor, planes: torch.Tensor, name: str) -> _Pending:
+    """Enqueue one nvCOMP decode call (and, for a scratch call, the copy of its chunks into
+    place); its sizes are checked once the rest of the batch is enqueued."""
+    dst = planes if not call.scratch else torch.empty(call.scratch, dtype=torch.uint8, device=dev)
+    c = _nvcomp.codec(call.algorithm, dev, call.chunk_bytes, **call.opts)
+    try:
+        got = _nvcomp.decode_batch(c, staged, call.src, call.lengths, dst, call.dst, call.raw)
+    except (RuntimeError, ValueError) as e:
+        raise DecodeError(f"{name}: nvCOMP {call.algorithm} failed to decode a chunk whose checksum matched: {e}") from e
+    if call.place is not None:
+        gather_copy(dst, planes, call.dst, call.place, call.raw)
+    return _Pending(call, got, name)

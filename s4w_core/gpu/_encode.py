@@ -69,17 +69,25 @@ PROFILES = {
 }
 
 
-#: stage timings of the last traced batch (benchmarks set ``TRACE = True``; each mark synchronizes).
-TRACE = False
-TRACE_MARKS: list[tuple[str, float]] = []
+#: stage timings of the last traced batch, for benchmarks: ``TRACE = True`` synchronizes at each
+#: mark (host time per stage); ``TRACE = "timeline"`` does not: each mark records the host's clock
+#: and a CUDA event on the current stream, so that a benchmark can tell when the host enqueued a
+#: stage and when the GPU got there (``benchmarks/profile_codec.py``).
+TRACE: bool | str = False
+TRACE_MARKS: list[tuple[str, float, Any]] = []
 
 
 def _mark(name: str, dev: torch.device) -> None:
     if TRACE:
         import time
 
-        _nvcomp.synchronize(dev)
-        TRACE_MARKS.append((name, time.perf_counter()))
+        if TRACE == "timeline":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            TRACE_MARKS.append((name, time.perf_counter(), ev))
+        else:
+            _nvcomp.synchronize(dev)
+            TRACE_MARKS.append((name, time.perf_counter(), None))
 
 
 def _round(x: int, a: int) -> int:
@@ -552,6 +560,7 @@ def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _En
     planes = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
     base_addr, staged = _stage_bases(pieces, dev)
     rows = np.column_stack([meta[:, 4] + e0 * w, base_addr, off, ne, ps])
+    _mark("split_tables", dev)
     for width in np.unique(w[rot]).tolist():
         sel = rot & (w == width)
         launch_rows(SPLIT, int(width), planes, rows[sel], meta[sel, 5])

@@ -298,15 +298,22 @@ class _AnsC:
                                                    temp_bytes.value, out_ptrs, self.dopts(), status,
                                                    self.stream.cuda_stream),
                "ANS decompress")
-        return _DeviceSizes(t[4 * n : 5 * n], status_t[:n], "ANS decompress")
+        return _DeviceSizes(t[4 * n : 5 * n], status_t[:n], "ANS decompress", expect=t[2 * n : 3 * n])
 
 
 class _DeviceSizes:
     """Per-chunk sizes and statuses of one C-API call, on the device; iterating reads them back
     (synchronizing our stream) and raises RuntimeError if any chunk's status is not success."""
 
-    def __init__(self, sizes: torch.Tensor, status: torch.Tensor, what: str) -> None:
-        self.sizes, self.status, self.what = sizes, status, what
+    def __init__(self, sizes: torch.Tensor, status: torch.Tensor, what: str, expect: torch.Tensor | None = None) -> None:
+        self.sizes, self.status, self.what, self.expect = sizes, status, what, expect
+
+    def failures(self) -> torch.Tensor | None:
+        """For a decode: on the device, without a read-back, the number of chunks that failed or
+        decoded to another length than expected (a one-element int64 tensor); None for an encode."""
+        if self.expect is None:
+            return None
+        return ((self.sizes != self.expect) | (self.status != 0)).sum().view(1)
 
     def __iter__(self) -> Iterator[int]:
         both = torch.cat([self.sizes, self.status.to(torch.int64)]).cpu().numpy()
@@ -398,6 +405,10 @@ class _DecodedSizes:
 
     def __init__(self, res: Any) -> None:
         self._res = res
+
+    def failures(self) -> None:
+        """Not checkable on the device (nvCOMP's Python API): the caller reads the sizes back."""
+        return None
 
     def __iter__(self) -> Iterator[int]:
         return iter([int(x) for x in self._res.buffer_sizes])

@@ -21,7 +21,17 @@ import triton.language as tl
 
 from s4w_core.planes.triton_kernels import item_table, upload
 
-__all__ = ["gather_copy", "fold64_into", "fold64_finish", "fold64", "fold64_batched", "fold64_rows", "sample_entropy"]
+__all__ = [
+    "gather_copy",
+    "fold64_into",
+    "fold64_finish",
+    "fold64",
+    "fold64_batched",
+    "fold64_rows",
+    "fold64_programs",
+    "fold64_launch",
+    "sample_entropy",
+]
 
 _COPY_BLOCK = 8192
 _FOLD_BLOCK = 2048  # words per program
@@ -189,6 +199,18 @@ def fold64_batched(items: list[tuple[torch.Tensor, int]], acc: torch.Tensor) -> 
         )
 
 
+def fold64_programs(nbytes: np.ndarray) -> np.ndarray:
+    """Programs of :func:`fold64_launch` per item of ``nbytes`` bytes."""
+    return -(-((nbytes + 3) // 4) // _FOLD_BLOCK)
+
+
+def fold64_launch(table: torch.Tensor, prog_map: torch.Tensor, programs: int, acc: torch.Tensor, words: bool) -> None:
+    """:func:`fold64_rows`'s launch over a table uploaded ahead (``planes.triton_kernels.Tables``):
+    rows ``(address, bytes, slot, first program)``, programs from :func:`fold64_programs`; with
+    ``words`` every address is 4-byte aligned and every length a multiple of 4."""
+    _fold64_batched_kernel[(programs,)](table, prog_map, acc, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
+
+
 def fold64_rows(addr: np.ndarray, nbytes: np.ndarray, slot: np.ndarray, acc: torch.Tensor) -> None:
     """Add the fold64 word sums of the byte ranges ``addr[i] : +nbytes[i]`` (device addresses of
     the caller's tensors, on ``acc``'s device) into ``acc[slot[i]]``: at most two launches (whole
@@ -204,7 +226,7 @@ def fold64_rows(addr: np.ndarray, nbytes: np.ndarray, slot: np.ndarray, acc: tor
             continue
         n = nbytes[sel]
         table, prog_map, total = item_table(
-            np.column_stack([addr[sel], n, slot[sel]]), -(-((n + 3) // 4) // _FOLD_BLOCK), acc.device
+            np.column_stack([addr[sel], n, slot[sel]]), fold64_programs(n), acc.device
         )
         _fold64_batched_kernel[(total,)](table, prog_map, acc, WORDS=words, BLOCK=_FOLD_BLOCK, num_warps=4)
 

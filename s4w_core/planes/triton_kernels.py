@@ -48,8 +48,12 @@ __all__ = [
     "item_table",
     "merge_chunks",
     "merge_block",
+    "program_map",
+    "Tables",
+    "launch_items",
     "SPLIT",
     "MERGE",
+    "MERGE_CHUNKS",
 ]
 
 #: delta ops the kernels apply (0: none): codes of the ``OP`` constexpr.
@@ -373,6 +377,61 @@ def item_table(rows: np.ndarray, programs: np.ndarray, device: torch.device) -> 
     return both[: cols * k], prog_map, total
 
 
+def program_map(programs: np.ndarray) -> np.ndarray:
+    """The program-to-item map of a batched launch built on the host (int32), for tables made ahead
+    of their launch (a load's decode plan, on the stager thread); :func:`item_table` builds it on
+    the device instead."""
+    return np.repeat(np.arange(len(programs), dtype=np.int32), programs)
+
+
+class Tables:
+    """The int64 item tables and int32 program maps of several launches, gathered on the host and
+    sent to the device in one pinned copy (one host-to-device copy per batch instead of one or two
+    per launch, and no device work to build maps)."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._int32: list[bool] = []
+
+    def add(self, a: np.ndarray) -> int:
+        """Queue ``a`` (int64, or int32 for a program map); returns its index in :meth:`upload`'s list."""
+        a = np.ascontiguousarray(a).reshape(-1)
+        is32 = a.dtype == np.int32
+        if is32:
+            a = (np.concatenate([a, np.zeros(1, np.int32)]) if len(a) % 2 else a).view(np.int64)
+        else:
+            a = a.astype(np.int64, copy=False)
+        self._parts.append(a)
+        self._int32.append(is32)
+        return len(self._parts) - 1
+
+    def upload(self, device: torch.device) -> list[torch.Tensor]:
+        """Every queued array on ``device``, as views of one tensor (int32 views for maps)."""
+        total = sum(len(a) for a in self._parts)
+        if device.type == "cuda":
+            host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
+            if total:
+                np.concatenate(self._parts, out=host.numpy()[:total])
+            buf = host.to(device, non_blocking=True)
+        else:  # the interpreter runs kernels on CPU tensors
+            buf = torch.from_numpy(np.concatenate(self._parts)) if total else torch.zeros(1, dtype=torch.int64)
+        views, pos = [], 0
+        for a, is32 in zip(self._parts, self._int32):
+            v = buf[pos : pos + len(a)]
+            views.append(v.view(torch.int32) if is32 else v)
+            pos += len(a)
+        return views
+
+
+def launch_items(kernel: Any, w: int, op: int, table: torch.Tensor, prog_map: torch.Tensor, programs: int,
+                 arg: torch.Tensor, aligned: bool) -> None:
+    """One launch of a batched plane kernel over a table uploaded ahead (see :class:`Tables`): the
+    caller built ``table`` (rows ending in each item's first program) and ``prog_map`` for
+    :func:`block_config`'s block and checked the addresses in them."""
+    block, warps = block_config()
+    kernel[(programs,)](table, prog_map, arg, W=w, OP=op, ALIGNED=aligned and _wide(), BLOCK=block, num_warps=warps)
+
+
 def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: Any) -> None:
     """One launch of ``kernel(table, map, arg, ...)`` per delta op in ``ops`` over the items
     ``rows`` (element count in column 3); ``aligned(rows)``: whether they may take the vector path."""
@@ -477,6 +536,8 @@ def launch_rows(kernel: object, w: int, buf: torch.Tensor, rows: np.ndarray, ops
 #: the kernels :func:`launch_rows` takes
 SPLIT = _split_kernel
 MERGE = _merge_kernel
+#: the in-place merge, for :func:`launch_items` (``arg``: the chunk address table)
+MERGE_CHUNKS = _merge_chunks_kernel
 
 
 def split_planes_batched(pieces: list[Piece], w: int, out: torch.Tensor) -> None:

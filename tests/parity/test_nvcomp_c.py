@@ -55,8 +55,11 @@ def _decode(nv, c, comp, co, cl, offs, lens, dev):
     out = torch.full((int(offs[-1] + lens[-1]) + 256,), 0xA5, dtype=torch.uint8, device=dev)
     with nv.on_stream(dev):
         got = nv.decode_batch(c, comp, co.tolist(), cl.tolist(), out, offs.tolist(), lens.tolist())
+        fails = got.failures()
         sizes = list(got)
     assert sizes == lens.tolist()
+    if fails is not None:  # the C API counts failed chunks on the device (no read-back)
+        assert int(fails.item()) == 0
     return out
 
 
@@ -91,5 +94,51 @@ def test_c_api_reports_a_bad_chunk(nv):
     short[4] = 1000
     with nv.on_stream(dev):
         got = nv.decode_batch(c, comp, co.tolist(), cl.tolist(), out, offs.tolist(), short.tolist())
+        assert int(got.failures().item()) == 1  # counted on the device
         with pytest.raises(RuntimeError, match="1 chunk\\(s\\) failed \\(first: chunk 4"):
             list(got)
+
+
+def test_decode_device_checks_nvcomp_on_the_device(nv):
+    """``decode_device`` reads back once: fold64 sums and the count of chunks nvCOMP failed on. A
+    clean batch decodes bit-exactly; a chunk whose recorded length is short of what it decodes to
+    is a DecodeError (then the sizes are read back for the message)."""
+    from s4w_core import engine
+    from s4w_core.codecs import NVCOMP_ANS
+    from s4w_core.errors import DecodeError
+    from s4w_core.gpu import _decode, _encode
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(3)
+    tl = [(torch.randn(n, generator=g) * 0.02).to(dt).to(dev) for n, dt in
+          ((1 << 20, torch.bfloat16), (300_001, torch.bfloat16), (200_000, torch.float32))]
+    enc = _encode.encode_tensors_device(tl, "fast")
+    seg = _encode.PROFILES["fast"].segment_elems
+    entries = []
+    for k, t in enumerate(tl):
+        transform, w = engine.transform_for(t.dtype, t.numel() * t.element_size())
+        entries.append({"path": f"t{k}", "nbytes": t.numel() * t.element_size(), "_width": w, "transform": transform,
+                        "segment_elems": seg, "dtype": engine.dtype_name(t.dtype), "checksum": "none"})
+    layouts = [engine.chunk_layout(e) for e in entries]
+    recs = []
+    for ji, ci in enc.owner:
+        s0, s1, j = layouts[ji][ci]
+        recs.append((ji, j, s0, s1 - s0))
+    kinds = ["ans" if c == NVCOMP_ANS.id else "copy" for c in enc.codec_ids]
+
+    def decode():
+        st = _decode.Staged(host=None, slot=enc.out_off, kinds=kinds, stored=enc.out_len, recs=recs)
+        outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
+        return st, outs
+
+    st, outs = decode()
+    with nv.on_stream(dev):
+        _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "ok")
+    for o, t in zip(outs, tl):
+        assert torch.equal(o, t.view(-1).view(torch.uint8))
+    st, outs = decode()
+    plan = st.plan_for(entries)
+    assert plan.calls and plan.calls[0].algorithm == "ANS"
+    plan.calls[0].raw[0] -= 64  # nvCOMP's output capacity for that chunk is now too small
+    with nv.on_stream(dev), pytest.raises(DecodeError, match="nvCOMP ANS failed to decode a chunk"):
+        _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "bad")

@@ -21,13 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 
 import s4w_core
 from s4w_core import engine
 from s4w_core.codecs import get_codec
-from s4w_core.errors import ChecksumMismatchError, ManifestError, StoreError, TruncatedError
+from s4w_core.errors import ChecksumMismatchError, DecodeError, ManifestError, StoreError, TruncatedError
 from s4w_core.format.container import ContainerReader
 from s4w_core.store._local import LocalBackend
 from tests.unit.helpers import deflate_plane0
@@ -315,6 +316,95 @@ def test_stage_refuses_chunks_outside_the_data_section(reader: ContainerReader, 
     entries[1]["chunks"][0] = [codec, reader.data_end - 1, length, h]
     with pytest.raises(ManifestError, match=rf"chunk \[{reader.data_end - 1}, \+{length}\) lies outside the data section"):
         _decode.stage(reader, entries, pool)
+
+
+# ----------------------------------------------------------------------------- decode plan
+def test_stage_builds_the_decode_plan(reader: ContainerReader, pool: ThreadPoolExecutor) -> None:
+    """stage() leaves the device decode's tables in ``Staged.plan``: every plane-transformed
+    segment and plane once in the merge's chunk table, each chunk found where the merge will read
+    it (raw chunks in the staged buffer, decoded ones in the planes buffer)."""
+    entries = list(_by_path(reader).values())
+    st = _decode.stage(reader, entries, pool)
+    plan = st.plan
+    assert plan is not None and plan.entries is entries and st.plan_for(entries) is plan
+    assert plan.in_place and plan.chunk_staged is not None and plan.chunk_off is not None
+    assert plan.staged_end == int((st.slot + st.stored).max()) <= st.host.numel()
+    ps = (plan.n_el + ALIGN - 1) // ALIGN * ALIGN
+    seen = 0
+    for c, (k, j, s0, _n) in enumerate(st.recs.tolist()):
+        if not plan.rot[k]:
+            continue
+        seg = int(entries[k]["segment_elems"])
+        at = int(plan.merge_cols[k, 0]) + (s0 // seg) * int(plan.width[k]) + j
+        if st.kinds[c] == "copy":
+            assert plan.chunk_staged[at] and plan.chunk_off[at] == st.slot[c]
+        else:
+            assert not plan.chunk_staged[at] and plan.chunk_off[at] == plan.region[k] + j * ps[k] + s0
+        seen += 1
+    assert seen == len(plan.chunk_off) > 0
+    # every nvCOMP-decoded chunk is in exactly one call, each call's places aligned or scratched
+    n_dec = int((st.kinds != "copy").sum())
+    assert sum(len(c.src) for c in plan.calls) == n_dec
+    for call in plan.calls:
+        assert (call.dst % ALIGN == 0).all()
+        assert (call.place is None) == (call.scratch == 0)
+
+
+def test_decode_plan_launch_tables(reader: ContainerReader, pool: ThreadPoolExecutor) -> None:
+    """The merge and fold64 launches' tables made ahead: every plane-transformed entry with elements
+    in exactly one merge group of its width and delta op, every fold64 entry in one fold group, and
+    each group's program map sending ceil(items' work / block) programs to each row, in order."""
+    from s4w_core.gpu.kernels import fold64_programs
+    from s4w_core.planes.triton_kernels import merge_block
+
+    st = _decode.stage(reader, list(_by_path(reader).values()), pool)
+    entries = copy.deepcopy(st.plan.entries if st.plan else [])
+    for e in entries:  # as the GPU writer records them (the CPU path writes xxh3)
+        e["checksum"] = "fold64:" + "0" * 16
+    plan = st.plan_for(entries)  # another entries list: a plan of its own
+    assert len(plan.fold_idx) == sum(1 for e in entries if e["nbytes"])
+    merged = np.concatenate([g.idx for g in plan.merge_groups])
+    assert sorted(merged.tolist()) == np.nonzero(plan.rot & (plan.n_el > 0))[0].tolist()
+    for g in plan.merge_groups:
+        assert (plan.width[g.idx] == g.w).all() and (plan.op[g.idx] == g.op).all()
+        programs = -(-plan.n_el[g.idx] // merge_block())
+        assert g.pmap.dtype == np.int32 and g.pmap.tolist() == np.repeat(np.arange(len(g.idx)), programs).tolist()
+        assert g.cols[:, -1].tolist() == (np.cumsum(programs) - programs).tolist() and g.programs == programs.sum()
+    folded = np.concatenate([g.idx for g in plan.fold_groups]) if plan.fold_groups else np.zeros(0, dtype=np.int64)
+    assert sorted(folded.tolist()) == plan.fold_idx.tolist()
+    for g in plan.fold_groups:
+        assert ((plan.nbytes[g.idx] % 4 == 0) == bool(g.w)).all()
+        assert g.programs == fold64_programs(plan.nbytes[g.idx]).sum() == len(g.pmap)
+
+
+def test_decode_plan_refuses_a_delta_op_that_does_not_apply(reader: ContainerReader, pool: ThreadPoolExecutor) -> None:
+    entries = copy.deepcopy(list(_by_path(reader).values()))
+    st = _decode.stage(reader, entries, pool)
+    assert st.plan is not None
+    i = int(np.nonzero(st.plan.rot)[0][0])
+    entries[i]["delta"] = {"base": {"step": 1}, "op": "add"}
+    with pytest.raises(DecodeError, match="delta op 'add' does not apply"):
+        _decode.DecodePlan.build(st, entries, "x.s4w")
+
+
+@pytest.mark.parametrize("tamper", ["duplicate", "missing", "negative"])
+def test_decode_plan_refuses_a_bad_chunk_table(reader: ContainerReader, pool: ThreadPoolExecutor, tamper: str) -> None:
+    """A chunk table that does not cover each segment and plane exactly once is a DecodeError
+    before any kernel runs (the merge reads one address per chunk)."""
+    entries = list(_by_path(reader).values())
+    st = _decode.stage(reader, entries, pool)
+    assert st.plan is not None
+    rot = [c for c, (k, *_r) in enumerate(st.recs.tolist()) if st.plan.rot[k]]
+    recs = st.recs.copy()
+    if tamper == "duplicate":
+        recs[rot[1]] = recs[rot[0]]
+    elif tamper == "missing":
+        recs[rot[0], 2] += 10 * int(entries[recs[rot[0], 0]]["segment_elems"])  # a segment past the end
+    else:
+        recs[rot[0], 2] = -int(entries[recs[rot[0], 0]]["segment_elems"])
+    bad = _decode.Staged(st.host, st.slot, st.kinds, st.stored, recs)
+    with pytest.raises(DecodeError, match="exactly once"):
+        bad.plan_for(entries, "x.s4w")
 
 
 # ----------------------------------------------------------------------------- pipeline
