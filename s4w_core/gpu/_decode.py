@@ -382,7 +382,7 @@ class DecodePlan:
     __slots__ = (
         "entries", "key", "k", "width", "nbytes", "rot", "n_el", "region", "op", "planes_bytes", "staged_end",
         "calls", "place", "in_place", "chunk_staged", "chunk_off", "chunk_aligned", "merge_cols", "rot_widths",
-        "merge_groups", "byte_entries", "fold_idx", "fold_groups",
+        "merge_groups", "byte_entries", "fold_idx", "fold_groups", "maps_host", "map_at",
     )
     entries: list[dict[str, Any]]
     key: tuple[Any, ...]
@@ -407,6 +407,8 @@ class DecodePlan:
     byte_entries: list[int]
     fold_idx: np.ndarray
     fold_groups: list[_Group]
+    maps_host: torch.Tensor  # the groups' program maps (int32, merge groups first), pinned on a GPU machine
+    map_at: list[int]  # each group's map's first element in ``maps_host``
 
     @classmethod
     def build(cls, st: Staged, entries: list[dict[str, Any]], name: str = "<checkpoint>") -> DecodePlan:
@@ -507,6 +509,14 @@ class DecodePlan:
             g = np.nonzero(fold & ((p.nbytes % 4 == 0) == words))[0]
             if len(g):
                 p.fold_groups.append(_group(int(words), 0, g, [p.nbytes[g], g], fold64_programs(p.nbytes[g])))
+        # the program maps (the largest tables: one int32 per program) go to pinned memory here, off
+        # the decode's critical path, so that the decode sends them to the device without a host copy
+        maps = [g.pmap for g in p.merge_groups + p.fold_groups]
+        lens = np.array([len(m) for m in maps], dtype=np.int64)
+        p.map_at = (np.cumsum(lens) - lens).tolist()
+        p.maps_host = _nvcomp.host_empty(4 * max(int(lens.sum()), 1)).view(torch.int32)
+        if maps:
+            np.concatenate(maps, out=p.maps_host.numpy()[: int(lens.sum())])
         return p
 
 
@@ -565,19 +575,21 @@ def decode_device(
             and not ((out_addr[rot] | base_addr[rot]) % 16).any()
         )
         merges = [
-            (g, tables.add(np.column_stack([out_addr[g.idx], base_addr[g.idx], g.cols])), tables.add(g.pmap))
-            for g in plan.merge_groups
+            (g, tables.add(np.column_stack([out_addr[g.idx], base_addr[g.idx], g.cols])), plan.map_at[n])
+            for n, g in enumerate(plan.merge_groups)
         ]
     fold_words_ok = not (out_addr[plan.fold_idx] % 4).any()
     if fold_words_ok:
         folds = [
-            (g, tables.add(np.column_stack([out_addr[g.idx], g.cols])), tables.add(g.pmap)) for g in plan.fold_groups
+            (g, tables.add(np.column_stack([out_addr[g.idx], g.cols])), plan.map_at[len(plan.merge_groups) + n])
+            for n, g in enumerate(plan.fold_groups)
         ]
     dev_tables = tables.upload(dev)
+    maps = plan.maps_host.to(dev, non_blocking=True) if dev.type == "cuda" else plan.maps_host
     _mark("merge_tables", dev)
     if plan.in_place:
         for g, t_rows, t_map in merges:
-            launch_items(MERGE_CHUNKS, g.w, g.op, dev_tables[t_rows], dev_tables[t_map], g.programs,
+            launch_items(MERGE_CHUNKS, g.w, g.op, dev_tables[t_rows], maps[t_map:], g.programs,
                          dev_tables[t_chunks], aligned)
     else:
         rows = np.column_stack([out_addr, base_addr, plan.merge_cols])
@@ -597,7 +609,7 @@ def decode_device(
     acc = torch.zeros(k_n + len(pending), dtype=torch.int64, device=dev)
     if fold_words_ok:
         for g, t_rows, t_map in folds:
-            fold64_launch(dev_tables[t_rows], dev_tables[t_map], g.programs, acc, bool(g.w))
+            fold64_launch(dev_tables[t_rows], maps[t_map:], g.programs, acc, bool(g.w))
     elif len(plan.fold_idx):
         idx = plan.fold_idx
         fold64_rows(out_addr[idx], plan.nbytes[idx], idx, acc)

@@ -375,6 +375,9 @@ def test_decode_plan_launch_tables(reader: ContainerReader, pool: ThreadPoolExec
     for g in plan.fold_groups:
         assert ((plan.nbytes[g.idx] % 4 == 0) == bool(g.w)).all()
         assert g.programs == fold64_programs(plan.nbytes[g.idx]).sum() == len(g.pmap)
+    for n, g in enumerate(plan.merge_groups + plan.fold_groups):  # the maps as the decode uploads them
+        at = plan.map_at[n]
+        assert plan.maps_host[at : at + len(g.pmap)].numpy().tolist() == g.pmap.tolist()
 
 
 def test_decode_plan_refuses_a_delta_op_that_does_not_apply(reader: ContainerReader, pool: ThreadPoolExecutor) -> None:
