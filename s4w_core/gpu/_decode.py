@@ -8,7 +8,8 @@ Order of work for a batch of storage entries:
    want aligned buffers, ANS up to 16 bytes), then check each chunk's xxh3 against the manifest
    (a mismatch raises :class:`ChecksumMismatchError` before any byte reaches a GPU decoder: FACTS,
    nvCOMP can crash or hang on corrupt input); zstd chunks are decoded right there (and deflate
-   chunks too when ``S4W_GPU_INFLATE=0``) into slots after the others;
+   chunks too when ``S4W_GPU_INFLATE=0``) into slots after the others; then the batch's
+   :class:`DecodePlan` (every table of steps 3-4 that does not depend on buffer addresses, checked);
 2. one host-to-device copy of the pinned buffer;
 3. one nvCOMP call per codec (ANS for ``nvcomp-ans``, Deflate for ``deflate``: nvCOMP's inflater
    reads zlib's Huffman-only streams and its own, checked on the device) decodes every chunk
@@ -16,8 +17,9 @@ Order of work for a batch of storage entries:
    place is not 16-byte aligned, which only a writer with an odd ``segment_elems`` produces, go
    through a scratch slot); one gather-copy launch places raw and CPU-decoded chunks;
 4. merge planes into each output tensor (the delta op, ``xor`` or ``sub``, undone against the base
-   in the same kernel), then check each storage's raw
-   checksum: ``fold64`` on the GPU (one read-back for the batch), ``xxh3-64`` on the host.
+   in the same kernel; launch tables in one upload), then check each storage's raw
+   checksum: ``fold64`` on the GPU (one read-back for the batch, which also carries the count of
+   chunks nvCOMP failed on), ``xxh3-64`` on the host.
 
 Batches are pipelined: a stager thread reads and checks batch ``i + 1`` (step 1) while batch ``i``
 runs steps 2-4.
