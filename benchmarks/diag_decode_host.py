@@ -124,6 +124,99 @@ def main() -> None:
         t("plan rebuild (stager thread)", lambda: _decode.DecodePlan.build(st, entries))
         # encode side
         t("whole encode (sync)", lambda: (_encode.encode_tensors_device(tl, "fast"), torch.cuda.synchronize()), n=20)
+    encode_steps(tl, dev)
+
+
+def encode_steps(tl: list[torch.Tensor], dev: torch.device) -> None:
+    """The encoder's host steps one at a time (``_encode_batch_device`` taken apart)."""
+    from s4w_core import engine
+    from s4w_core.gpu.kernels import gather_copy, sample_entropy
+
+    prof = _encode.PROFILES["fast"]
+    seg = prof.segment_elems
+
+    def pieces() -> Any:
+        batch = _encode._Batch()
+        for i, x in enumerate(tl):
+            raw = x if x.is_contiguous() else x.contiguous()
+            nbytes = raw.numel() * raw.element_size()
+            transform, w = engine.transform_for(raw.dtype, nbytes)
+            batch.pieces.append(_encode._Piece(i, raw, None, None, raw.dtype, transform, w, 0, nbytes // w, seg, 0))
+            batch.nbytes += nbytes
+        return batch
+
+    print("encode steps:")
+    t("piece loop (encode_tensors_device)", pieces, n=20)
+    ps = pieces().pieces
+    meta_fn = lambda: np.array(  # noqa: E731
+        [(p.e0, p.e1, p.w, p.seg, p.raw.data_ptr(), tk.OPS[p.op] if p.base is not None else 0, p.transform == _encode.ROTL1)
+         for p in ps], dtype=np.int64).reshape(len(ps), 7)
+    t("meta listcomp", meta_fn, n=20)
+    meta = meta_fn()
+    e0, e1, w, sg = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
+    ne = e1 - e0
+    pps = (ne + 255) // 256 * 256
+    size = w * pps
+    off = np.cumsum(size) - size
+    planes = torch.empty(int(size.sum()), dtype=torch.uint8, device=dev)
+    with _nvcomp.on_stream(dev):
+        t("_stage_bases", lambda: _encode._stage_bases(ps, dev), n=20)
+        rows = np.column_stack([meta[:, 4] + e0 * w, np.zeros(len(ps), np.int64), off, ne, pps])
+        rot = meta[:, 6].astype(bool)
+        for width in np.unique(w[rot]).tolist():
+            sel = rot & (w == width)
+            r, o = rows[sel], meta[sel, 5]
+            t(f"launch_rows SPLIT w={width}", lambda width=width, r=r, o=o: tk.launch_rows(tk.SPLIT, int(width), planes, r, o))
+            block, _warps = tk.block_config()
+            t(f"  item_table w={width}", lambda r=r, block=block: tk.item_table(r, -(-r[:, 3] // block), dev))
+        nseg = (ne + sg - 1) // sg
+        nch = nseg * w
+
+        def chunk_table() -> Any:
+            piece_of = np.repeat(np.arange(len(ps), dtype=np.int64), nch)
+            local = np.arange(int(nch.sum()), dtype=np.int64) - np.repeat(np.cumsum(nch) - nch, nch)
+            s_idx = local // w[piece_of]
+            j_idx = local % w[piece_of]
+            s0 = s_idx * sg[piece_of]
+            return off[piece_of] + j_idx * pps[piece_of] + s0, np.minimum(sg[piece_of], ne[piece_of] - s0), j_idx
+
+        t("chunk table (numpy)", chunk_table, n=20)
+        src_off, lengths, j_idx = chunk_table()
+        cand = np.nonzero((j_idx != 0) & (lengths >= _encode.PROBE_BYTES))[0]
+        step = (lengths[cand] - 256) // 15
+        starts = src_off[cand][:, None] + step[:, None] * np.arange(16)[None, :]
+        t("sample_entropy launch", lambda: sample_entropy(planes, starts, 256), n=20)
+        bits = sample_entropy(planes, starts, 256)
+        torch.cuda.synchronize()
+        t("probe read-back (.cpu)", lambda: (bits < 7.92).cpu().numpy(), n=20)
+        todo = np.ones(len(lengths), dtype=bool)
+        todo[cand] = (bits < 7.92).cpu().numpy()
+        idx = np.nonzero(todo)[0]
+        maxlen = int(lengths[idx].max())
+        c = _nvcomp.codec(prof.algorithm, dev, -(-maxlen // 65536) * 65536, **dict(prof.opts))
+        cap = _nvcomp.max_compressed(c, maxlen, dev)
+        t("max_compressed (cached)", lambda: _nvcomp.max_compressed(c, maxlen, dev), n=20)
+        comp = torch.empty(cap * len(idx), dtype=torch.uint8, device=dev)
+        comp_off = np.arange(len(idx), dtype=np.int64) * cap
+        capv = np.full(len(idx), cap, dtype=np.int64)
+        t("ANS encode enqueue (C API)", lambda: c.encode(planes, src_off[idx], lengths[idx], comp, comp_off), n=20)
+        got = c.encode(planes, src_off[idx], lengths[idx], comp, comp_off)
+        torch.cuda.synchronize()
+        t("sizes read-back", lambda: list(got), n=20)
+        t("encode_batch (enqueue + read-back)", lambda: _nvcomp.encode_batch(c, planes, src_off[idx], lengths[idx], comp, comp_off, capv), n=10)
+        sizes = np.full(len(lengths), -1, dtype=np.int64)
+        sizes[idx] = list(got)
+        limit = np.where(j_idx == 0, lengths, lengths * 0.99)
+        coded = (sizes > 0) & (sizes < limit)
+        out_len = np.where(coded, sizes, lengths)
+        slot = (out_len + 15) // 16 * 16
+        out_off = np.cumsum(slot) - slot
+        compact = torch.empty(int(slot.sum()), dtype=torch.uint8, device=dev)
+        raw_m = ~coded
+        t("gather_copy raw", lambda: gather_copy(planes, compact, src_off[raw_m], out_off[raw_m], lengths[raw_m], pad_ok=True), n=20)
+        co = np.zeros(len(lengths), dtype=np.int64)
+        co[idx] = comp_off
+        t("gather_copy coded", lambda: gather_copy(comp, compact, co[coded], out_off[coded], sizes[coded], pad_ok=True), n=20)
 
 
 if __name__ == "__main__":

@@ -351,6 +351,7 @@ class _Call(NamedTuple):
     raw: np.ndarray
     scratch: int
     place: np.ndarray | None
+    ans: _nvcomp.AnsDecodeTable | None = None  # the call's host table, prepared (ANS through nvCOMP's C API)
 
 
 class _Group(NamedTuple):
@@ -463,6 +464,8 @@ class DecodePlan:
                     call = _Call(algorithm, opts, chunk_bytes, slot[m], stored[m], soff, rl, int(sz.sum()), dst[m])
                 else:
                     call = _Call(algorithm, opts, chunk_bytes, slot[m], stored[m], dst[m], rl, 0, None)
+                if algorithm == "ANS" and opts == {"data_type": "|u1"}:
+                    call = call._replace(ans=_nvcomp.ans_decode_table(call.src, call.lengths, call.dst, call.raw))
                 p.calls.append(call)
         # plane-transformed storages merge their raw chunks where they lie in the staged buffer (no
         # placement copy) when every segment is a whole number of merge blocks (``S4W_MERGE_IN_PLACE=0``:
@@ -667,7 +670,10 @@ def _gpu_decode(call: _Call, dev: torch.device, staged: torch.Tensor, planes: to
     dst = planes if not call.scratch else torch.empty(call.scratch, dtype=torch.uint8, device=dev)
     c = _nvcomp.codec(call.algorithm, dev, call.chunk_bytes, **call.opts)
     try:
-        got = _nvcomp.decode_batch(c, staged, call.src, call.lengths, dst, call.dst, call.raw)
+        if call.ans is not None and isinstance(c, _nvcomp._AnsC):
+            got: Any = c.decode_table(call.ans, staged, dst)
+        else:
+            got = _nvcomp.decode_batch(c, staged, call.src, call.lengths, dst, call.dst, call.raw)
     except (RuntimeError, ValueError) as e:
         raise DecodeError(f"{name}: nvCOMP {call.algorithm} failed to decode a chunk whose checksum matched: {e}") from e
     if call.place is not None:

@@ -181,6 +181,7 @@ class _AnsDecompressOpts(ctypes.Structure):
 
 
 _NVCOMP_TYPE_UCHAR = 1  # nvcompType_t: the Python API's '|u1'
+_DOPTS = _AnsDecompressOpts(backend=0, data_type=0, max_sub_chunk_count=0)  # passed by value: never changed
 _C_LIB: Any = None
 _C_TRIED = False
 
@@ -299,6 +300,52 @@ class _AnsC:
                                                    self.stream.cuda_stream),
                "ANS decompress")
         return _DeviceSizes(t[4 * n : 5 * n], status_t[:n], "ANS decompress", expect=t[2 * n : 3 * n])
+
+    def decode_table(self, tab: AnsDecodeTable, src: torch.Tensor, dst: torch.Tensor) -> _DeviceSizes:
+        """:meth:`decode` from a table prepared ahead: the chunks at ``src + tab.src_off`` into
+        ``dst + tab.dst_off``; host work is two vector additions, one copy and the nvCOMP call."""
+        lib = _ans_c()
+        n = tab.n
+        h = tab.host.numpy()
+        np.add(tab.src_off, src.data_ptr(), out=h[:n])
+        np.add(tab.dst_off, dst.data_ptr(), out=h[3 * n : 4 * n])
+        t = torch.empty(6 * n, dtype=torch.int64, device=self.dev)
+        t[: 4 * n].copy_(tab.host[: 4 * n], non_blocking=True)
+        w = t.data_ptr()
+        temp_bytes = ctypes.c_size_t()
+        _check(lib.nvcompBatchedANSDecompressGetTempSize(n, tab.maxlen, _DOPTS, ctypes.byref(temp_bytes), tab.total,
+                                                         self.stream.cuda_stream), "ANS decompress temp size")
+        temp = torch.empty(max(int(temp_bytes.value), 1), dtype=torch.uint8, device=self.dev)
+        _check(lib.nvcompBatchedANSDecompressAsync(w, w + 8 * n, w + 16 * n, w + 32 * n, n, temp.data_ptr(),
+                                                   temp_bytes.value, w + 24 * n, _DOPTS, w + 40 * n,
+                                                   self.stream.cuda_stream),
+               "ANS decompress")
+        return _DeviceSizes(t[4 * n : 5 * n], t[5 * n :].view(torch.int32)[:n], "ANS decompress", expect=t[2 * n : 3 * n])
+
+
+class AnsDecodeTable:
+    """The host half of one batched ANS decode, prepared ahead of the call (a load's decode plan,
+    on the stager thread): a pinned table with the chunk lengths and output capacities filled in,
+    the chunk and output offsets, the largest chunk and the total. The call adds the two buffers'
+    addresses and sends the table in one copy (:meth:`_AnsC.decode_table`). A table is reused only
+    after the decode that used it has finished (the GPU reader reads back at the end of each batch)."""
+
+    __slots__ = ("n", "src_off", "dst_off", "host", "maxlen", "total")
+
+    def __init__(self, src_off: np.ndarray, lengths: np.ndarray, dst_off: np.ndarray, raw: np.ndarray) -> None:
+        n = self.n = len(lengths)
+        self.src_off, self.dst_off = src_off, dst_off
+        self.host = host_empty(32 * max(n, 1)).view(torch.int64)
+        h = self.host.numpy()
+        h[n : 2 * n] = lengths
+        h[2 * n : 3 * n] = raw
+        self.maxlen, self.total = int(raw.max()) if n else 0, int(raw.sum())
+
+
+def ans_decode_table(src_off: np.ndarray, lengths: np.ndarray, dst_off: np.ndarray, raw: np.ndarray) -> AnsDecodeTable | None:
+    """An :class:`AnsDecodeTable` where ANS decodes through the C API (else None: the Python API
+    takes lists)."""
+    return AnsDecodeTable(src_off, lengths, dst_off, raw) if _ans_c() is not None and len(lengths) else None
 
 
 class _DeviceSizes:

@@ -140,5 +140,8 @@ def test_decode_device_checks_nvcomp_on_the_device(nv):
     plan = st.plan_for(entries)
     assert plan.calls and plan.calls[0].algorithm == "ANS"
     plan.calls[0].raw[0] -= 64  # nvCOMP's output capacity for that chunk is now too small
+    tab = plan.calls[0].ans
+    assert tab is not None  # the C API's host table, prepared with the plan
+    tab.host[2 * tab.n] -= 64
     with nv.on_stream(dev), pytest.raises(DecodeError, match="nvCOMP ANS failed to decode a chunk"):
         _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "bad")
