@@ -631,7 +631,7 @@ def decode_device(
         if not counted[m] or vals[k_n + m]:
             pd.check()
     _mark("checks", dev)
-    return [int(x) for x in vals[:k_n]]
+    return vals[:k_n]  # ints already (tolist)
 
 
 class _Pending:

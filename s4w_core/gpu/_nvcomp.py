@@ -310,7 +310,7 @@ class _AnsC:
         np.add(tab.src_off, src.data_ptr(), out=h[:n])
         np.add(tab.dst_off, dst.data_ptr(), out=h[3 * n : 4 * n])
         t = torch.empty(6 * n, dtype=torch.int64, device=self.dev)
-        t[: 4 * n].copy_(tab.host[: 4 * n], non_blocking=True)
+        t[: 4 * n].copy_(tab.filled, non_blocking=True)
         w = t.data_ptr()
         temp_bytes = ctypes.c_size_t()
         _check(lib.nvcompBatchedANSDecompressGetTempSize(n, tab.maxlen, _DOPTS, ctypes.byref(temp_bytes), tab.total,
@@ -320,7 +320,7 @@ class _AnsC:
                                                    temp_bytes.value, w + 24 * n, _DOPTS, w + 40 * n,
                                                    self.stream.cuda_stream),
                "ANS decompress")
-        return _DeviceSizes(t[4 * n : 5 * n], t[5 * n :].view(torch.int32)[:n], "ANS decompress", expect=t[2 * n : 3 * n])
+        return _DeviceSizes.in_decode_table(t, n, "ANS decompress")
 
 
 class AnsDecodeTable:
@@ -330,12 +330,13 @@ class AnsDecodeTable:
     addresses and sends the table in one copy (:meth:`_AnsC.decode_table`). A table is reused only
     after the decode that used it has finished (the GPU reader reads back at the end of each batch)."""
 
-    __slots__ = ("n", "src_off", "dst_off", "host", "maxlen", "total")
+    __slots__ = ("n", "src_off", "dst_off", "host", "filled", "maxlen", "total")
 
     def __init__(self, src_off: np.ndarray, lengths: np.ndarray, dst_off: np.ndarray, raw: np.ndarray) -> None:
         n = self.n = len(lengths)
         self.src_off, self.dst_off = src_off, dst_off
         self.host = host_empty(32 * max(n, 1)).view(torch.int64)
+        self.filled = self.host[: 4 * n]  # the part the call sends
         h = self.host.numpy()
         h[n : 2 * n] = lengths
         h[2 * n : 3 * n] = raw
@@ -353,7 +354,36 @@ class _DeviceSizes:
     (synchronizing our stream) and raises RuntimeError if any chunk's status is not success."""
 
     def __init__(self, sizes: torch.Tensor, status: torch.Tensor, what: str, expect: torch.Tensor | None = None) -> None:
-        self.sizes, self.status, self.what, self.expect = sizes, status, what, expect
+        self._parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = (sizes, status, expect)
+        self._table: tuple[torch.Tensor, int] | None = None
+        self.what = what
+
+    @classmethod
+    def in_decode_table(cls, t: torch.Tensor, n: int, what: str) -> _DeviceSizes:
+        """Sizes, statuses and expected sizes where :meth:`_AnsC.decode_table` lays them out in
+        ``t``; the views are made when first used (after the rest of the batch is enqueued)."""
+        obj = cls.__new__(cls)
+        obj._parts, obj._table, obj.what = None, (t, n), what
+        return obj
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self._parts is None:
+            assert self._table is not None
+            t, n = self._table
+            self._parts = (t[4 * n : 5 * n], t[5 * n :].view(torch.int32)[:n], t[2 * n : 3 * n])
+        return self._parts
+
+    @property
+    def sizes(self) -> torch.Tensor:
+        return self._views()[0]
+
+    @property
+    def status(self) -> torch.Tensor:
+        return self._views()[1]
+
+    @property
+    def expect(self) -> torch.Tensor | None:
+        return self._views()[2]
 
     def failures(self) -> torch.Tensor | None:
         """For a decode: on the device, without a read-back, the number of chunks that failed or
