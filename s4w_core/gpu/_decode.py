@@ -404,7 +404,7 @@ class DecodePlan:
     chunk_staged: np.ndarray | None
     chunk_off: np.ndarray | None
     chunk_aligned: bool
-    merge_cols: np.ndarray
+    merge_cols: np.ndarray | None  # the merge's columns after the addresses (placed path; in place: the groups')
     rot_widths: list[int]
     merge_groups: list[_Group]
     byte_entries: list[int]
@@ -493,7 +493,7 @@ class DecodePlan:
             p.chunk_staged[idx] = cp[mine]
             p.chunk_off[idx] = np.where(cp[mine], slot[mine], dst[mine])
             p.chunk_aligned = not (p.chunk_off % 16).any()
-            p.merge_cols = np.column_stack([first, n_el, seg])
+            p.merge_cols = None
             # one launch per element width and delta op (the op is undone in the same pass)
             for w_ in p.rot_widths:
                 for code in np.unique(p.op[rot & (width == w_)]).tolist():
@@ -597,6 +597,7 @@ def decode_device(
             launch_items(MERGE_CHUNKS, g.w, g.op, dev_tables[t_rows], maps[t_map:], g.programs,
                          dev_tables[t_chunks], aligned)
     else:
+        assert plan.merge_cols is not None
         rows = np.column_stack([out_addr, base_addr, plan.merge_cols])
         for w_ in plan.rot_widths:
             sel = rot & (plan.width == w_)

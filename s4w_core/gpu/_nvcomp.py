@@ -246,10 +246,6 @@ class _AnsC:
     def copts() -> _AnsCompressOpts:
         return _AnsCompressOpts(type=0, data_type=_NVCOMP_TYPE_UCHAR, max_sub_chunk_count=0)
 
-    @staticmethod
-    def dopts() -> _AnsDecompressOpts:
-        return _AnsDecompressOpts(backend=0, data_type=0, max_sub_chunk_count=0)
-
     def max_compressed(self, raw_len: int) -> int:
         out = ctypes.c_size_t()
         _check(_ans_c().nvcompBatchedANSCompressGetMaxOutputChunkSize(max(raw_len, 1), self.copts(), ctypes.byref(out)),
@@ -283,23 +279,7 @@ class _AnsC:
 
     def decode(self, src: torch.Tensor, so: np.ndarray, ln: np.ndarray, dst: torch.Tensor, do: np.ndarray,
                raw: np.ndarray) -> Any:
-        lib = _ans_c()
-        n = len(ln)
-        t = self._table([src.data_ptr() + so, ln, raw, dst.data_ptr() + do], 2 * n)
-        w = t.data_ptr()
-        in_ptrs, in_bytes, out_cap, out_ptrs, out_bytes, status = (w, w + 8 * n, w + 16 * n, w + 24 * n,
-                                                                   w + 32 * n, w + 40 * n)
-        status_t = t[5 * n :].view(torch.int32)
-        maxlen, total = int(raw.max()), int(raw.sum())
-        temp_bytes = ctypes.c_size_t()
-        _check(lib.nvcompBatchedANSDecompressGetTempSize(n, maxlen, self.dopts(), ctypes.byref(temp_bytes), total,
-                                                         self.stream.cuda_stream), "ANS decompress temp size")
-        temp = torch.empty(max(int(temp_bytes.value), 1), dtype=torch.uint8, device=self.dev)
-        _check(lib.nvcompBatchedANSDecompressAsync(in_ptrs, in_bytes, out_cap, out_bytes, n, temp.data_ptr(),
-                                                   temp_bytes.value, out_ptrs, self.dopts(), status,
-                                                   self.stream.cuda_stream),
-               "ANS decompress")
-        return _DeviceSizes(t[4 * n : 5 * n], status_t[:n], "ANS decompress", expect=t[2 * n : 3 * n])
+        return self.decode_table(AnsDecodeTable(so, ln, do, raw), src, dst)
 
     def decode_table(self, tab: AnsDecodeTable, src: torch.Tensor, dst: torch.Tensor) -> _DeviceSizes:
         """:meth:`decode` from a table prepared ahead: the chunks at ``src + tab.src_off`` into

@@ -447,7 +447,9 @@ def _wide() -> bool:
 
 
 def merge_chunks(w: int, chunks: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: bool) -> None:
-    """Merge planes read in place from their chunks (no placement copy), one launch per delta op.
+    """Merge planes read in place from their chunks (no placement copy), one launch per delta op,
+    through the launch path of the GPU reader's decode plan (:class:`Tables`, :func:`program_map`,
+    :func:`launch_items`), which builds these tables ahead of the call.
 
     ``chunks``: int64 device tensor of chunk addresses. ``rows``: int64 ``(k, 5)``: output address,
     base address (0: none), index of the item's first chunk in ``chunks`` (plane ``j`` of segment
@@ -463,8 +465,17 @@ def merge_chunks(w: int, chunks: torch.Tensor, rows: np.ndarray, ops: np.ndarray
         return
     if (rows[:, 4] % merge_block()).any():
         raise ValueError("merge_chunks: the segment length must be a multiple of the block")
-    wide = aligned and _wide()
-    _launch_by_op(_merge_chunks_kernel, w, chunks, rows, ops, lambda r: wide)
+    block = merge_block()
+    tables = Tables()
+    launches = []
+    for code in np.unique(ops).tolist():  # the decode's launch path: host-built maps, one upload
+        r = rows[ops == code]
+        programs = -(-r[:, 3] // block)
+        launches.append((int(code), tables.add(np.column_stack([r, np.cumsum(programs) - programs])),
+                         tables.add(program_map(programs)), int(programs.sum())))
+    dev = tables.upload(chunks.device)
+    for code, t_rows, t_map, total in launches:
+        launch_items(_merge_chunks_kernel, w, code, dev[t_rows], dev[t_map], total, chunks, aligned)
 
 
 def merge_block() -> int:

@@ -330,12 +330,17 @@ def test_stage_builds_the_decode_plan(reader: ContainerReader, pool: ThreadPoolE
     assert plan.in_place and plan.chunk_staged is not None and plan.chunk_off is not None
     assert plan.staged_end == int((st.slot + st.stored).max()) <= st.host.numel()
     ps = (plan.n_el + ALIGN - 1) // ALIGN * ALIGN
+    segs = np.array([e["segment_elems"] for e in entries])
+    nch = np.where(plan.rot, -(-plan.n_el // segs) * plan.width, 0)
+    first = np.cumsum(nch) - nch  # each entry's first chunk in the merge's chunk table
+    for g in plan.merge_groups:  # what the merge launches read (their first column)
+        assert g.cols[:, 0].tolist() == first[g.idx].tolist()
     seen = 0
     for c, (k, j, s0, _n) in enumerate(st.recs.tolist()):
         if not plan.rot[k]:
             continue
         seg = int(entries[k]["segment_elems"])
-        at = int(plan.merge_cols[k, 0]) + (s0 // seg) * int(plan.width[k]) + j
+        at = int(first[k]) + (s0 // seg) * int(plan.width[k]) + j
         if st.kinds[c] == "copy":
             assert plan.chunk_staged[at] and plan.chunk_off[at] == st.slot[c]
         else:
