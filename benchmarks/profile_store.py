@@ -206,9 +206,19 @@ def main() -> int:
                       flush=True)
                 for k, v in row["inside"].items():
                     print(f"      {v['s']:8.3f}s {v['calls']:6d}x  {k}", flush=True)
-            st.close()
+            t0 = time.perf_counter()
+            st.close()  # waits for the newest step's keyframe copy, written behind its save
+            copies = [e for e in events if e.op == "keyframe_copy"]
+            for e in copies:
+                print(f"[{mode}] keyframe copy of step {e.step}: {e.extra.get('outcome')} in {e.total_s:.3f}s, "
+                      f"{e.stored_bytes} bytes, stages {({k: round(v, 4) for k, v in e.stages.items()})} "
+                      f"(close waited {time.perf_counter() - t0:.3f}s)", flush=True)
             loads = {}
-            for which, step in (("newest", args.saves - 1), ("keyframe", 0)):
+            for which, step, from_copy in (
+                ("newest", args.saves - 1, True),  # its keyframe copy when it has one
+                ("newest-chain", args.saves - 1, False),  # the same step from its delta chain
+                ("keyframe", 0, True),
+            ):
                 if s3 is not None:
                     s3.evict()
                 else:
@@ -219,7 +229,7 @@ def main() -> int:
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    got = s4w_core.CheckpointStore(root).load(step, map_location=dev)
+                    got = s4w_core.CheckpointStore(root).load(step, map_location=dev, from_copy=from_copy)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     t = time.perf_counter() - t0
@@ -228,10 +238,12 @@ def main() -> int:
                 loads[which] = {
                     "step": step, "s": round(t, 4),
                     "depth": ev[-1].extra.get("depth") if ev else None,
+                    "from": ev[-1].extra.get("from") if ev else None,
                     "stages": {k: round(v, 4) for k, v in (ev[-1].stages if ev else {}).items()},
                     "inside": timers.report(),
                 }
-                print(f"[{mode}] load {which} (step {step}, depth {loads[which]['depth']}): {t:.3f}s "
+                print(f"[{mode}] load {which} (step {step}, depth {loads[which]['depth']}, "
+                      f"from {loads[which]['from']}): {t:.3f}s "
                       f"stages {loads[which]['stages']}", flush=True)
                 for k, v in loads[which]["inside"].items():
                     print(f"      {v['s']:8.3f}s {v['calls']:6d}x  {k}", flush=True)

@@ -102,8 +102,10 @@ def _lsr33(x: torch.Tensor) -> torch.Tensor:
     return (x >> 33) & _MASK31
 
 
-def fold64(flat_u8: torch.Tensor) -> int:
-    """``fold64`` of a 1-D contiguous uint8 tensor on any device; returns an unsigned int."""
+def fold64(flat_u8: torch.Tensor, device: torch.device | None = None) -> int:
+    """``fold64`` of a 1-D contiguous uint8 tensor on any device; returns an unsigned int.
+    ``device``: compute there, moving one block of words at a time (a host tensor summed on a
+    GPU without a device copy of the whole)."""
     n = flat_u8.numel()
     pad = (-n) % 4
     if pad:
@@ -111,10 +113,11 @@ def fold64(flat_u8: torch.Tensor) -> int:
     elif flat_u8.storage_offset() % 4:  # an int32 view needs 4-byte alignment
         flat_u8 = flat_u8.clone()
     words = flat_u8.view(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=flat_u8.device)
+    dev = flat_u8.device if device is None else device
+    total = torch.zeros((), dtype=torch.int64, device=dev)
     k1, m1, m2 = _s64(_K1), _s64(_M1), _s64(_M2)
     for start in range(0, words.numel(), _BLOCK):
-        w = words[start : start + _BLOCK].to(torch.int64) & 0xFFFFFFFF
+        w = words[start : start + _BLOCK].to(dev).to(torch.int64) & 0xFFFFFFFF
         idx = torch.arange(start + 1, start + 1 + w.numel(), dtype=torch.int64, device=w.device)
         x = w + idx * k1
         x ^= _lsr33(x)
@@ -141,6 +144,10 @@ def compute_checksum(algo: str, flat_u8: torch.Tensor) -> str:
     raise ValueError(f"unknown checksum algorithm {algo!r}")
 
 
-def verify_tensor_checksum(expected: str, flat_u8: torch.Tensor) -> bool:
+def verify_tensor_checksum(expected: str, flat_u8: torch.Tensor, device: torch.device | None = None) -> bool:
+    """Is ``expected`` (``"algo:hex"``) the checksum of ``flat_u8``?  ``device``: where a
+    ``fold64`` is computed (see :func:`fold64`)."""
     algo = expected.split(":", 1)[0]
+    if algo == "fold64" and device is not None:
+        return f"fold64:{fold64(flat_u8, device):016x}" == expected
     return compute_checksum(algo, flat_u8) == expected

@@ -17,7 +17,9 @@ store does the rest, in order:
   thread, as :meth:`~s4w_core.store.CheckpointStore.save` does (a warning says so).
 
 At most one save is in flight per store: the next one waits for it (``on_busy="wait"``) or raises
-:class:`~s4w_core.errors.SaveInProgressError` (``on_busy="error"``).  A background failure is kept
+:class:`~s4w_core.errors.SaveInProgressError` (``on_busy="error"``).  Behind a save the worker may
+run a *tail* (:meth:`Pipeline.defer`: the keyframe copy of the newest step), which the next save
+cancels instead of waiting for it and which :meth:`Pipeline.wait` waits for.  A background failure is kept
 and raised, wrapped in :class:`~s4w_core.errors.AsyncSaveError`, by the store's next call; at
 interpreter exit every store's in-flight save is waited for and a failure is logged at ERROR.
 """
@@ -48,7 +50,7 @@ from s4w_core.errors import AsyncSaveError, SaveInProgressError
 if TYPE_CHECKING:
     from s4w_core.store.store import StepInfo
 
-__all__ = ["SaveHandle", "MODES", "ON_BUSY", "choose_mode", "snapshot", "HostBuffer", "PinnedPool", "pinned_slab", "pinned_buffers"]
+__all__ = ["SaveHandle", "Cancelled", "CancellableWriter", "MODES", "ON_BUSY", "choose_mode", "snapshot", "HostBuffer", "PinnedPool", "pinned_slab", "pinned_buffers"]
 
 log = logging.getLogger("s4w_core.store")
 
@@ -90,6 +92,7 @@ class SaveHandle:
         self._info: StepInfo | None = None
         self._error: BaseException | None = None
         self._observed = False
+        self._cancel: threading.Event | None = None  # set: a tail job that the next save cancels
 
     def done(self) -> bool:
         """True once the save is durable or has failed."""
@@ -137,6 +140,27 @@ class SaveHandle:
 
 
 # ----------------------------------------------------------------------------- the worker
+class Cancelled(Exception):
+    """A tail job was cancelled by the next save (never leaves the store)."""
+
+
+class CancellableWriter:
+    """A write-only file object that raises :class:`Cancelled` once ``cancel`` is set, so that a
+    container being streamed out stops at its next write (the backend's writer then drops it)."""
+
+    def __init__(self, f: Any, cancel: threading.Event) -> None:
+        self._f = f
+        self._cancel = cancel
+
+    def write(self, data: Any) -> int:
+        if self._cancel.is_set():
+            raise Cancelled
+        return int(self._f.write(data))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 def _run(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
     while True:
         fn = q.get()
@@ -166,6 +190,7 @@ class Pipeline:
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.inflight: SaveHandle | None = None
+        self.tail: SaveHandle | None = None  # a cancellable job behind the saves (keyframe copy)
         self.failed: SaveHandle | None = None
         self.pending_bytes = 0
         self.peak_pending_bytes = 0
@@ -176,23 +201,43 @@ class Pipeline:
         """Before a save: wait for the one in flight (or raise SaveInProgressError), then raise a
         failure not yet reported.  Returns the seconds waited."""
         h = self.inflight
-        waited = 0.0
-        if h is not None and not h.done():
-            if self.on_busy == "error":
-                raise SaveInProgressError(
-                    f"{self.url}: the {h.what} of step {h.step} is still running in the background; "
-                    "call store.wait() first, or open the store with on_busy='wait'"
-                )
-            t = time.perf_counter()
-            h._event.wait()  # noqa: SLF001
-            waited = time.perf_counter() - t
+        if h is not None and not h.done() and self.on_busy == "error":
+            raise SaveInProgressError(
+                f"{self.url}: the {h.what} of step {h.step} is still running in the background; "
+                "call store.wait() first, or open the store with on_busy='wait'"
+            )
+        t = time.perf_counter()
+        busy = False
+        while True:  # the save in flight may queue a tail before it ends: look again after it
+            h = self.inflight
+            tail = self.cancel_tail()
+            if h is not None and not h.done():
+                busy = True
+                h._event.wait()  # noqa: SLF001
+            elif tail is not None:
+                busy = True
+                tail._event.wait()  # noqa: SLF001
+            else:
+                break
+        waited = time.perf_counter() - t if busy else 0.0
         self.raise_failed()
         return waited
 
+    def cancel_tail(self) -> SaveHandle | None:
+        """Ask the tail job to stop (it ends at its next write); returns it if it has not ended."""
+        t = self.tail
+        if t is None or t.done():
+            return None
+        if t._cancel is not None:  # noqa: SLF001
+            t._cancel.set()  # noqa: SLF001
+        return t
+
     def wait(self, timeout: float | None = None) -> None:
-        h = self.inflight
-        if h is not None and not h._event.wait(timeout):  # noqa: SLF001
-            raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
+        """Wait for the save in flight and then for the tail behind it."""
+        for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail
+            h = getattr(self, which)
+            if h is not None and not h._event.wait(timeout):  # noqa: SLF001
+                raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
         self.raise_failed()
 
     def raise_failed(self) -> None:
@@ -223,6 +268,24 @@ class Pipeline:
                 self._thread = threading.Thread(target=_run, args=(self._q,), name=f"s4w-save {self.url}", daemon=True)
                 self._thread.start()
         self._q.put(functools.partial(self._execute, handle, job, hold_bytes))
+
+    def defer(self, handle: SaveHandle, job: Callable[[], None]) -> None:
+        """Run ``job`` on the worker behind everything queued, as the tail: the next save cancels
+        it (``handle._cancel``), :meth:`wait` waits for it.  ``job`` reports its own errors."""
+        with self._lock:
+            self.tail = handle
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=_run, args=(self._q,), name=f"s4w-save {self.url}", daemon=True)
+                self._thread.start()
+        self._q.put(functools.partial(self._execute_tail, handle, job))
+
+    def _execute_tail(self, handle: SaveHandle, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException:  # noqa: BLE001 - a tail never fails the store's next call
+            log.exception("s4weights: background %s of step %d to %s raised", handle.what, handle.step, self.url)
+        del job
+        handle._finish(None, None)  # noqa: SLF001
 
     def _execute(self, handle: SaveHandle, job: Callable[[], StepInfo], hold_bytes: int) -> None:
         info: StepInfo | None = None
@@ -257,6 +320,9 @@ class Pipeline:
             if h is not None and not h.done():
                 log.info("s4weights: %s: waiting for the background %s of step %d to %s", why, h.what, h.step, self.url)
                 h._event.wait()  # noqa: SLF001
+            tail = self.cancel_tail()  # at exit or in a finalizer: stop it rather than wait it out
+            if tail is not None:
+                tail._event.wait()  # noqa: SLF001
             with self._lock:
                 f, self.failed = self.failed, None
             if f is not None and not f._observed:  # noqa: SLF001

@@ -13,6 +13,7 @@ live while a fast-tier commit lists it.
 from __future__ import annotations
 
 import builtins
+import threading
 from typing import TYPE_CHECKING
 
 from s4w_core.errors import CheckpointNotFoundError, S4WError, StoreError
@@ -37,13 +38,18 @@ class Tiers:
         self.records: dict[str, tuple[int, str | None, StepInfo]] = {}
 
 
-def copy_object(src: Backend, dst: Backend, key: str) -> int:
+def copy_object(src: Backend, dst: Backend, key: str, cancel: threading.Event | None = None) -> int:
     """Stream one object from ``src`` to ``dst`` (atomic on ``dst``, as every backend write is).
-    Returns its size.  Backend errors become StoreError naming both ends."""
+    Returns its size.  Backend errors become StoreError naming both ends.  ``cancel``: once set,
+    the copy stops at its next block (:class:`~s4w_core.store._async.Cancelled`; nothing lands)."""
+    from s4w_core.store._async import Cancelled
+
     rr = src.fetch(key)
     try:
         with dst.writer(key) as f:
             for off in range(0, rr.size, _COPY_BLOCK):
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled
                 data = rr.read(off, min(_COPY_BLOCK, rr.size - off))
                 try:
                     f.write(data)
@@ -56,22 +62,23 @@ def copy_object(src: Backend, dst: Backend, key: str) -> int:
         rr.close()
 
 
-def upload_missing(store: CheckpointStore) -> builtins.list[int]:
-    """Copy every step the fast tier has committed and the slow tier has not (ascending): its
-    chain's data objects the slow tier lacks, then its commit record.  Then apply the fast tier's
-    retention.  Returns the steps uploaded.  Caller holds ``store._lock``."""
+def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None) -> builtins.list[int]:
+    """Copy every step the fast tier has committed and the slow tier has not (ascending), or
+    has with another keyframe copy: the data objects its record keeps alive that the slow tier
+    lacks, then its commit record.  Then apply the fast tier's retention.  Returns the steps
+    uploaded.  Caller holds ``store._lock``.  ``cancel``: see :func:`copy_object`."""
     from s4w_core.store.store import _DATA
 
     assert store._tiers is not None  # noqa: SLF001
     slow_b = store.backend
     fast, slow = store._tier_views()  # noqa: SLF001
-    todo = [s for s, r in fast.items() if s not in slow or slow[s].object != r.object]
+    todo = [s for s, r in fast.items() if s not in slow or slow[s].object != r.object or slow[s].copy != r.copy]
     done: builtins.list[int] = []
     try:
         if todo:
             on_slow = {o.key for o in slow_b.list(_DATA)}
             for step in todo:
-                _upload_step(store, step, fast[step], slow.get(step), on_slow)
+                _upload_step(store, step, fast[step], slow.get(step), on_slow, cancel)
                 done.append(step)
     except BaseException:
         try:  # what did reach the slow tier may still leave the fast one
@@ -83,17 +90,24 @@ def upload_missing(store: CheckpointStore) -> builtins.list[int]:
     return done
 
 
-def _upload_step(store: CheckpointStore, step: int, rec: StepInfo, old: StepInfo | None, on_slow: set[str]) -> None:
+def _upload_step(
+    store: CheckpointStore,
+    step: int,
+    rec: StepInfo,
+    old: StepInfo | None,
+    on_slow: set[str],
+    cancel: threading.Event | None = None,
+) -> None:
     from s4w_core.store.store import _commit_key
 
     tiers = store._tiers  # noqa: SLF001
     assert tiers is not None
     fast_b, slow_b = tiers.fast, store.backend
-    for key in reversed(rec.objects):  # bases first; the commit record last
+    for key in reversed(rec.live_objects):  # the copy, bases, own; the commit record last
         if key in on_slow:
             continue
         try:
-            copy_object(fast_b, slow_b, key)
+            copy_object(fast_b, slow_b, key, cancel)
         except CheckpointNotFoundError as e:
             raise StoreError(
                 f"cannot upload step {step} to {slow_b.url}: its chain's data object {key} is on neither tier ({e})"
@@ -102,7 +116,7 @@ def _upload_step(store: CheckpointStore, step: int, rec: StepInfo, old: StepInfo
     slow_b.put(_commit_key(step), fast_b.get(_commit_key(step)), if_absent=old is None)
     store._forget_record(slow_b, _commit_key(step))  # noqa: SLF001
     if old is not None:  # an overwrite: the old chain's objects may be free now
-        store._reclaim(old.objects)  # noqa: SLF001
+        store._reclaim(old.live_objects)  # noqa: SLF001
 
 
 def prune_fast(store: CheckpointStore) -> builtins.list[int]:
@@ -120,7 +134,7 @@ def prune_fast(store: CheckpointStore) -> builtins.list[int]:
     doomed = [s for s, r in fast.items() if s not in keep and s in slow and slow[s].object == r.object]
     if not doomed:
         return []
-    candidates = {o for s in doomed for o in fast[s].objects}
+    candidates = {o for s in doomed for o in fast[s].live_objects}
     for s in doomed:
         tiers.fast.delete(_commit_key(s))
         store._forget_record(tiers.fast, _commit_key(s))  # noqa: SLF001

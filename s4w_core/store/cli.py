@@ -130,12 +130,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(
             f"{r.step:>10}  {r.kind:<8} {r.depth:>5} {'' if r.base_step is None else r.base_step:>8} "
             f"{_h(r.raw_bytes):>11} {_h(r.object_bytes):>11} {r.ratio:>6.3f}x  {'*' if r.pinned else '':<3} {r.created}"
+            + (f"  (+ keyframe copy {_h(r.copy_bytes)})" if r.copy is not None else "")
         )
     sz = st.sizes()
     print(
         f"total: {_h(sz['raw_bytes'])} raw -> {_h(sz['stored_bytes'])} stored ({sz['ratio']:.3f}x); "
         f"on storage {_h(sz['physical_bytes'])} (bases kept for deltas {_h(sz['base_only_bytes'])}, "
-        f"unreferenced {_h(sz['unreferenced_bytes'])})"
+        f"keyframe copies {_h(sz['copy_bytes'])}, unreferenced {_h(sz['unreferenced_bytes'])})"
     )
     return 0
 
@@ -153,8 +154,10 @@ def _cmd_store_info(args: argparse.Namespace) -> int:
           + (f", base step {rec.base_step})" if rec.base_step is not None else ")")
           + (" [pinned]" if rec.pinned else ""))
     print(f"  data object {rec.object}: {_h(rec.raw_bytes)} raw -> {_h(rec.object_bytes)} ({rec.ratio:.3f}x)")
+    if rec.copy is not None:
+        print(f"  keyframe copy {rec.copy}: {_h(rec.copy_bytes)} (a load reads it alone)")
     if len(rec.objects) > 1:
-        print(f"  restoring reads {len(rec.objects)} objects: " + ", ".join(rec.objects))
+        print(f"  restoring from the chain reads {len(rec.objects)} objects: " + ", ".join(rec.objects))
     print(f"  created {rec.created}, profile {rec.profile}, {d['tensors']} tensors, {d['delta_storages']} of "
           f"{d['storages']} storages stored as deltas")
     for title in ("kinds", "groups"):

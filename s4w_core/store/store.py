@@ -50,6 +50,7 @@ from typing import IO, Any, Callable, Iterable, Literal, Mapping, TypeVar, overl
 import torch
 
 from s4w_core import api, engine, obs
+from s4w_core import checksum as ck
 from s4w_core.codecs import get_codec
 from s4w_core.errors import (
     AsyncSaveError,
@@ -158,10 +159,19 @@ class StepInfo:
     #: where the step is committed, for a store with a fast tier: ("fast",), ("slow",) or both;
     #: () for a store without tiers.  Not part of the commit record.
     tiers: tuple[str, ...] = ()
+    #: a keyframe container of the same bytes, written after the step committed (the newest
+    #: delta step has one: a load of it reads that one object instead of its chain); None if none
+    copy: str | None = None
+    copy_bytes: int = 0
 
     @property
     def ratio(self) -> float:
         return self.raw_bytes / self.object_bytes if self.object_bytes else 1.0
+
+    @property
+    def live_objects(self) -> tuple[str, ...]:
+        """The data objects this record keeps alive: its chain's, and its keyframe copy."""
+        return (*self.objects, self.copy) if self.copy is not None else self.objects
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -183,6 +193,7 @@ class StepInfo:
             "delta_ops": self.delta_ops,
             "pinned": self.pinned,
             **({"tiers": list(self.tiers)} if self.tiers else {}),
+            **({"keyframe_copy": {"object": self.copy, "bytes": self.copy_bytes}} if self.copy is not None else {}),
         }
 
     def _record(self) -> dict[str, Any]:
@@ -232,6 +243,14 @@ def _parse_record(body: bytes, key: str, where: str) -> StepInfo:
             raise bad(f"base_step {base!r} must be an earlier step")
         if r["kind"] not in ("keyframe", "delta"):
             raise bad(f"unknown kind {r['kind']!r}")
+        copy, copy_bytes = None, 0
+        if r.get("keyframe_copy") is not None:
+            c = r["keyframe_copy"]
+            if not isinstance(c, dict) or not isinstance(c.get("object"), str) or type(c.get("bytes")) is not int:
+                raise bad(f"keyframe_copy must be {{'object': KEY, 'bytes': N}}, got {c!r}")
+            copy, copy_bytes = c["object"], c["bytes"]
+            if not copy.startswith(_DATA) or ".." in copy or copy in objects or copy_bytes < 0:
+                raise bad(f"keyframe_copy {copy!r} ({copy_bytes} bytes) is not a data object of its own under {_DATA}")
         return StepInfo(
             step=step,
             kind=r["kind"],
@@ -248,6 +267,8 @@ def _parse_record(body: bytes, key: str, where: str) -> StepInfo:
             groups=_dict(r.get("groups")),
             extra=_dict(r.get("extra")),
             delta_ops=_dict(r.get("delta_ops")),
+            copy=copy,
+            copy_bytes=copy_bytes,
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ManifestError):
@@ -265,6 +286,67 @@ class _CachedBase:
     storages: dict[str, tuple[torch.Tensor, dict[str, Any], str]]  # path -> (uint8 cpu, base_ref, dtype)
     nbytes: int
     pooled: bool = False  # the tensors are pinned buffers of the store's PinnedPool
+    #: every storage's host bytes, in the container's order (the tensors of ``storages`` among them)
+    raws: builtins.list[torch.Tensor] = field(default_factory=builtins.list)
+    #: the state's tree, tensor table and (dtype, path, device) per storage: with ``raws``, what a
+    #: keyframe copy of the step is encoded from (None: not kept, e.g. a step that was loaded)
+    source: tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None = None
+
+    def collected(self, profile: str) -> api.Collected | None:
+        """The step as a collected state over the host copies (None without a source)."""
+        if self.source is None or len(self.raws) != len(self.source[2]):
+            return None
+        tree, tensors, jobs = self.source
+        col = engine.Collector(
+            tensors=tensors, jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(self.raws, jobs)]
+        )
+        return api.Collected(col, tree, profile)
+
+
+def _source(tree: Any, col: engine.Collector) -> tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]]:
+    return tree, col.tensors, [(j.dtype, j.path, j.device) for j in col.jobs]
+
+
+def _same_storages(
+    copy: Mapping[str, Any],
+    own: Mapping[str, Any],
+    raws: builtins.list[torch.Tensor] | None = None,
+    devices: builtins.list[str] | None = None,
+) -> str | None:
+    """Why a keyframe copy's manifest does not stand for the step's own (None: it does): the
+    same storages in the same order (path, dtype, size), none a delta, same tree, and the same
+    bytes: equal checksums, or, where the two were computed with different algorithms (the
+    GPU writer sums data on a device with ``fold64``, hashes host data with ``xxh3``), the
+    step's own checksum verified on ``raws``, the host bytes the copy was encoded from
+    (``fold64`` on ``devices[i]`` when that is a usable GPU)."""
+    why = _same_layout(copy, own)
+    if why is not None:
+        return why
+    for i, (x, y) in enumerate(zip(copy["storages"], own["storages"])):
+        if x["checksum"] == y["checksum"]:
+            continue
+        if raws is None or str(x["checksum"]).split(":")[0] == str(y["checksum"]).split(":")[0]:
+            return f"storage {i} ({x['path']!r}) holds other bytes (checksum {x['checksum']}, the step's {y['checksum']})"
+        dev = devices[i] if devices is not None else "cpu"
+        where = torch.device(dev) if dev.startswith("cuda") and torch.cuda.is_available() else None
+        if not ck.verify_tensor_checksum(y["checksum"], raws[i], where):
+            return f"storage {i} ({x['path']!r}): the host copy it was encoded from is not the step's bytes"
+    return None
+
+
+def _same_layout(copy: Mapping[str, Any], own: Mapping[str, Any]) -> str | None:
+    """:func:`_same_storages` without the bytes: storages (path, dtype, size), no delta, tree."""
+    a, b = copy["storages"], own["storages"]
+    if len(a) != len(b):
+        return f"{len(a)} storages, the step has {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.get("delta"):
+            return f"storage {i} is a delta"
+        if (x["path"], x["dtype"], x["nbytes"]) != (y["path"], y["dtype"], y["nbytes"]):
+            return f"storage {i} ({x['path']!r}) differs"
+    if copy["tree"] != own["tree"] or copy["tensors"] != own["tensors"]:
+        return "its tree or tensor table differs"
+    return None
 
 
 @dataclass
@@ -404,6 +486,12 @@ class CheckpointStore:
             ``url`` behind it, and loads read the fast tier's copy when it has one.
         fast_keep_last: steps the fast tier keeps (the newest; never one ``url`` lacks);
             ``None`` keeps all.
+        keyframe_copy: after a delta step commits, encode a keyframe container of the same bytes
+            in the background (from the host copy the store keeps as the next save's base) and
+            add it to the step's commit record, so that loading the newest step reads one object
+            instead of its chain.  Only the newest step keeps one (older copies are removed); the
+            next save cancels a copy still being written.  Costs one keyframe's worth of
+            storage and of background writing per save (docs/STORE.md, "Keyframe copies").
     Raises:
         StoreError: the local path is not a directory or cannot be created.
         BackendUnavailableError: ``s3://`` without s3torchconnector installed.
@@ -438,6 +526,7 @@ class CheckpointStore:
         on_busy: Literal["wait", "error"] = "wait",
         fast_tier: str | os.PathLike[str] | None = None,
         fast_keep_last: int | None = 2,
+        keyframe_copy: bool = True,
         _backend: Backend | None = None,
         _fast_backend: Backend | None = None,
     ) -> None:
@@ -467,6 +556,7 @@ class CheckpointStore:
         self.pinned = {_check_step(s) for s in pinned}
         self.keyframe_every = keyframe_every
         self.delta = delta
+        self.keyframe_copy = bool(keyframe_copy)
         self.profile = profile
         self.threads = threads
         self.base_cache_bytes = base_cache_bytes
@@ -702,11 +792,13 @@ class CheckpointStore:
     def sizes(self) -> dict[str, Any]:
         """Byte totals: ``raw_bytes`` (what the steps decode to), ``stored_bytes`` (their own
         containers), ``physical_bytes`` (every data object present, including bases kept only
-        for a delta and unreferenced leftovers), ``ratio`` = raw / stored, per ``kinds`` totals."""
+        for a delta, keyframe copies (``copy_bytes``) and unreferenced leftovers), ``ratio`` =
+        raw / stored, per ``kinds`` totals."""
         recs = self._read_records()
         data = self.backend.list(_DATA)
-        live = {o for r in recs.values() for o in r.objects}
+        live = {o for r in recs.values() for o in r.live_objects}
         own = {r.object for r in recs.values()}
+        copies = {r.copy for r in recs.values() if r.copy is not None}
         kinds: dict[str, dict[str, int]] = {}
         for r in recs.values():
             for k, g in r.kinds.items():
@@ -722,7 +814,8 @@ class CheckpointStore:
             "stored_bytes": stored,
             "ratio": round(raw / stored, 4) if stored else 1.0,
             "physical_bytes": sum(o.size for o in data),
-            "base_only_bytes": sum(o.size for o in data if o.key in live and o.key not in own),
+            "base_only_bytes": sum(o.size for o in data if o.key in live and o.key not in own and o.key not in copies),
+            "copy_bytes": sum(o.size for o in data if o.key in copies),
             "unreferenced_bytes": sum(o.size for o in data if o.key not in live),
             "kinds": kinds,
         }
@@ -759,6 +852,7 @@ class CheckpointStore:
         map_location: api.MapLocation = None,
         *,
         threads: int | None = None,
+        from_copy: bool = True,
     ) -> Any:
         """Load ``step`` (default: the latest committed) bit for bit.
 
@@ -766,6 +860,9 @@ class CheckpointStore:
             step: the step to load; ``None`` for the newest committed one.
             map_location: as for :func:`s4w_core.load`.
             threads: CPU threads for decoding.
+            from_copy: read the step's keyframe copy when it has one (one object); ``False``
+                reads its chain (to measure or check it).  A copy that is missing or corrupt is
+                skipped for the chain (a corrupt one with a warning).
         Returns:
             The object saved at ``step``; every tensor holds exactly the bits saved.
         Raises:
@@ -793,10 +890,15 @@ class CheckpointStore:
                 rec = self._record(step, recs)
             remember = rec.step == max(recs) and self._caching()  # the next save's delta base
             with timer.stage("decode"):  # reads and decodes the step and the bases its deltas need
-                obj, raws, reader = self._load_record(rec, map_location, threads, reserve=remember)
+                used: builtins.list[str] = []
+                obj, raws, reader = self._load_record(
+                    rec, map_location, threads, reserve=remember, source="auto" if from_copy else "chain", used=used
+                )
             if remember:
                 with timer.stage("cache"):
-                    self._remember(rec, reader.manifest, raws)
+                    manifest = self._own_manifest(rec, reader.manifest) if used == [rec.copy] else reader.manifest
+                    if manifest is not None:
+                        self._remember(rec, manifest, raws)
         except BaseException as e:
             total = time.perf_counter() - t0
             obs.record(obs.OpEvent(
@@ -810,19 +912,74 @@ class CheckpointStore:
         obs.record(obs.OpEvent(
             op="load", url=self.backend.url, step=rec.step, raw_bytes=rec.raw_bytes, stored_bytes=rec.object_bytes,
             blocked_s=total, total_s=total, stages=timer.stages, kind=rec.kind, mode="blocking",
-            extra={"depth": rec.depth, "chain_objects": len(rec.objects), "profile": rec.profile},
+            extra={
+                "depth": rec.depth,
+                "chain_objects": len(rec.objects),
+                "profile": rec.profile,
+                "from": "copy" if used == [rec.copy] else "chain",
+            },
         ))
         return obj
 
     def _load_record(
-        self, rec: StepInfo, map_location: api.MapLocation, threads: int | None, *, reserve: bool = False
+        self,
+        rec: StepInfo,
+        map_location: api.MapLocation,
+        threads: int | None,
+        *,
+        reserve: bool = False,
+        source: Literal["auto", "chain", "copy"] = "auto",
+        used: builtins.list[str] | None = None,
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Read and decode one step.  ``reserve``: the step will be remembered as the next base
-        (:meth:`_remember`): its pinned buffers are allocated in the background while it loads."""
+        (:meth:`_remember`): its pinned buffers are allocated in the background while it loads.
+        ``source``: ``auto`` reads the keyframe copy when the step has one (falling back to the
+        chain if it is missing or corrupt), ``chain`` never, ``copy`` only (CheckpointNotFoundError
+        without one).  ``used`` gets the data object the step was decoded from."""
+        used = [] if used is None else used
+        if source == "copy" and rec.copy is None:
+            raise CheckpointNotFoundError(f"{self.backend.url}: step {rec.step} has no keyframe copy")
+        if source != "chain" and rec.copy is not None:
+            try:
+                got = self._load_one(rec, rec.copy, rec.copy_bytes, map_location, threads, reserve=reserve)
+                used.append(rec.copy)
+                return got
+            except (CheckpointNotFoundError, FormatError, BaseMismatchError) as e:
+                if source == "copy":
+                    raise
+                if isinstance(e, CheckpointNotFoundError):
+                    log.debug("s4weights: step %d: its keyframe copy is gone (%s); reading its chain", rec.step, e)
+                else:
+                    log.warning(
+                        "s4weights: step %d of %s: its keyframe copy %s is unusable (%s: %s); reading its chain",
+                        rec.step, self.backend.url, rec.copy, type(e).__name__, e,
+                    )
+        got = self._load_one(rec, rec.object, rec.object_bytes, map_location, threads, reserve=reserve)
+        used.append(rec.object)
+        return got
+
+    def _load_one(
+        self,
+        rec: StepInfo,
+        key: str,
+        nbytes: int,
+        map_location: api.MapLocation,
+        threads: int | None,
+        *,
+        reserve: bool = False,
+    ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
+        """Decode step ``rec`` from data object ``key``: its own container, or its keyframe copy
+        (which must hold no delta)."""
         ctx = _Chain(self, rec, threads)
         prog = _Progress(self.progress, f"load step {rec.step}")
         try:
-            reader = ctx.reader(rec.object, rec.object_bytes, rec.step)
+            reader = ctx.reader(key, nbytes, rec.step)
+            if key != rec.object:
+                m = reader.manifest
+                if any(e.get("delta") for e in m["storages"]):
+                    raise ManifestError(f"{reader.name}: the keyframe copy of step {rec.step} holds deltas")
+                if _dict(m.get("extra")).get("step") != rec.step or sum(e["nbytes"] for e in m["storages"]) != rec.raw_bytes:
+                    raise ManifestError(f"{reader.name}: not a keyframe copy of step {rec.step} (another step or size)")
             if reserve:
                 self._reserve_base(reader.manifest, map_location)
             if reader.manifest and any(e.get("delta") for e in reader.manifest["storages"]):
@@ -843,22 +1000,55 @@ class CheckpointStore:
             return obj, raws, reader
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
-                f"step {rec.step}: its data object {rec.object} is missing from {self.backend.url} "
+                f"step {rec.step}: its data object {key} is missing from {self.backend.url} "
                 f"(deleted concurrently, or the store was damaged): {e}"
             ) from e
         finally:
             prog.close()
             ctx.close()
 
-    def verify(self, step: int | None = None) -> api.VerifyReport:
-        """Decode ``step`` (and the bases it needs) and check every checksum; never raises for
-        corrupt content (``ok`` is False and ``problems`` says why)."""
-        rec = self.info(step)
+    def _own_manifest(self, rec: StepInfo, copy: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The manifest of the step's own container, for a step loaded from its keyframe copy:
+        the next save's delta names that container and its checksums (the copy was checked to
+        hold the same bytes when it was committed, and its own checksums when it was decoded).
+        None (the next save then reads its base from the chain) if it cannot be read or does not
+        line up with the copy."""
         try:
-            _, raws, _ = self._load_record(rec, "cpu", self.threads)
-        except (FormatError, BaseMismatchError, CheckpointNotFoundError, StoreError) as e:
-            return api.VerifyReport(f"{self.backend.url} step {rec.step}", False, 0, 0, [f"{type(e).__name__}: {e}"])
-        return api.VerifyReport(f"{self.backend.url} step {rec.step}", True, len(raws), sum(r.numel() for r in raws), [])
+            reader = self._open(rec.object, whole=False, expect=rec.object_bytes, what=f" (step {rec.step})")
+        except S4WError as e:
+            log.debug("s4weights: step %d: its own container is unreadable (%s): not kept as the base", rec.step, e)
+            return None
+        try:
+            m = reader.manifest
+        finally:
+            reader.close()
+        return m if _same_layout(copy, m) is None else None
+
+    def verify(self, step: int | None = None) -> api.VerifyReport:
+        """Decode ``step`` (and the bases it needs) and check every checksum, and its keyframe copy
+        if it has one; never raises for corrupt content (``ok`` is False and ``problems`` says
+        why)."""
+        rec = self.info(step)
+        problems: builtins.list[str] = []
+        decoded: builtins.list[tuple[Mapping[str, Any], builtins.list[torch.Tensor]]] = []
+        for source in ("chain", "copy") if rec.copy is not None else ("chain",):
+            try:
+                _, got, reader = self._load_record(rec, "cpu", self.threads, source=source)  # type: ignore[arg-type]
+                decoded.append((reader.manifest, got))
+            except (FormatError, BaseMismatchError, CheckpointNotFoundError, StoreError) as e:
+                problems.append(("keyframe copy: " if source == "copy" else "") + f"{type(e).__name__}: {e}")
+        if len(decoded) == 2:
+            (own, a), (copy, b) = decoded
+            why = _same_layout(copy, own) or next(
+                (f"storage {i} holds other bytes" for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)), None
+            )
+            if why is not None:
+                problems.append(f"keyframe copy {rec.copy}: does not match the step's own container: {why}")
+        raws = decoded[0][1] if decoded else []
+        where = f"{self.backend.url} step {rec.step}"
+        if problems:
+            return api.VerifyReport(where, False, 0, 0, problems)
+        return api.VerifyReport(where, True, len(raws), sum(r.numel() for r in raws), [])
 
     def container_info(self, step: int | None = None) -> dict[str, Any]:
         """:func:`s4w_core.info` of the step's container (reads only its manifest)."""
@@ -1021,7 +1211,7 @@ class CheckpointStore:
                         handle.stages["snapshot"] = time.perf_counter() - t
                         handle.host_bytes = hold = sum(r.numel() for r in raws)
                     elif mode == "async-gpu":
-                        pre = self._encode_ahead(handle, state, step, col, extra, keyframe, overwrite)
+                        pre = self._encode_ahead(handle, state, step, col, tree, extra, keyframe, overwrite)
                         hold = handle.host_bytes
                     else:
                         pre = None
@@ -1069,9 +1259,11 @@ class CheckpointStore:
     def _save_blocking(
         self, handle: SaveHandle, state: Any, step: int, extra: Mapping[str, Any] | None, keyframe: bool, overwrite: bool
     ) -> StepInfo:
-        """The save in the caller's thread; with a fast tier, the upload then runs behind."""
+        """The save in the caller's thread; with a fast tier, the upload then runs behind (and a
+        keyframe copy behind that)."""
+        todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] = []
         try:
-            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages)
+            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, copy_out=todo)
         except BaseException as e:
             handle.blocked_s = time.perf_counter() - handle._t0  # noqa: SLF001
             handle._finish(None, e)  # noqa: SLF001
@@ -1082,8 +1274,9 @@ class CheckpointStore:
         if self._tiers is None:
             handle._finish(info, None)  # noqa: SLF001
             self._record_save(handle, info)
-            return info
-        self._pipe.submit(handle, functools.partial(self._upload_job, handle, info), 0)
+        else:
+            self._pipe.submit(handle, functools.partial(self._upload_job, handle, info), 0)
+        self._schedule_copy(todo)
         return info
 
     def _upload_job(self, handle: SaveHandle, info: StepInfo) -> StepInfo:
@@ -1121,8 +1314,11 @@ class CheckpointStore:
         pre: _PreEncoded | None,
     ) -> StepInfo:
         info: StepInfo | None = None
+        todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] = []
         try:
-            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, owned=True, pre=pre)
+            info = self._save_locked(
+                state, step, extra, keyframe, overwrite, handle.stages, owned=True, pre=pre, copy_out=todo
+            )
             del state
             if self._tiers is not None:
                 self._upload(handle)
@@ -1130,6 +1326,7 @@ class CheckpointStore:
             self._record_save(handle, info, e)
             raise
         self._record_save(handle, info)
+        self._schedule_copy(todo)  # runs on this worker once this save's handle is done
         return info
 
     def _record_save(self, handle: SaveHandle, info: StepInfo | None, error: BaseException | None = None) -> None:
@@ -1161,6 +1358,121 @@ class CheckpointStore:
             )
         )
 
+    # ------------------------------------------------------------------ keyframe copies
+    def _schedule_copy(self, todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]]) -> None:
+        """Start the keyframe copy ``_save`` asked for, on the worker, behind what is queued."""
+        if not todo:
+            return
+        info, manifest, cache = todo[0]
+        handle = SaveHandle(info.step, "keyframe-copy", self.backend.url, what="keyframe copy")
+        handle._cancel = threading.Event()  # noqa: SLF001 - the next save sets it
+        self._pipe.defer(handle, functools.partial(self._write_copy, handle, info, manifest, cache))
+
+    def _recs_on(self, backend: Backend) -> dict[int, StepInfo]:
+        """The commit records on one tier (the store's own backend or the fast tier)."""
+        fast = self._tiers is not None and backend is self._tiers.fast
+        return self._tier_records(backend, self._tiers.records if fast and self._tiers is not None else self._records)
+
+    def _put_record(self, backend: Backend, info: StepInfo, *, replace: bool) -> None:
+        body = json.dumps(info._record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
+        backend.put(_commit_key(info.step), body, if_absent=not replace)
+        self._forget_record(backend, _commit_key(info.step))
+
+    def _drop_copies(self, *, keep: int) -> None:
+        """Remove the keyframe copies of every step but ``keep`` (the record first, then the
+        object, on each tier).  Caller holds ``self._lock``."""
+        backends = [self.backend] + ([self._tiers.fast] if self._tiers is not None else [])
+        freed: set[str] = set()
+        for b in backends:
+            for s, r in self._recs_on(b).items():
+                if r.copy is not None and s != keep:
+                    self._put_record(b, _replace(r, copy=None, copy_bytes=0), replace=True)
+                    freed.add(r.copy)
+        if freed:
+            self._reclaim(freed)
+
+    def _write_copy(self, handle: SaveHandle, info: StepInfo, manifest: dict[str, Any], cache: _CachedBase) -> None:
+        """Encode a keyframe container of the committed delta step ``info`` from the host copy
+        of its bytes (``cache``), then add it to the step's commit record, so that a load of the
+        step reads one object instead of its chain.  Runs on the worker after the save; the next
+        save cancels it (the copy would be stale at once).  A failure is logged, never raised: the
+        step is committed and loads from its chain all the same."""
+        cancel = handle._cancel  # noqa: SLF001
+        assert cancel is not None
+        backend = self._tiers.fast if self._tiers is not None else self.backend
+        t0 = time.perf_counter()
+        key: str | None = None
+        size = 0
+        outcome = "written"
+        error: str | None = None
+        try:
+            if cancel.is_set():
+                raise _async.Cancelled
+            with self._lock:
+                self._drop_copies(keep=info.step)
+            state = cache.collected(info.profile)
+            if state is None:
+                raise StoreError(f"step {info.step}: the host copy of its bytes is not kept")
+            key = _data_key(info.step)
+            t = time.perf_counter()
+            with backend.writer(key) as f:
+                m, size, _ = self._encode_into(state, _async.CancellableWriter(f, cancel), None, info.step, info.extra)
+            handle.stages["encode"] = time.perf_counter() - t
+            devices = [d for _, _, d in cache.source[2]] if cache.source is not None else None
+            t = time.perf_counter()
+            why = _same_storages(m, manifest, cache.raws, devices)
+            handle.stages["check"] = time.perf_counter() - t
+            if why is not None:
+                raise StoreError(f"the keyframe copy of step {info.step} does not stand for it: {why}")
+            t = time.perf_counter()
+            with self._lock:
+                if cancel.is_set():
+                    raise _async.Cancelled
+                recs = self._recs_on(backend)
+                now = recs.get(info.step)
+                if now is None or now.object != info.object or now.copy is not None or max(recs) != info.step:
+                    outcome = "stale"  # deleted, replaced or overtaken meanwhile
+                else:
+                    self._put_record(backend, _replace(now, copy=key, copy_bytes=size), replace=True)
+                    key = None  # the record owns it now
+                    if self._tiers is not None:
+                        _tiered.upload_missing(self, cancel=cancel)
+            handle.stages["commit"] = time.perf_counter() - t
+        except _async.Cancelled:
+            outcome = "cancelled"
+        except BaseException as e:  # noqa: BLE001 - logged; the step itself is intact
+            # only the text: the exception's frames would keep this store alive (a cycle)
+            error, outcome = f"{type(e).__name__}: {e}", "failed"
+            log.warning(
+                "s4weights: the keyframe copy of step %d to %s failed (%s); the step loads from its chain",
+                info.step, backend.url, error,
+            )
+        finally:
+            if key is not None:
+                try:
+                    backend.delete(key)
+                except S4WError:
+                    pass  # gc() reclaims it
+            total = time.perf_counter() - t0
+            obs.record(
+                obs.OpEvent(
+                    op="keyframe_copy",
+                    url=self.backend.url,
+                    step=info.step,
+                    raw_bytes=info.raw_bytes if outcome == "written" else 0,
+                    stored_bytes=size if outcome == "written" else 0,
+                    blocked_s=0.0,
+                    total_s=total,
+                    stages=dict(handle.stages),
+                    kind="keyframe",
+                    mode="background",
+                    ok=error is None,
+                    error=error,
+                    extra={"outcome": outcome},
+                )
+            )
+            handle.mode = outcome
+
     def _save_locked(
         self,
         state: Any,
@@ -1172,6 +1484,7 @@ class CheckpointStore:
         *,
         owned: bool = False,
         pre: _PreEncoded | None = None,
+        copy_out: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] | None = None,
     ) -> StepInfo:
         """Encode (unless ``pre``), write and commit ``step``, then retention; under the lock."""
         with self._lock:
@@ -1181,11 +1494,22 @@ class CheckpointStore:
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
             info = self._save(
-                state, step, recs, extra=extra, keyframe=keyframe, replace=step in recs, stages=stages, owned=owned, pre=pre
+                state,
+                step,
+                recs,
+                extra=extra,
+                keyframe=keyframe,
+                replace=step in recs,
+                stages=stages,
+                owned=owned,
+                pre=pre,
+                copy_out=copy_out,
             )
             t = time.perf_counter()
             if step in recs:
-                self._reclaim(recs[step].objects)
+                self._reclaim(recs[step].live_objects)
+            if all(s <= step for s in recs):  # the newest step now: older steps' copies are stale
+                self._drop_copies(keep=step)
             if self.keep_last is not None:
                 self.apply_retention()
             stages["retention"] = time.perf_counter() - t
@@ -1210,6 +1534,7 @@ class CheckpointStore:
         state: Any,
         step: int,
         col: engine.Collector,
+        tree: Any,
         extra: Mapping[str, Any] | None,
         keyframe: bool,
         overwrite: bool,
@@ -1234,7 +1559,7 @@ class CheckpointStore:
             if self._caching() and (self.base_cache_bytes is None or total <= self.base_cache_bytes):
                 t = time.perf_counter()
                 raws = _async.host_copies([j.raw for j in col.jobs], self._pinned_pool)
-                cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True)
+                cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True, source=_source(tree, col))
                 handle.stages["cache"] = time.perf_counter() - t
             return _PreEncoded(base, key, manifest, size, prof, buf, cache)
 
@@ -1267,10 +1592,13 @@ class CheckpointStore:
         stages: dict[str, float] | None = None,
         owned: bool = False,
         pre: _PreEncoded | None = None,
+        copy_out: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] | None = None,
     ) -> StepInfo:
         """Write and commit one step to the fast tier (if any) or the store.  ``pre``: already
         encoded (``async-gpu``); ``owned``: ``state`` is a snapshot nobody else holds, so its
-        storages become the cached base without a copy."""
+        storages become the cached base without a copy.  ``copy_out``: gets what a keyframe
+        copy of the step needs when it is the newest step, a delta, and one is wanted
+        (:meth:`_schedule_copy` starts it)."""
         stages = {} if stages is None else stages
         backend = self._tiers.fast if self._tiers is not None else self.backend
         prog = _Progress(self.progress, f"save step {step}")
@@ -1330,20 +1658,35 @@ class CheckpointStore:
                 self._cache = pre.cache
             elif isinstance(state, api.Collected):  # an async-pinned snapshot: its buffers
                 raws = [j.raw for j in state.col.jobs]
-                self._cache = self._make_cache(info.step, info.object, manifest, raws, copy=False, pooled=True)
+                self._cache = self._make_cache(
+                    info.step, info.object, manifest, raws, copy=False, pooled=True, source=_source(state.tree, state.col)
+                )
                 if self._cache is None:
                     self._pinned_pool.give(raws)
             else:
                 col = engine.Collector()
-                encode_tree(state, col.add)
-                self._cache = self._base_copies(info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned)
+                tree = encode_tree(state, col.add)
+                self._cache = self._base_copies(
+                    info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned, source=_source(tree, col)
+                )
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
+        cache = self._cache
+        if (
+            copy_out is not None
+            and self.keyframe_copy
+            and info.kind == "delta"
+            and all(s <= step for s in recs)
+            and cache is not None
+            and cache.step == step
+            and cache.source is not None
+        ):
+            copy_out.append((info, manifest, cache))
         return info
 
     def _unpool(self, cache: _CachedBase | None) -> None:
         """Give a pooled cache's pinned buffers back for the next GPU save's copy."""
         if cache is not None and cache.pooled:
-            self._pinned_pool.give([t for t, _, _ in cache.storages.values()])
+            self._pinned_pool.give(cache.raws or [t for t, _, _ in cache.storages.values()])
 
     def _make_cache(
         self,
@@ -1354,20 +1697,24 @@ class CheckpointStore:
         *,
         copy: bool = True,
         pooled: bool = False,
+        source: Any = None,
     ) -> _CachedBase | None:
         """Host copies of a step's storages by path (None beyond ``base_cache_bytes``); with
-        ``copy=False`` CPU ``raws`` are kept as they are (a snapshot, or pinned copies)."""
+        ``copy=False`` CPU ``raws`` are kept as they are (a snapshot, or pinned copies).
+        ``source``: :func:`_source` of the state, kept for a keyframe copy."""
         total = sum(r.numel() for r in raws)
         if self.base_cache_bytes is not None and total > self.base_cache_bytes:
             return None
         storages: dict[str, tuple[torch.Tensor, dict[str, Any], str]] = {}
+        hosts: builtins.list[torch.Tensor] = []
         for i, (s, raw) in enumerate(zip(manifest["storages"], raws)):
+            t = raw.detach() if not copy and raw.device.type == "cpu" else raw.detach().to("cpu", copy=True)
+            hosts.append(t.view(-1))
             if s["path"] in storages or raw.numel() != s["nbytes"]:
                 continue
             ref = {"object": obj, "storage": i, "checksum": s["checksum"]}
-            t = raw.detach() if not copy and raw.device.type == "cpu" else raw.detach().to("cpu", copy=True)
             storages[s["path"]] = (t.view(-1), ref, s["dtype"])
-        return _CachedBase(step, obj, storages, total, pooled)
+        return _CachedBase(step, obj, storages, total, pooled, hosts, source)
 
     def _remember(self, rec: StepInfo, manifest: Mapping[str, Any], raws: builtins.list[torch.Tensor]) -> None:
         """Keep copies of a committed step's storages (within ``base_cache_bytes``), the next
@@ -1393,7 +1740,14 @@ class CheckpointStore:
             self._pinned_pool.reserve(sizes, next(d for d in devs if d.type == "cuda"))
 
     def _base_copies(
-        self, step: int, obj: str, manifest: Mapping[str, Any], raws: builtins.list[torch.Tensor], *, copy: bool
+        self,
+        step: int,
+        obj: str,
+        manifest: Mapping[str, Any],
+        raws: builtins.list[torch.Tensor],
+        *,
+        copy: bool,
+        source: Any = None,
     ) -> _CachedBase | None:
         """:meth:`_make_cache` of a step's storages; CUDA ones go to the pinned pool's buffers
         (one synchronize, one reused generation: the previous cache was given back first), which
@@ -1402,8 +1756,8 @@ class CheckpointStore:
             self.base_cache_bytes is None or sum(r.numel() for r in raws) <= self.base_cache_bytes
         ):
             hosts = _async.host_copies(raws, self._pinned_pool, ahead=False)
-            return self._make_cache(step, obj, manifest, hosts, copy=False, pooled=True)
-        return self._make_cache(step, obj, manifest, raws, copy=copy)
+            return self._make_cache(step, obj, manifest, hosts, copy=False, pooled=True, source=source)
+        return self._make_cache(step, obj, manifest, raws, copy=copy, source=source)
 
     # ------------------------------------------------------------------ pins, retention, deletion
     def pin(self, step: int) -> None:
@@ -1467,9 +1821,9 @@ class CheckpointStore:
     def _all_objects(self) -> set[str]:
         """Every data object some commit record (on either tier) lists."""
         if self._tiers is None:
-            return {o for r in self._tier_records(self.backend, self._records).values() for o in r.objects}
+            return {o for r in self._tier_records(self.backend, self._records).values() for o in r.live_objects}
         fast, slow = self._tier_views()
-        return {o for recs in (fast, slow) for r in recs.values() for o in r.objects}
+        return {o for recs in (fast, slow) for r in recs.values() for o in r.live_objects}
 
     def _reclaim(self, candidates: Iterable[str]) -> None:
         """Delete those of ``candidates`` (data objects once committed) no commit needs now.  With
@@ -1482,7 +1836,7 @@ class CheckpointStore:
                 self.backend.delete(o)
             return
         fast, _ = self._tier_views()
-        live_fast = {o for r in fast.values() for o in r.objects}
+        live_fast = {o for r in fast.values() for o in r.live_objects}
         for o in sorted(cands - self._all_objects()):
             self.backend.delete(o)
         for o in sorted(cands - live_fast):
@@ -1509,7 +1863,7 @@ class CheckpointStore:
         places: builtins.list[tuple[Backend, set[str]]] = [(self.backend, self._all_objects())]
         if self._tiers is not None:
             fast, _ = self._tier_views()
-            places.append((self._tiers.fast, {o for r in fast.values() for o in r.objects}))
+            places.append((self._tiers.fast, {o for r in fast.values() for o in r.live_objects}))
         now = time.time()
         freed = 0
         for backend, live in places:

@@ -21,6 +21,7 @@ def filled(store_url: str) -> tuple[str, list]:
     for i, s in enumerate(run):
         st.save(s, 10 * i)
     st.save({"a": torch.ones(3), "b": torch.arange(4.0).to(torch.bfloat16)}, 100)
+    st.close()
     return store_url, run
 
 
@@ -39,7 +40,7 @@ def test_info_with_step(filled, capsys) -> None:  # type: ignore[no-untyped-def]
     url, _ = filled
     assert main(["info", url, "--step", "20"]) == 0
     out = capsys.readouterr().out
-    assert "step 20: delta (depth 2, base step 10)" in out and "restoring reads 3 objects" in out
+    assert "step 20: delta (depth 2, base step 10)" in out and "restoring from the chain reads 3 objects" in out
     assert main(["info", url, "--step", "20", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["step"]["step"] == 20 and d["container"]["delta_storages"] > 0

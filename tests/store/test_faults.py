@@ -27,6 +27,7 @@ def _filled(url: str, n: int = 3) -> tuple[CheckpointStore, list]:
     st = CheckpointStore(url, profile="portable")
     for i in range(n):
         st.save(run[i], i)
+    st.wait()  # the newest step's keyframe copy is written behind the save: let it land
     return st, run
 
 
@@ -89,8 +90,12 @@ def test_truncated_data_object(store_url: str) -> None:
     data = st.backend.get(obj)
     st.backend.put(obj, data[: len(data) // 2])
     with pytest.raises(TruncatedError, match=obj.split("/")[-1]):
-        CheckpointStore(store_url).load(2)
+        CheckpointStore(store_url).load(2, from_copy=False)
     assert bits_equal(CheckpointStore(store_url).load(0), run[0]), "other steps unaffected"
+    assert st.info(2).copy is not None
+    assert bits_equal(CheckpointStore(store_url).load(2), run[2]), "the newest step's keyframe copy is intact"
+    rep = CheckpointStore(store_url).verify(2)
+    assert not rep.ok and "TruncatedError" in rep.problems[0] and len(rep.problems) == 1
 
 
 def test_missing_base(store_url: str) -> None:
@@ -99,8 +104,9 @@ def test_missing_base(store_url: str) -> None:
     base_obj = st.info(1).object
     st.backend.delete(base_obj)
     with pytest.raises(BaseMismatchError, match=r"step 2: its delta base object .* is missing"):
-        CheckpointStore(store_url).load(2)
+        CheckpointStore(store_url).load(2, from_copy=False)
     assert bits_equal(CheckpointStore(store_url).load(0), run[0])
+    assert bits_equal(CheckpointStore(store_url).load(2), run[2]), "its keyframe copy needs no base"
 
 
 def test_corrupt_base(store_url: str) -> None:
@@ -110,7 +116,7 @@ def test_corrupt_base(store_url: str) -> None:
     data[100] ^= 0xFF  # inside the chunk data
     st.backend.put(base_obj, bytes(data))
     with pytest.raises(BaseMismatchError, match="corrupt"):
-        CheckpointStore(store_url).load(2)
+        CheckpointStore(store_url).load(2, from_copy=False)
     with pytest.raises(FormatError):
         CheckpointStore(store_url).load(1)
     rep = CheckpointStore(store_url).verify(2)
@@ -123,7 +129,7 @@ def test_replaced_base_is_detected(store_url: str) -> None:
     st, run = _filled(store_url)
     st.backend.put(st.info(1).object, st.backend.get(st.info(0).object))
     with pytest.raises((BaseMismatchError, TruncatedError)):
-        CheckpointStore(store_url).load(2)
+        CheckpointStore(store_url).load(2, from_copy=False)
 
 
 def test_commit_naming_missing_object(store_url: str) -> None:

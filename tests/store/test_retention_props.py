@@ -49,20 +49,25 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def _check(store: CheckpointStore, expected: dict[int, dict]) -> None:
+    store.wait()  # the newest step's keyframe copy is written behind its save
     assert store.steps() == sorted(expected)
     fresh = CheckpointStore(store.url, base_cache_bytes=0, _backend=store.backend)
     for s, state in expected.items():
         assert _equal(fresh.load(s), state), f"step {s}"
-    live = {o for r in store.list() for o in r.objects}
+        if fresh.info(s).copy is not None:
+            assert _equal(fresh.load(s, from_copy=False), state), f"step {s}, read from its chain"
+    live = {o for r in store.list() for o in r.live_objects}
     data = {o.key for o in store.backend.list(_DATA)}
     assert data == live, f"unreclaimed: {sorted(data - live)}; missing: {sorted(live - data)}"
     for r in store.list():
         assert r.depth < store.keyframe_every
         assert len(r.objects) == r.depth + 1
+        if r.copy is not None:  # only the newest step keeps one, and only a delta needs one
+            assert r.step == max(expected) and r.kind == "delta" and store.keyframe_copy
 
 
-def _run(url: str, ops: list, keyframe_every: int) -> None:
-    store = CheckpointStore(url, keyframe_every=keyframe_every, profile="portable")
+def _run(url: str, ops: list, keyframe_every: int, keyframe_copy: bool = True) -> None:
+    store = CheckpointStore(url, keyframe_every=keyframe_every, profile="portable", keyframe_copy=keyframe_copy)
     expected: dict[int, dict] = {}
     pinned: set[int] = set()
     step = 0
@@ -110,11 +115,11 @@ def _run(url: str, ops: list, keyframe_every: int) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, keyframe_every=st.integers(1, 4))
-def test_random_sequences_memory(ops: list, keyframe_every: int) -> None:
+@given(ops=OPS, keyframe_every=st.integers(1, 4), keyframe_copy=st.booleans())
+def test_random_sequences_memory(ops: list, keyframe_every: int, keyframe_copy: bool) -> None:
     name = f"prop-{uuid.uuid4().hex[:10]}"
     try:
-        _run(f"memory://{name}", ops, keyframe_every)
+        _run(f"memory://{name}", ops, keyframe_every, keyframe_copy)
     finally:
         MemoryBackend.drop(name)
 

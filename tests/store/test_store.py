@@ -138,9 +138,10 @@ def test_retention_keep_last_and_pins(store_url: str) -> None:
     assert st.info(0).pinned
     for i in (0, 6, 7):
         assert bits_equal(st.load(i), run[i])
-    live = {o for r in st.list() for o in r.objects}
+    live = {o for r in st.list() for o in r.live_objects}
     assert data_keys(st) == live, "nothing but what kept steps need"
-    assert len(live) <= 2 + 3, "bounded by keep_last + keyframe_every"
+    assert len(live) <= 2 + 3 + 1, "bounded by keep_last + keyframe_every, plus the newest step's keyframe copy"
+    assert [r.step for r in st.list() if r.copy is not None] == [7]
     st.unpin(0)
     st.apply_retention()
     assert st.steps() == [6, 7]

@@ -103,7 +103,11 @@ def test_save_commits_on_fast_then_uploads_and_loads_read_fast(tiers: tuple[str,
     assert _commits(slow) == list(range(6)) and _commits(fast) == [4, 5]
     # the fast tier holds exactly what its steps' chains need; the record format is unchanged
     recs = {r.step: r for r in st.list()}
-    assert _keys(fast, "data/") == set(recs[4].objects) | set(recs[5].objects)
+    assert _keys(fast, "data/") == set(recs[4].live_objects) | set(recs[5].live_objects)
+    # the newest step's keyframe copy landed on both tiers, and only the newest step has one
+    assert recs[5].copy is not None and [s for s in range(6) if recs[s].copy] == [5]
+    assert recs[5].copy in _keys(slow, "data/")
+    assert json.loads(slow.get("commits/step_000000000005.json"))["keyframe_copy"]["object"] == recs[5].copy
     assert [recs[s].tiers for s in range(6)] == [("slow",)] * 4 + [("fast", "slow")] * 2
     assert "tiers" not in json.loads(slow.get("commits/step_000000000005.json"))
     assert recs[5].as_dict()["tiers"] == ["fast", "slow"]
