@@ -166,7 +166,9 @@ class _Writer:
         self.pending: collections.deque[Any] = collections.deque()
 
     def submit(self, items: list[tuple[int, int, str, Any]], keep: Any = None) -> None:
-        while len(self.pending) >= self.depth:
+        # finished writes first (a failed one raises here, one batch after it failed, not
+        # ``depth`` batches later: a cancelled background copy stops sooner), then room
+        while self.pending and (len(self.pending) >= self.depth or self.pending[0].done()):
             self.pending.popleft().result()
 
         def run(items: list[tuple[int, int, str, Any]] = items, keep: Any = keep) -> None:

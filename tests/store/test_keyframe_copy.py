@@ -186,10 +186,16 @@ class _Gated(FaultyBackend):
             yield _W()  # type: ignore[misc]
 
 
-def test_the_next_save_cancels_a_copy_in_flight(store_url: str) -> None:
-    run = make_run(3)
+@pytest.mark.parametrize("profile", ["portable", pytest.param("fast", marks=pytest.mark.gpu)])
+def test_the_next_save_cancels_a_copy_in_flight(store_url: str, profile: str) -> None:
+    if profile == "fast":
+        from s4w_core import api
+
+        if api._gpu() is None:  # noqa: SLF001
+            pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    run = make_run(3, n=300_000 if profile == "fast" else 3000)  # the GPU writer: several batches
     gated = _Gated(open_backend(store_url), "data/step_000000000001.")
-    st = CheckpointStore(store_url, profile="portable", _backend=gated)
+    st = CheckpointStore(store_url, profile=profile, _backend=gated)
     st.save(run[0], 0)
     with _events() as ev:
         st.save(run[1], 1)
