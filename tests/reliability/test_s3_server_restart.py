@@ -11,7 +11,7 @@ import pytest
 
 from s4w_core.errors import S4WError
 from s4w_core.store.store import CheckpointStore
-from tests.fixtures.seaweedfs import start_seaweedfs
+from tests.fixtures.seaweedfs import start_seaweedfs, weed_path
 from tests.reliability.crash_harness import make_state, state_bytes
 
 pytestmark = pytest.mark.s3
@@ -46,9 +46,7 @@ def _run_killing(srv, fn, delay: float):  # type: ignore[no-untyped-def]
 
 def test_kill_and_restart_server_mid_upload_and_download(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("s3torchconnector")
-    import shutil
-
-    if shutil.which("weed") is None:
+    if weed_path() is None:
         pytest.skip("SeaweedFS not installed")
     srv = start_seaweedfs()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", srv.access_key)
