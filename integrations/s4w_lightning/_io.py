@@ -473,9 +473,12 @@ class _S4CheckpointIOImpl:
             self._forget(self._resolve_store(path, ptr["store"]), int(ptr["step"]), path)
 
     def teardown(self) -> None:
-        """Finish queued saves (``async_save=True``) and release store clients."""
+        """Finish queued saves (``async_save=True``) and the stores' background work (the last
+        step's keyframe copy), and release store clients."""
         try:
             self.wait()
+            for st in list(self._stores.values()):
+                st.wait()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)

@@ -153,6 +153,8 @@ class S4Callback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
             self.finish_pending()
+            if self._store is not None:  # the last step's keyframe copy, written behind its save
+                self._store.wait()
 
     def finish_pending(self) -> None:
         """Wait for the background save (``async_save=True``), then drop its raw files and mirror

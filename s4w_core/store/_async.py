@@ -232,6 +232,16 @@ class Pipeline:
             t._cancel.set()  # noqa: SLF001
         return t
 
+    def settle(self) -> None:
+        """Wait for the save in flight and the tail behind it, without raising a failure (that
+        stays for the next save or :meth:`wait`); a no-op on the worker thread itself."""
+        if threading.current_thread() is self._thread:
+            return
+        for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail
+            h = getattr(self, which)
+            if h is not None:
+                h._event.wait()  # noqa: SLF001
+
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the save in flight and then for the tail behind it."""
         for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail

@@ -909,14 +909,16 @@ class CheckpointStore:
             ))
             raise
         total = time.perf_counter() - t0
+        from_the_copy = used == [rec.copy]
         obs.record(obs.OpEvent(
-            op="load", url=self.backend.url, step=rec.step, raw_bytes=rec.raw_bytes, stored_bytes=rec.object_bytes,
+            op="load", url=self.backend.url, step=rec.step, raw_bytes=rec.raw_bytes,
+            stored_bytes=rec.copy_bytes if from_the_copy else rec.object_bytes,
             blocked_s=total, total_s=total, stages=timer.stages, kind=rec.kind, mode="blocking",
             extra={
                 "depth": rec.depth,
                 "chain_objects": len(rec.objects),
                 "profile": rec.profile,
-                "from": "copy" if used == [rec.copy] else "chain",
+                "from": "copy" if from_the_copy else "chain",
             },
         ))
         return obj
@@ -1794,6 +1796,8 @@ class CheckpointStore:
             CheckpointNotFoundError: no such step.
         """
         step = _check_step(step)
+        if rebase:  # re-coding steps: let a save in flight commit, and the keyframe copy behind it
+            self._pipe.settle()  # land (the re-coded step keeps it; a stale one would be dropped)
         with self._lock:
             recs = self._read_records()
             rec = self._record(step, recs)
@@ -1851,7 +1855,12 @@ class CheckpointStore:
         saved_cache = self._cache
         self._cache = None
         try:
-            return self._save(state, step, {**others, step: rec}, extra=rec.extra, keyframe=False, replace=True)
+            new = self._save(state, step, {**others, step: rec}, extra=rec.extra, keyframe=False, replace=True)
+            if rec.copy is not None and new.kind == "delta":  # same bytes re-coded: the copy stands
+                backend = self._tiers.fast if self._tiers is not None else self.backend
+                new = _replace(new, copy=rec.copy, copy_bytes=rec.copy_bytes)
+                self._put_record(backend, new, replace=True)
+            return new
         finally:
             self._cache = saved_cache if saved_cache is not None and saved_cache.step != step else self._cache
 

@@ -84,7 +84,7 @@ def test_the_newest_delta_step_loads_from_one_object(store_url: str) -> None:
     assert spy.reads == [recs[3].copy], "one object read"
     # the newest step is kept as the next save's base: under its own container's manifest
     assert spy.ranged == [recs[3].object]
-    assert [e.extra["from"] for e in ev if e.op == "load"] == ["copy"]
+    assert [(e.extra["from"], e.stored_bytes) for e in ev if e.op == "load"] == [("copy", recs[3].copy_bytes)]
     spy.reads.clear()
     assert bits_equal(reader.load(3, from_copy=False), run[3])
     assert set(spy.reads) == set(recs[3].objects) and len(recs[3].objects) == 4
@@ -132,6 +132,25 @@ def test_delete_and_overwrite_reclaim_the_copy(store_url: str) -> None:
     st.save(run[0], 5, keyframe=True)
     assert st.info(1).copy is None and st.info(5).copy is None, "a keyframe needs no copy; older ones go"
     assert _data(st) == _live(st)
+
+
+def test_a_rebase_keeps_the_copy(store_url: str) -> None:
+    """delete(rebase=True) re-codes the newest step (same bytes): its committed copy stays."""
+    run = make_run(4)
+    st = CheckpointStore(store_url, profile="portable")
+    for i in range(4):
+        st.save(run[i], i)
+    st.wait()
+    before = st.info(3)
+    assert before.copy is not None and before.objects[-1] == st.info(0).object
+    st.delete(0, rebase=True)
+    after = st.info(3)
+    assert after.object != before.object and st.info(0 + 1).kind == "keyframe", "step 3 was re-coded"
+    assert after.copy == before.copy and after.copy_bytes == before.copy_bytes
+    assert _data(st) == _live(st)
+    fresh = CheckpointStore(store_url)
+    assert bits_equal(fresh.load(3), run[3]) and bits_equal(fresh.load(3, from_copy=False), run[3])
+    assert fresh.verify(3).ok
 
 
 def test_keyframe_copy_off(store_url: str) -> None:
@@ -218,6 +237,26 @@ def test_the_next_save_cancels_a_copy_in_flight(store_url: str, profile: str) ->
     assert _data(st) == _live(st), "the cancelled copy left nothing behind"
     for i in range(3):
         assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+def test_a_rebase_waits_for_the_copy_in_flight(store_url: str) -> None:
+    """delete(rebase=True) re-codes the newest step: it first lets its copy land (then keeps it)
+    instead of making it stale."""
+    run = make_run(4)
+    gated = _Gated(open_backend(store_url), "data/step_000000000003.")
+    st = CheckpointStore(store_url, profile="portable", _backend=gated)
+    for i in range(4):
+        st.save(run[i], i)
+    assert gated.entered.wait(30), "the copy of step 3 started"
+    deleter = threading.Thread(target=st.delete, args=(0,), kwargs={"rebase": True})
+    deleter.start()
+    deleter.join(0.3)
+    assert deleter.is_alive() and st.steps() == [0, 1, 2, 3], "the rebase waits for the copy"
+    gated.gate.set()
+    deleter.join(60)
+    assert st.steps() == [1, 2, 3] and st.info(3).copy is not None
+    assert _data(st) == _live(st)
+    assert bits_equal(CheckpointStore(store_url).load(3), run[3])
 
 
 def test_a_failed_copy_is_logged_and_the_step_stays(store_url: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -120,6 +120,11 @@ def test_keep_local_false_and_rotation_mirror(tmp_path, reference, rebase, async
     st = CheckpointStore(str(tmp_path / "out" / ".s4w"))
     assert st.steps() == [6, 8]  # step 3 rotated away in the store too; 6 (a delta on 3) still loads
     assert st.verify(6).ok and st.verify(8).ok and st.info(8).kind == "delta"
+    # on_train_end waited for the newest step's keyframe copy; a rebase that re-codes step 8 first
+    # lets its copy land and keeps it (same bytes)
+    assert st.info(6).copy is None and st.info(8).copy is not None
+    live = {o for r in st.list() for o in r.live_objects}
+    assert {o.key for o in st.backend.list("data/")} == live, "no copy left behind"
     # without rebase, step 6 stays a delta on the deleted step 3, whose data is kept for it
     assert (st.info(6).kind == "delta") == (not rebase)
     assert (st.sizes()["base_only_bytes"] > 0) == (not rebase)
