@@ -1867,7 +1867,10 @@ class CheckpointStore:
     def gc(self, *, grace_seconds: float = 3600.0) -> int:
         """Delete data objects no commit record needs and leftovers of crashed writers older than
         ``grace_seconds`` (younger ones may belong to a save in progress). Returns bytes freed.
-        With a fast tier, both tiers (see :meth:`_reclaim` for what is live where)."""
+        With a fast tier, both tiers (see :meth:`_reclaim` for what is live where).  This store's
+        own save in flight and the keyframe copy behind it are waited for first (their objects
+        are unreferenced until they commit, whatever ``grace_seconds`` says)."""
+        self._pipe.settle()
         recs = self._read_records()
         places: builtins.list[tuple[Backend, set[str]]] = [(self.backend, self._all_objects())]
         if self._tiers is not None:

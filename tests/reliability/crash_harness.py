@@ -311,7 +311,7 @@ def _final(args: argparse.Namespace) -> list[str]:
         step = 1 if latest is None else latest + 1
         st.save(make_state(step, args.numel), step)
         st.gc(grace_seconds=0)
-        live = {o for r in st.list() for o in r.objects}
+        live = {o for r in st.list() for o in r.live_objects}
         present = {o.key for o in st.backend.list("data/")}
         if present != live:
             fails.append(f"after gc: data objects {sorted(present ^ live)} present/live mismatch")

@@ -67,7 +67,7 @@ def _check_after_full(st: CheckpointStore, saved: list[int]) -> None:
     for s in saved:
         assert ch.state_bytes(st.load(s)) == ch.state_bytes(ch.make_state(s, NUMEL))
     # the failed save removed its data (object or temp file): only live data is left
-    live = {o for r in st.list() for o in r.objects}
+    live = {o for r in st.list() for o in r.live_objects}
     assert {o.key for o in st.backend.list("data/")} == live
     tmps = getattr(st.backend, "list_temporaries", None)
     assert tmps is None or tmps() == []

@@ -77,6 +77,6 @@ def test_soak_memory_and_handles_stay_flat(tmp_path) -> None:  # type: ignore[no
     for s in sorted(kept):
         assert state_bytes(st.load(s)) == state_bytes(make_state(s, NUMEL)), s
     st.gc(grace_seconds=0)
-    live = {o for r in st.list() for o in r.objects}
+    live = {o for r in st.list() for o in r.live_objects}
     assert {o.key for o in st.backend.list("data/")} == live
     st.close()

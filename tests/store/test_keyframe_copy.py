@@ -259,6 +259,24 @@ def test_a_rebase_waits_for_the_copy_in_flight(store_url: str) -> None:
     assert bits_equal(CheckpointStore(store_url).load(3), run[3])
 
 
+def test_gc_waits_for_the_copy_in_flight(store_url: str) -> None:
+    """gc(grace_seconds=0) must not take the copy being written for an unreferenced leftover."""
+    run = make_run(2)
+    gated = _Gated(open_backend(store_url), "data/step_000000000001.")
+    st = CheckpointStore(store_url, profile="portable", _backend=gated)
+    st.save(run[0], 0)
+    st.save(run[1], 1)
+    assert gated.entered.wait(30), "the copy of step 1 started"
+    collector = threading.Thread(target=st.gc, kwargs={"grace_seconds": 0})
+    collector.start()
+    collector.join(0.3)
+    assert collector.is_alive(), "gc waits for the store's own background work"
+    gated.gate.set()
+    collector.join(60)
+    assert st.info(1).copy is not None and _data(st) == _live(st)
+    assert bits_equal(CheckpointStore(store_url).load(1), run[1])
+
+
 def test_a_failed_copy_is_logged_and_the_step_stays(store_url: str, caplog: pytest.LogCaptureFixture) -> None:
     run = make_run(4)
     n = {"data": 0}

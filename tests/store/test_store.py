@@ -118,13 +118,13 @@ def test_delete_with_rebase_reclaims_now(store_url: str) -> None:
     assert st.info(1).kind == "keyframe"
     for i in range(1, 5):
         assert bits_equal(st.load(i), run[i])
-    assert data_keys(st) == {o for r in st.list() for o in r.objects}
+    assert data_keys(st) == {o for r in st.list() for o in r.live_objects}
     # deleting a middle step rebases its dependents onto the step before it
     st.delete(2, rebase=True)
     assert st.info(3).base_step == 1
     for i in (1, 3, 4):
         assert bits_equal(st.load(i), run[i])
-    assert data_keys(st) == {o for r in st.list() for o in r.objects}
+    assert data_keys(st) == {o for r in st.list() for o in r.live_objects}
 
 
 def test_retention_keep_last_and_pins(store_url: str) -> None:
