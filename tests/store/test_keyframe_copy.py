@@ -21,6 +21,16 @@ from s4w_core.store.store import _DATA
 from .helpers import FaultyBackend, bits_equal, make_run
 
 
+def _filled(url: str, saves: int, runs: int | None = None, **opts: Any) -> tuple[CheckpointStore, list[dict[str, Any]]]:
+    """A portable store with steps ``0..saves-1`` of a fake run of ``runs`` states, idle."""
+    run = make_run(runs if runs is not None else saves)
+    st = CheckpointStore(url, profile="portable", **opts)
+    for i in range(saves):
+        st.save(run[i], i)
+    st.wait()
+    return st, run
+
+
 def _data(st: CheckpointStore) -> set[str]:
     return {o.key for o in st.backend.list(_DATA)}
 
@@ -98,10 +108,7 @@ def test_the_newest_delta_step_loads_from_one_object(store_url: str) -> None:
 
 
 def test_resumed_store_codes_the_next_delta_against_the_copy_s_bytes(store_url: str) -> None:
-    run = make_run(4)
-    st = CheckpointStore(store_url, profile="portable")
-    for i in range(3):
-        st.save(run[i], i)
+    st, run = _filled(store_url, 3, 4)
     st.close()
     st2 = CheckpointStore(store_url, profile="portable")
     assert bits_equal(st2.load(), run[2])  # from the copy; cached as the next base
@@ -115,11 +122,7 @@ def test_resumed_store_codes_the_next_delta_against_the_copy_s_bytes(store_url: 
 
 
 def test_delete_and_overwrite_reclaim_the_copy(store_url: str) -> None:
-    run = make_run(4)
-    st = CheckpointStore(store_url, profile="portable")
-    for i in range(3):
-        st.save(run[i], i)
-    st.wait()
+    st, run = _filled(store_url, 3, 4)
     copy = st.info(2).copy
     assert copy is not None
     st.delete(2)
@@ -136,11 +139,7 @@ def test_delete_and_overwrite_reclaim_the_copy(store_url: str) -> None:
 
 def test_a_rebase_keeps_the_copy(store_url: str) -> None:
     """delete(rebase=True) re-codes the newest step (same bytes): its committed copy stays."""
-    run = make_run(4)
-    st = CheckpointStore(store_url, profile="portable")
-    for i in range(4):
-        st.save(run[i], i)
-    st.wait()
+    st, run = _filled(store_url, 4)
     before = st.info(3)
     assert before.copy is not None and before.objects[-1] == st.info(0).object
     st.delete(0, rebase=True)
@@ -154,11 +153,7 @@ def test_a_rebase_keeps_the_copy(store_url: str) -> None:
 
 
 def test_keyframe_copy_off(store_url: str) -> None:
-    run = make_run(3)
-    st = CheckpointStore(store_url, profile="portable", keyframe_copy=False)
-    for i in range(3):
-        st.save(run[i], i)
-    st.wait()
+    st, run = _filled(store_url, 3, keyframe_copy=False)
     assert all(r.copy is None for r in st.list())
     assert bits_equal(st.load(2), run[2])
 
@@ -303,11 +298,7 @@ def test_a_failed_copy_is_logged_and_the_step_stays(store_url: str, caplog: pyte
 
 
 def test_a_missing_or_corrupt_copy_falls_back_to_the_chain(store_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    run = make_run(3)
-    st = CheckpointStore(store_url, profile="portable")
-    for i in range(3):
-        st.save(run[i], i)
-    st.wait()
+    st, run = _filled(store_url, 3)
     copy = st.info(2).copy
     assert copy is not None
     good = st.backend.get(copy)
