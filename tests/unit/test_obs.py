@@ -92,7 +92,10 @@ def test_store_load_records_step_kind_and_sizes(tmp_path: Path, events: list[obs
     (d,) = [x for x in _lines(caplog) if x["op"] == "load"]
     _check_line(d, "load")
     assert d["step"] == 20 and d["kind"] == info.kind == "delta" and d["url"] == st.backend.url
-    assert d["raw_bytes"] == info.raw_bytes and d["stored_bytes"] == info.object_bytes
+    # the load waited for the keyframe copy written behind the save, and read that one object
+    rec = st.info(20)
+    assert rec.copy is not None and d["extra"]["from"] == "copy"
+    assert d["raw_bytes"] == info.raw_bytes and d["stored_bytes"] == rec.copy_bytes
     assert {"list", "decode"} <= set(d["stages"]) and d["extra"]["depth"] == 1
     with pytest.raises(s4w_core.CheckpointNotFoundError):
         st.load(30)
