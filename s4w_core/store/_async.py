@@ -235,20 +235,19 @@ class Pipeline:
     def settle(self) -> None:
         """Wait for the save in flight and the tail behind it, without raising a failure (that
         stays for the next save or :meth:`wait`); a no-op on the worker thread itself."""
-        if threading.current_thread() is self._thread:
-            return
-        for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail
-            h = getattr(self, which)
-            if h is not None:
-                h._event.wait()  # noqa: SLF001
+        if threading.current_thread() is not self._thread:
+            self._wait_both(None)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the save in flight and then for the tail behind it."""
+        self._wait_both(timeout)
+        self.raise_failed()
+
+    def _wait_both(self, timeout: float | None) -> None:
         for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail
             h = getattr(self, which)
             if h is not None and not h._event.wait(timeout):  # noqa: SLF001
                 raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
-        self.raise_failed()
 
     def raise_failed(self) -> None:
         with self._lock:
@@ -274,19 +273,21 @@ class Pipeline:
             self.pending_bytes += hold_bytes
             self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
             self.inflight = handle
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=_run, args=(self._q,), name=f"s4w-save {self.url}", daemon=True)
-                self._thread.start()
+            self._ensure_worker()
         self._q.put(functools.partial(self._execute, handle, job, hold_bytes))
+
+    def _ensure_worker(self) -> None:
+        """Start the worker thread if none runs (caller holds ``self._lock``)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=_run, args=(self._q,), name=f"s4w-save {self.url}", daemon=True)
+            self._thread.start()
 
     def defer(self, handle: SaveHandle, job: Callable[[], None]) -> None:
         """Run ``job`` on the worker behind everything queued, as the tail: the next save cancels
         it (``handle._cancel``), :meth:`wait` waits for it.  ``job`` reports its own errors."""
         with self._lock:
             self.tail = handle
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=_run, args=(self._q,), name=f"s4w-save {self.url}", daemon=True)
-                self._thread.start()
+            self._ensure_worker()
         self._q.put(functools.partial(self._execute_tail, handle, job))
 
     def _execute_tail(self, handle: SaveHandle, job: Callable[[], None]) -> None:

@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from s4w_core.errors import CheckpointNotFoundError, S4WError, StoreError
+from s4w_core.store._async import Cancelled
 from s4w_core.store._backend import Backend
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ def copy_object(src: Backend, dst: Backend, key: str, cancel: threading.Event | 
     """Stream one object from ``src`` to ``dst`` (atomic on ``dst``, as every backend write is).
     Returns its size.  Backend errors become StoreError naming both ends.  ``cancel``: once set,
     the copy stops at its next block (:class:`~s4w_core.store._async.Cancelled`; nothing lands)."""
-    from s4w_core.store._async import Cancelled
-
     rr = src.fetch(key)
     try:
         with dst.writer(key) as f:

@@ -1410,8 +1410,7 @@ class CheckpointStore:
         try:
             if cancel.is_set():
                 raise _async.Cancelled
-            with self._lock:
-                self._drop_copies(keep=info.step)
+            # (older steps' copies were dropped when this step committed: _save_locked)
             state = cache.collected(info.profile)
             if state is None:
                 raise StoreError(f"step {info.step}: the host copy of its bytes is not kept")
