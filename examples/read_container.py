@@ -2,7 +2,7 @@
 """A reference reader for s4weights containers (format version 1), written from docs/FORMAT.md alone.
 
 It does not import ``s4w_core`` (nor torch or numpy): it proves that the specification is enough to
-read a checkpoint. It needs only the standard library, plus ``zstandard`` for ``zstd`` chunks and,
+read a checkpoint. It needs only the standard library, plus ``zstandard`` for ``zstd`` chunks and compressed manifests and,
 optionally, ``xxhash`` to check the xxh3-64 checksums (without it, xxh3 checks are skipped and
 ``fold64`` checks still run). It reads the *portable* profile: codecs ``raw``, ``deflate`` and
 ``zstd``; a ``fast``-profile file (``nvcomp-ans``) needs a GPU and is refused.
@@ -36,8 +36,10 @@ from typing import Any
 MAGIC = b"S4WCKPT\x00"
 TRAILER_MAGIC = b"S4WEND\x00\x00"
 HEADER = struct.Struct("<8sHHI")  # magic, version, flags, reserved
-TRAILER = struct.Struct("<QQQ8s")  # manifest offset, manifest length, xxh3-64(manifest), magic
+TRAILER = struct.Struct("<QQQ8s")  # manifest offset, manifest length, xxh3-64(stored manifest), magic
 VERSION = 1
+FLAG_MANIFEST_ZSTD = 1  # header flag bit 0: the manifest is stored as one zstd frame
+MAX_MANIFEST_BYTES = 1 << 30
 PLANE_WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "complex32": 4,
@@ -192,8 +194,11 @@ def parse(blob: bytes) -> dict[str, Any]:
     magic, version, flags, reserved = HEADER.unpack_from(blob, 0)
     if magic != MAGIC:
         raise FormatError("bad magic: not an s4weights container")
-    if version != VERSION or flags or reserved:
-        raise FormatError(f"format version {version} (flags {flags}, reserved {reserved}); this reader knows 1/0/0")
+    if version != VERSION or flags & ~FLAG_MANIFEST_ZSTD or reserved:
+        raise FormatError(
+            f"format version {version} (flags {flags:#x}, reserved {reserved}); this reader knows version 1, "
+            "flag bit 0 and reserved 0"
+        )
     moff, mlen, mhash, tmagic = TRAILER.unpack_from(blob, len(blob) - TRAILER.size)
     if tmagic != TRAILER_MAGIC:
         raise FormatError("no trailer: truncated")
@@ -203,6 +208,16 @@ def parse(blob: bytes) -> dict[str, Any]:
     got = _xxh3(body)
     if got is not None and int(got, 16) != mhash:
         raise FormatError("manifest checksum mismatch")
+    if flags & FLAG_MANIFEST_ZSTD:  # one zstd frame declaring its size, at most 2^30 bytes
+        import zstandard
+
+        size = zstandard.frame_content_size(body)
+        if not 0 <= size <= MAX_MANIFEST_BYTES:
+            raise FormatError(f"compressed manifest declares {size} bytes")
+        with zstandard.ZstdDecompressor().stream_reader(body) as r:
+            body = r.read(size + 1)  # (a reader that cares about memory reads it in pieces)
+        if len(body) != size:
+            raise FormatError("compressed manifest does not decode to its declared size")
     m = json.loads(body.decode("utf-8"))
     if m.get("format") != "s4weights" or m.get("version") != VERSION:
         raise FormatError("manifest format/version")

@@ -8,14 +8,18 @@ with the codec that measured best for it (never larger than raw: raw is always a
 
 from __future__ import annotations
 
+import errno
 import functools
+import mmap
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+from xxhash import xxh3_64_hexdigest as xxh3_hexdigest
 
 from s4w_core import checksum as ck
 from s4w_core import delta
@@ -357,6 +361,51 @@ def _planes(
 
 
 # ----------------------------------------------------------------------------- CPU decode
+#: outputs of at least this many bytes are pre-faulted before decoding (see :func:`_prefault`)
+PREFAULT_MIN_BYTES = 1 << 16
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_PAGE = mmap.PAGESIZE
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    except (OSError, AttributeError):  # pragma: no cover - no libc symbol
+        return None
+    return fn  # type: ignore[no-any-return]
+
+
+_madvise = _load_madvise()
+
+
+def _prefault(t: torch.Tensor) -> None:
+    """Populate the pages of a fresh output buffer in one ``madvise(MADV_POPULATE_WRITE)`` call
+    instead of one page fault per 4 KiB as the merge first writes them: a load's outputs are new
+    memory (a checkpoint is loaded to be kept: ~10k page faults for 40 MB of fp32 state). Measured
+    on a 2-core VM: 40 MiB of fresh 4 MiB tensors first written in 25-27 ms, in 16-19 ms after
+    this call; a whole one-thread load of that fp32 state into fresh memory 1-2 ms (3%) faster.
+    Memory already mapped is left as it is (the call then only walks its page table); kernels
+    without the advice (< 5.14) and other systems skip it."""
+    global _madvise
+    fn = _madvise
+    if fn is None:
+        return
+    p = t.data_ptr()
+    start = (p + _PAGE - 1) & ~(_PAGE - 1)
+    end = (p + t.numel() * t.element_size()) & ~(_PAGE - 1)
+    if end > start and fn(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        import ctypes
+
+        if ctypes.get_errno() == errno.EINVAL:  # the kernel does not know the advice: stop asking
+            _madvise = None
+
+
 def chunk_layout(entry: dict[str, Any]) -> list[tuple[int, int, int]]:
     """``(segment_start_elem, segment_end_elem, plane)`` for each chunk, in manifest order."""
     w = entry["_width"]
@@ -371,44 +420,67 @@ def decode_storage_cpu(
     resolve_base: BaseResolver | None,
     name: str,
 ) -> torch.Tensor:
-    """Decode one (validated) storage entry to a 1-D uint8 CPU tensor, verifying every checksum."""
+    """Decode one (validated) storage entry to a 1-D uint8 CPU tensor, verifying every checksum:
+    each chunk's xxh3 before it is decoded, the storage's raw checksum at the end.
+
+    Per chunk and per storage this does only what the bytes need (a load of a training state is
+    mostly small tensors, where Python around the codecs cost as much as they did): no per-chunk
+    layout list, the codec's decoder looked up once per codec id, planes merged straight into the
+    output."""
     nbytes = entry["nbytes"]
     w = entry["_width"]
+    transform = entry["transform"]
     dtype = dtype_from_name(entry["dtype"])
     out = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= PREFAULT_MIN_BYTES:
+        _prefault(out)
     base = resolve_base_bytes(entry, resolve_base, name)
     op = (entry.get("delta") or {}).get("op", "xor")
-    layout = chunk_layout(entry)
+    chunks = entry["chunks"]
+    seg = entry["segment_elems"]
+    n = nbytes // w
+    read_chunk = reader.read_chunk
+    decoders: dict[str, Callable[[Any, int], Any]] = {}
 
-    def fetch_decode(i: int) -> bytes | bytearray | memoryview:
-        codec_id, off, length, h = entry["chunks"][i]
-        s0, s1, _ = layout[i]
-        data = reader.read_chunk(off, length)
-        if ck.xxh3_hex(data) != h:
+    def fetch_decode(i: int) -> Any:
+        codec_id, off, length, h = chunks[i]
+        data = read_chunk(off, length)
+        if xxh3_hexdigest(data) != h:
             raise ChecksumMismatchError(
                 f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: "
                 "checksum mismatch"
             )
-        return get_codec(codec_id).decode(data, s1 - s0)
+        dec = decoders.get(codec_id)
+        if dec is None:
+            dec = decoders[codec_id] = get_codec(codec_id).decode
+        s0 = (i // w) * seg
+        return dec(data, min(n, s0 + seg) - s0)
 
-    decoded = _ordered(pool, fetch_decode, [(i,) for i in range(len(layout))])
+    calls = range(len(chunks))
+    decoded = map(fetch_decode, calls) if pool._max_workers <= 1 else _ordered(pool, fetch_decode, [(i,) for i in calls])  # noqa: SLF001
     out_np = out.numpy()
-    for k in range(0, len(layout), w):
-        s0, s1, _ = layout[k]
-        parts = [np.frombuffer(next(decoded), dtype=np.uint8) for _j in range(w)]
-        b = base[s0 * w : s1 * w] if base is not None else None
-        if entry["transform"] == "planes-rotl1" and (b is None or op == "xor"):
-            merge_into(parts, w, out_np[s0 * w : s1 * w], None if b is None else b.numpy())
+    merge_fast = transform == "planes-rotl1" and (base is None or op == "xor")
+    base_np = None if base is None else base.numpy()
+    for s0 in range(0, n, seg):
+        s1 = min(n, s0 + seg)
+        if w == 1 and base is None:  # bytes transform: the chunk is the output
+            out_np[s0:s1] = np.frombuffer(next(decoded), dtype=np.uint8)
             continue
+        parts = [np.frombuffer(next(decoded), dtype=np.uint8) for _j in range(w)]
+        a, z = s0 * w, s1 * w
+        if merge_fast:
+            merge_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z])
+            continue
+        b = base[a:z] if base is not None else None
         planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
         if b is not None and op != "xor":  # residual planes, then the inverse delta op
-            seg = merge_planes(planes, dtype) if entry["transform"] == "planes-rotl1" else planes.view(-1)
-            seg = delta.inverse(op, seg, b, dtype)
-        elif entry["transform"] == "planes-rotl1":
-            seg = merge_planes(planes, dtype, b)
+            seg_t = merge_planes(planes, dtype) if transform == "planes-rotl1" else planes.view(-1)
+            seg_t = delta.inverse(op, seg_t, b, dtype)
+        elif transform == "planes-rotl1":
+            seg_t = merge_planes(planes, dtype, b)
         else:
-            seg = planes.view(-1) if b is None else planes.view(-1) ^ b
-        out[s0 * w : s1 * w] = seg
+            seg_t = planes.view(-1) if b is None else planes.view(-1) ^ b
+        out[a:z] = seg_t
     if not ck.verify_tensor_checksum(entry["checksum"], out):
         raise ChecksumMismatchError(
             f"{name}: tensor {entry['path']!r} decoded to bytes that do not match its recorded "

@@ -299,7 +299,13 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
             raise bad(f"unknown or malformed tag {tag!r}")
         return {k: dec(v, d) for k, v in n.items()}
 
-    return dec(node, 0)
+    try:
+        return dec(node, 0)
+    finally:
+        # ``dec`` and ``pairs`` reach themselves through their closure cells: a reference cycle
+        # holding ``tensors``, which kept every loaded tensor (a checkpoint's memory) alive after
+        # the caller dropped it, until the cyclic GC ran. Rebinding the cells breaks the cycle.
+        dec = pairs = None  # type: ignore[assignment]
 
 
 def _dict_type(name: str) -> type | None:

@@ -159,6 +159,7 @@ def enabled(wait: bool = True) -> bool:
 
 
 _UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32}
+_ENV = os.environ
 _EMPTY: dict[int, np.ndarray] = {2: np.empty(0, np.uint16), 4: np.empty(0, np.uint32)}
 
 
@@ -186,15 +187,25 @@ def split_into(raw: np.ndarray, w: int, base: np.ndarray | None, out: np.ndarray
 
 def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None) -> bool:
     """Inverse of :func:`split_into` into ``out`` (uint8, ``n * w`` bytes, contiguous). Returns
-    False (and does nothing) when the kernels are not available."""
-    k = _get(nbytes=out.size)
+    False (and does nothing) when the kernels are not available. (Called once per segment of a
+    load, most of them small tensors: the checks are plain comparisons, no temporaries.)"""
+    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=out.size)
     if k is None or w not in _UINT:
         return False
     ps = [np.ascontiguousarray(p) for p in parts]
-    b = _EMPTY[w] if base is None else _words(base, w)
     o = out.view(_UINT[w])
+    n = o.size
     # the kernels do not check bounds: every length is checked here
-    if len(ps) != w or any(p.dtype != np.uint8 or p.size != o.size for p in ps) or (base is not None and b.size != o.size):
+    ok = len(ps) == w
+    for p in ps if ok else ():
+        if p.dtype != np.uint8 or p.size != n:
+            ok = False
+    if base is None:
+        b = _EMPTY[w]
+    else:
+        b = _words(base, w)
+        ok = ok and b.size == n
+    if not ok:
         raise ValueError(f"merge_into: planes {[p.size for p in ps]}, out {out.size} bytes, base {None if base is None else base.size}")
     if w == 2:
         k["merge2"](ps[0], ps[1], b, base is not None, o)

@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 import xxhash
+import zstandard
 
 import s4w_core
 from s4w_core import engine
 from s4w_core.errors import S4WError
-from s4w_core.format.container import HEADER_SIZE, TRAILER_MAGIC, TRAILER_SIZE
+from s4w_core.format.container import FLAG_MANIFEST_ZSTD, HEADER_SIZE, TRAILER_MAGIC, TRAILER_SIZE, inflate_manifest
 
 __all__ = ["seeds", "check_input", "mutate", "rebuild", "split"]
 
@@ -64,15 +65,23 @@ def seeds() -> list[bytes]:
     return _SEEDS
 
 
+def _compressed(blob: bytes) -> bool:
+    return bool(struct.unpack_from("<H", blob, 10)[0] & FLAG_MANIFEST_ZSTD)
+
+
 def split(blob: bytes) -> tuple[bytes, dict[str, Any]]:
     """(header+data bytes, manifest dict) of a valid container."""
     moff, mlen, _h, _m = struct.unpack("<QQQ8s", blob[-TRAILER_SIZE:])
-    return blob[:moff], json.loads(blob[moff : moff + mlen])
+    stored = blob[moff : moff + mlen]
+    return blob[:moff], json.loads(inflate_manifest(stored) if _compressed(blob) else stored)
 
 
 def rebuild(prefix: bytes, manifest: Any) -> bytes:
-    """A container with ``manifest`` (any JSON value) and a correct trailer/checksum."""
+    """A container with ``manifest`` (any JSON value; compressed when the prefix's header says so)
+    and a correct trailer/checksum."""
     body = json.dumps(manifest, separators=(",", ":")).encode()
+    if _compressed(prefix):
+        body = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(body)
     return prefix + body + struct.pack("<QQQ8s", len(prefix), len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC)
 
 
@@ -145,16 +154,22 @@ def mutate(blob: bytes, rng: random.Random) -> bytes:
             a, b = rng.sample(range(len(chunks)), 2)
             chunks[b][:] = chunks[a]
         return rebuild(prefix, m)
-    if op == 5:  # unknown codec / version / transform
-        which = rng.randrange(3)
+    if op == 5:  # unknown codec / version / transform / header flags
+        which = rng.randrange(4)
         if which == 0 and chunks_of(m):
             rng.choice(chunks_of(m))[0] = rng.choice(["lz4", "nvcomp-ans", "bitcomp", ""])
         elif which == 1:
             m["version"] = rng.choice([0, 2, 99, "1"])
-        else:
+        elif which == 2:
             b = bytearray(prefix)
             struct.pack_into("<H", b, 8, rng.choice([0, 2, 65535]))
             return rebuild(bytes(b), m)
+        else:  # flags: unknown bits, or the manifest flag flipped with the stored bytes kept
+            b = bytearray(prefix)
+            flags = struct.unpack_from("<H", b, 10)[0]
+            struct.pack_into("<H", b, 10, rng.choice([flags ^ FLAG_MANIFEST_ZSTD, flags | 2, flags | 0x8000]))
+            body = rebuild(prefix, m)[len(prefix) :]
+            return bytes(b) + body
         return rebuild(prefix, m)
     # op 6: a seed's manifest on another seed's data
     other = rng.choice(seeds())

@@ -10,9 +10,10 @@ from typing import Any, Iterator
 
 import torch
 import xxhash
+import zstandard
 
 import s4w_core
-from s4w_core.format.container import HEADER_SIZE, TRAILER_MAGIC, TRAILER_SIZE
+from s4w_core.format.container import FLAG_MANIFEST_ZSTD, HEADER_SIZE, TRAILER_MAGIC, TRAILER_SIZE, inflate_manifest
 
 _TRAILER = struct.Struct("<QQQ8s")
 
@@ -49,17 +50,27 @@ def encode(obj: Any, **save_kw: Any) -> bytes:
     return buf.getvalue()
 
 
+def manifest_compressed(blob: bytes) -> bool:
+    """Whether the header flags say the stored manifest is a zstd frame."""
+    return bool(struct.unpack_from("<H", blob, 10)[0] & FLAG_MANIFEST_ZSTD)
+
+
 def split(blob: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
-    """``(header + data, trailer, manifest)`` of a well-formed container."""
+    """``(header + data, trailer, manifest)`` of a well-formed container (the manifest
+    decompressed when the header says it is stored compressed)."""
     moff, mlen, _h, magic = _TRAILER.unpack(blob[-TRAILER_SIZE:])
     assert magic == TRAILER_MAGIC
-    return blob[:moff], blob[-TRAILER_SIZE:], json.loads(blob[moff : moff + mlen])
+    stored = blob[moff : moff + mlen]
+    return blob[:moff], blob[-TRAILER_SIZE:], json.loads(inflate_manifest(stored) if manifest_compressed(blob) else stored)
 
 
 def rebuild(prefix: bytes, manifest: dict[str, Any]) -> bytes:
-    """A container with ``prefix`` (header + data) and ``manifest``, with a *correct* manifest
-    checksum, so that only validation can reject a forged field."""
+    """A container with ``prefix`` (header + data) and ``manifest`` (stored the way the prefix's
+    header says: compressed or not), with a *correct* manifest checksum, so that only validation
+    can reject a forged field."""
     body = json.dumps(manifest, separators=(",", ":")).encode()
+    if manifest_compressed(prefix):
+        body = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(body)
     return prefix + body + _TRAILER.pack(len(prefix), len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC)
 
 
@@ -83,6 +94,7 @@ __all__ = [
     "assert_same_tensor",
     "roundtrip",
     "encode",
+    "manifest_compressed",
     "split",
     "rebuild",
     "forge",

@@ -145,8 +145,9 @@ def test_header_magic_and_version(small_blob: bytes) -> None:
     future = small_blob[:8] + struct.pack("<H", 99) + small_blob[10:]
     err = load_err(future)
     assert isinstance(err, UnsupportedVersionError) and "upgrade" in str(err)
-    flags = small_blob[:10] + struct.pack("<H", 1) + small_blob[12:]
-    assert isinstance(load_err(flags), UnsupportedVersionError)
+    for bit in (0x2, 0x8000):  # bit 0 is the compressed-manifest flag (tests/unit/test_manifest_zstd.py)
+        flags = small_blob[:10] + struct.pack("<H", struct.unpack_from("<H", small_blob, 10)[0] | bit) + small_blob[12:]
+        assert isinstance(load_err(flags), UnsupportedVersionError)
     assert isinstance(load_err(b"\x00" * 200), BadMagicError)
 
 
