@@ -2,15 +2,23 @@
 
 A load of the newest step also copies it to pinned host memory (the next save's delta base); the
 pinned buffers are allocated on background threads while the step is read and decoded
-(``_reserve_base``).  This diagnostic trains the GPT of ``_train_gpt.py`` a few steps, saves it
-four times (keyframe + three deltas; the newest gets its keyframe copy), then loads the newest
-step with the page cache dropped, interleaving:
+(``_reserve_base``), and each decoded batch is copied into them while the next batch is read
+(``_async.HostFill``).  This diagnostic trains the GPT of ``_train_gpt.py`` a few steps, saves it
+four times (keyframe + three deltas; the newest gets its keyframe copy) and once with
+``torch.save``, then loads the newest step with the page cache dropped, interleaving:
 
 * ``default``: the store as shipped;
-* ``slabs2``: the background allocation cut into 2 slabs (2 threads) instead of 8;
-* ``after``: no background allocation: the pinned buffers are allocated after the decode;
+* ``no-fill``: the batches are not copied as they are decoded: all copies after the decode (as
+  the store did before ``HostFill``);
+* ``ahead1`` / ``ahead3``: ``S4W_STAGE_AHEAD=1`` / ``3`` (batches read ahead of the decode; 2 as shipped);
+* ``slabs1`` / ``slabs2``: the background allocation as 1 or 2 slabs instead of 8;
+* ``thp``: the slabs' mappings advised ``MADV_HUGEPAGE`` before their pages are touched;
+* ``prealloc``: the pinned buffers allocated before the load (untimed): what allocating them
+  while the step loads costs it;
+* ``pageable``: batches copied as they are decoded, into pageable buffers (no pinned allocation);
 * ``no-base``: ``base_cache_bytes=0``: nothing is kept (the lower bound; the next save would then
-  read its base back from the store).
+  read its base back from the store);
+* ``torch.load``: the same state from ``torch.save``'s file (the raw framework path).
 
 Usage: python benchmarks/diag_load_base.py [--model medium] [--repeats 3] [--dir /tmp]
 """
@@ -18,6 +26,7 @@ Usage: python benchmarks/diag_load_base.py [--model medium] [--repeats 3] [--dir
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import statistics
@@ -38,22 +47,55 @@ from bench_peers import evict  # noqa: E402
 import s4w_core  # noqa: E402
 from s4w_core import obs  # noqa: E402
 from s4w_core.store import _async  # noqa: E402
-from s4w_core.store import store as store_mod  # noqa: E402
 
 
 def _load(root: str, variant: str, dev: torch.device, events: list[obs.OpEvent]) -> tuple[float, dict[str, float]]:
-    slabs, reserve = _async._SLABS, store_mod.CheckpointStore._reserve_base  # noqa: SLF001
+    fill, reserve, take = _async.HostFill.__call__, _async.PinnedPool.reserve, _async.PinnedPool.take
+    slabs, mmap_new = _async._SLABS, _async.mmap.mmap  # noqa: SLF001
     opts: dict[str, Any] = {}
-    if variant == "slabs2":
-        _async._SLABS = 2  # noqa: SLF001
-    elif variant == "after":
-        store_mod.CheckpointStore._reserve_base = lambda self, m, loc: None  # type: ignore[method-assign]  # noqa: SLF001
+    ahead = os.environ.get("S4W_STAGE_AHEAD")
+    if variant.startswith("ahead"):
+        os.environ["S4W_STAGE_AHEAD"] = variant[len("ahead"):]
+    elif variant in ("slabs1", "slabs2"):
+        _async._SLABS = int(variant[-1])  # noqa: SLF001
+    elif variant == "thp":
+
+        def advised(*a: Any, **k: Any) -> Any:
+            mm = mmap_new(*a, **k)
+            mm.madvise(mmap.MADV_HUGEPAGE)
+            return mm
+
+        _async.mmap.mmap = advised  # type: ignore[misc]
+    elif variant == "no-fill":
+        _async.HostFill.__call__ = lambda self, idx, raws: None  # type: ignore[method-assign]
+    elif variant == "pageable":
+        _async.PinnedPool.reserve = lambda self, sizes, device=None, wait=False: None  # type: ignore[method-assign]
+        _async.PinnedPool.take = (  # type: ignore[method-assign]
+            lambda self, sizes, device=None: [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        )
     elif variant == "no-base":
         opts["base_cache_bytes"] = 0
     try:
+        if variant == "torch.load":
+            path = os.path.join(root, "..", "state.pt")
+            evict(path)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got = torch.load(path, map_location=dev, weights_only=True)
+            torch.cuda.synchronize()
+            t = time.perf_counter() - t0
+            del got
+            return t, {}
         evict(root)
         events.clear()
         st = s4w_core.CheckpointStore(root, **opts)
+        if variant == "prealloc":
+            rec = st.info()
+            assert rec.copy is not None
+            reader = st._open(rec.copy, whole=False)  # noqa: SLF001
+            st._reserve_base(reader.manifest, dev)  # noqa: SLF001
+            reader.close()
+            st._pinned_pool.reserve([], wait=True)  # noqa: SLF001
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         got = st.load(map_location=dev)
@@ -62,8 +104,13 @@ def _load(root: str, variant: str, dev: torch.device, events: list[obs.OpEvent])
         del got
         st.close()  # untimed: frees the pinned base copy
     finally:
-        _async._SLABS = slabs  # noqa: SLF001
-        store_mod.CheckpointStore._reserve_base = reserve  # type: ignore[method-assign]  # noqa: SLF001
+        _async.HostFill.__call__ = fill  # type: ignore[method-assign]
+        _async.PinnedPool.reserve, _async.PinnedPool.take = reserve, take  # type: ignore[method-assign]
+        _async._SLABS, _async.mmap.mmap = slabs, mmap_new  # type: ignore[misc]  # noqa: SLF001
+        if ahead is None:
+            os.environ.pop("S4W_STAGE_AHEAD", None)
+        else:
+            os.environ["S4W_STAGE_AHEAD"] = ahead
     ev = [e for e in events if e.op == "load"]
     return t, ({k: round(v, 4) for k, v in ev[-1].stages.items()} if ev else {})
 
@@ -74,6 +121,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--variants", default="default,no-fill,slabs1,slabs2,thp,prealloc,pageable,no-base,torch.load")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -92,19 +140,22 @@ def main() -> int:
             if i:
                 tr.step()
             st.save(tr.state(), step=i)
+        torch.save(tr.state(), os.path.join(work, "state.pt"))
         st.close()
         rec = s4w_core.CheckpointStore(root).info()
         print(f"{torch.cuda.get_device_name()}: newest step {rec.step} ({rec.kind}, depth {rec.depth}), "
               f"keyframe copy {rec.copy_bytes / 1e9:.3f} GB", flush=True)
-        variants = ["default", "slabs2", "after", "no-base"]
+        variants = [v for v in args.variants.split(",") if v]
         times: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(args.repeats):
             for v in variants:
                 t, stages = _load(root, v, dev, events)
                 times[v].append(t)
-                print(f"  run {r} {v:<8} {t:.3f} s  stages {stages}", flush=True)
+                print(f"  run {r} {v:<10} {t:.3f} s  stages {stages}", flush=True)
         for v in variants:
-            print(f"{v:<8} median {statistics.median(times[v]):.3f} s  (all {[round(x, 3) for x in times[v]]})")
+            print(f"{v:<10} median {statistics.median(times[v]):.3f} s  (all {[round(x, 3) for x in times[v]]})")
+        ref = statistics.median(times.get("torch.load") or [float("nan")])
+        print("torch.load / variant: " + "  ".join(f"{v} {ref / statistics.median(times[v]):.3f}x" for v in variants if v != "torch.load"))
     finally:
         obs.unsubscribe(events.append)
         shutil.rmtree(work, ignore_errors=True)

@@ -396,9 +396,13 @@ def _decode_storages(
     map_location: MapLocation,
     threads: int | None,
     resolve_base: engine.BaseResolver | None,
+    on_batch: Callable[[list[int], list[torch.Tensor]], None] | None = None,
 ) -> list[torch.Tensor]:
     """Decode every storage to its target device: GPU-routed ones in one batched GPU call per
-    device (nvCOMP's per-call cost is ~0.5 ms), the rest on the CPU path."""
+    device (nvCOMP's per-call cost is ~0.5 ms), the rest on the CPU path.
+
+    ``on_batch(indices, raws)``: called after each GPU batch with the storages (by manifest index)
+    it decoded straight to their target device, decoded and checked, while the next batch is read."""
     m = reader.manifest
     out: list[torch.Tensor | None] = [None] * len(m["storages"])
     targets: list[torch.device] = []
@@ -425,7 +429,19 @@ def _decode_storages(
     with engine._executor(threads) as pool:
         for gdev, idx in on_gpu.items():
             assert gpu is not None
-            raws = gpu.decode_storages(reader, [m["storages"][i] for i in idx], gdev, resolve_base, pool)
+            hook = None
+            if on_batch is not None:
+
+                def hook(first: int, outs: list[torch.Tensor], idx: list[int] = idx) -> None:
+                    at = idx[first : first + len(outs)]
+                    final = [
+                        (i, o) for i, o in zip(at, outs)
+                        if o.device.type == targets[i].type and targets[i].index in (None, o.device.index)
+                    ]  # those that .to(target) below returns as they are
+                    if final:
+                        on_batch([i for i, _ in final], [o for _, o in final])
+
+            raws = gpu.decode_storages(reader, [m["storages"][i] for i in idx], gdev, resolve_base, pool, hook)
             for i, raw in zip(idx, raws):
                 out[i] = raw.to(targets[i])
         for i, s in enumerate(m["storages"]):

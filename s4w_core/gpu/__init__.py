@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import ThreadPoolExecutor
+    from typing import Callable
 
     import torch
 
@@ -126,11 +127,16 @@ def decode_storages(
     device: torch.device,
     resolve_base: engine.BaseResolver | None,
     pool: ThreadPoolExecutor | None = None,
+    on_batch: Callable[[int, list[torch.Tensor]], None] | None = None,
 ) -> list[torch.Tensor]:
-    """Batched :func:`decode_storage`: all chunks of all ``entries`` in as few nvCOMP calls as memory allows."""
+    """Batched :func:`decode_storage`: all chunks of all ``entries`` in as few nvCOMP calls as memory allows.
+
+    ``on_batch(first, outs)``: called on the caller's thread after each batch, with the batch's
+    decoded and checked storages (``entries[first:first + len(outs)]``), while the next batch is
+    read: e.g. to start copying them elsewhere."""
     from s4w_core.gpu import _decode
 
-    return _decode.decode_storages(reader, entries, device, resolve_base, pool)
+    return _decode.decode_storages(reader, entries, device, resolve_base, pool, on_batch)
 
 
 def release() -> None:

@@ -21,16 +21,18 @@ Order of work for a batch of storage entries:
    checksum: ``fold64`` on the GPU (one read-back for the batch, which also carries the count of
    chunks nvCOMP failed on), ``xxh3-64`` on the host.
 
-Batches are pipelined: a stager thread reads and checks batch ``i + 1`` (step 1) while batch ``i``
-runs steps 2-4.
+Batches are pipelined: stager threads read and check batches ``i + 1`` and ``i + 2`` (step 1,
+``S4W_STAGE_AHEAD`` batches ahead) while batch ``i`` runs steps 2-4.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -69,6 +71,8 @@ _MAX_OVERREAD = 0.25
 #: default bytes per read (``S4W_READ_BLOCK``); a smaller batch is cut into :data:`_MIN_READS`
 #: reads of at least :data:`_MIN_READ` bytes, so that its reads still run in parallel
 _READ_BLOCK = 32 << 20
+#: batches staged (read and checked) ahead of the one being decoded (``S4W_STAGE_AHEAD``)
+_STAGE_AHEAD = 2
 _MIN_READS = 4
 _MIN_READ = 1 << 20
 
@@ -83,30 +87,39 @@ def decode_storages(
     device: torch.device,
     resolve_base: engine.BaseResolver | None,
     pool: ThreadPoolExecutor | None = None,
+    on_batch: Callable[[int, list[torch.Tensor]], None] | None = None,
 ) -> list[torch.Tensor]:
+    """See :func:`s4w_core.gpu.decode_storages`."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     own = pool is None
     if pool is None:
         pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
-    # the stager thread runs stage() (which waits on reads it submits to `pool`) one batch ahead;
-    # stage() itself never runs in `pool`, where it could wait on tasks queued behind it
-    stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4w-stage")
-    ahead: Future[Staged] | None = None
+    # stager threads run stage() (which waits on reads it submits to `pool`) up to `depth` batches
+    # ahead, so the reads of the next batch are queued while this one's last reads finish (one
+    # batch ahead, the disk idled at every batch boundary); stage() itself never runs in `pool`,
+    # where it could wait on tasks queued behind it
+    depth = max(1, int(os.environ.get("S4W_STAGE_AHEAD", _STAGE_AHEAD)))
+    stager = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="s4w-stage")
+    ahead: deque[Future[Staged]] = deque()
     try:
         groups = _groups(entries, _nvcomp.batch_bytes(device))
         outs: list[torch.Tensor] = []
-        if groups:
-            ahead = stager.submit(stage, reader, groups[0], pool)
-        for i, group in enumerate(groups):
-            assert ahead is not None
-            st = ahead.result()  # a failed read or check of this batch raises here, in batch order
-            ahead = stager.submit(stage, reader, groups[i + 1], pool) if i + 1 < len(groups) else None
-            outs.extend(_decode_group(reader, group, st, device, resolve_base))
+        todo = iter(groups)
+        for group in itertools.islice(todo, depth):
+            ahead.append(stager.submit(stage, reader, group, pool))
+        for group in groups:
+            st = ahead.popleft().result()  # a failed read or check of this batch raises here, in batch order
+            for later in itertools.islice(todo, 1):
+                ahead.append(stager.submit(stage, reader, later, pool))
+            done = _decode_group(reader, group, st, device, resolve_base)
+            if on_batch is not None:  # checked and complete: the next batch is being read meanwhile
+                on_batch(len(outs), done)
+            outs.extend(done)
         return outs
     finally:
-        if ahead is not None:  # an earlier batch failed: drop the batch staged ahead
-            ahead.cancel()
+        for f in ahead:  # an earlier batch failed: drop the batches staged ahead
+            f.cancel()
         stager.shutdown(wait=True)  # before `pool`: a running stage() still submits reads to it
         if own:
             pool.shutdown(wait=True)

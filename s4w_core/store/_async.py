@@ -50,7 +50,7 @@ from s4w_core.errors import AsyncSaveError, SaveInProgressError
 if TYPE_CHECKING:
     from s4w_core.store.store import StepInfo
 
-__all__ = ["SaveHandle", "Cancelled", "CancellableWriter", "MODES", "ON_BUSY", "choose_mode", "snapshot", "HostBuffer", "PinnedPool", "pinned_slab", "pinned_buffers"]
+__all__ = ["SaveHandle", "Cancelled", "CancellableWriter", "MODES", "ON_BUSY", "choose_mode", "snapshot", "HostBuffer", "PinnedPool", "HostFill", "pinned_slab", "pinned_buffers"]
 
 log = logging.getLogger("s4w_core.store")
 
@@ -626,6 +626,10 @@ class PinnedPool:
         if wait:
             self._ahead.join()
 
+    def ready(self) -> bool:
+        """Is no background allocation running (:meth:`take` would not wait for one)?"""
+        return self._ahead is None or not self._ahead.is_alive()
+
     def take(self, sizes: list[int], device: torch.device | None = None) -> list[torch.Tensor]:
         """Buffers of ``sizes`` bytes: reused ones where the sizes match, the rest allocated now;
         free buffers not reused are dropped."""
@@ -689,3 +693,72 @@ def host_copies(raws: list[torch.Tensor], pool: PinnedPool, *, ahead: bool = Tru
     if ahead:
         pool.ahead(sizes, device)
     return out
+
+
+class HostFill:
+    """:func:`host_copies` of a step being loaded onto a GPU, made batch by batch while it loads.
+
+    Called (as ``on_batch`` of :func:`s4w_core.api._decode_storages`) with each decoded batch's
+    storages, it copies them into pinned buffers from ``pool`` on a stream of its own, while the
+    next batch is read and decoded: a load is bound by its reads, so the copies cost it nothing
+    but the last batch's.  The buffers are taken once the pool's background allocation
+    (:meth:`PinnedPool.reserve`, started when the load read the manifest) is done; batches
+    decoded before that are copied then.  :meth:`finish` returns the copies (the load's end);
+    :meth:`close` gives unused buffers back, after the copies in flight."""
+
+    def __init__(self, pool: PinnedPool, sizes: dict[int, int], device: torch.device) -> None:
+        self._pool = pool
+        self._sizes = sizes  # manifest index -> bytes, of the storages that load onto ``device``
+        self._device = device
+        self._bufs: dict[int, torch.Tensor] | None = None
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._done: set[int] = set()
+        self._stream: torch.cuda.Stream | None = None
+        self._given = False
+
+    def __call__(self, idx: list[int], raws: list[torch.Tensor]) -> None:
+        for i, r in zip(idx, raws):
+            if r.device == self._device and self._sizes.get(i) == r.numel():
+                self._pending.append((i, r))
+        if self._pending and (self._bufs is not None or self._pool.ready()):
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._bufs is None:
+            order = sorted(self._sizes)
+            self._bufs = dict(zip(order, self._pool.take([self._sizes[i] for i in order], self._device)))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # after the decode
+        with torch.cuda.stream(self._stream):
+            for i, r in self._pending:
+                self._bufs[i].copy_(r, non_blocking=True)
+                self._done.add(i)
+        self._pending.clear()
+
+    def finish(self, raws: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Host copies of ``raws`` (every storage of the step, in manifest order): the pinned
+        copies, complete (CPU storages cloned); None if a CUDA storage is not one this fill was
+        made for (then nothing is kept: :meth:`close` gives the buffers back)."""
+        cuda = [i for i, r in enumerate(raws) if r.device.type == "cuda"]
+        if any(r.device != self._device or self._sizes.get(i) != r.numel() for i, r in zip(cuda, (raws[i] for i in cuda))):
+            return None
+        if set(cuda) != set(self._sizes):
+            return None
+        self._pending.extend((i, raws[i]) for i in cuda if i not in self._done)
+        if self._pending:
+            self._flush()
+        assert self._stream is not None and self._bufs is not None
+        self._stream.synchronize()
+        out = [self._bufs[i] if r.device.type == "cuda" else r.detach().clone() for i, r in enumerate(raws)]
+        self._given = True
+        return out
+
+    def close(self) -> None:
+        """Wait for the copies in flight and give the buffers back, unless :meth:`finish` handed them out."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        if self._bufs is not None and not self._given:
+            self._pool.give(list(self._bufs.values()))
+        self._bufs = None
+        self._pending.clear()

@@ -125,7 +125,21 @@ class Download:
         return copy_into(self._view, offset, bufs)
 
     def close(self) -> None:
+        """Stop: parts not started are dropped, reads fail; the buffer is unmapped on a thread of
+        its own (unmapping a 1.2 GB download takes 0.1-0.2 s, which a load need not wait for)."""
         self._closed = True
+        view, self._view = self._view, memoryview(b"")
+        threading.Thread(target=_unmap, args=(view,), name="s4w-unmap", daemon=True).start()
+
+
+def _unmap(view: memoryview) -> None:
+    """Release ``view`` and unmap the mapping under it, unless a part still being fetched holds a
+    view of it (then the last of those unmaps it, when it ends)."""
+    mm = view.obj
+    with contextlib.suppress(BufferError):
+        view.release()
+        if isinstance(mm, mmap.mmap):
+            mm.close()
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:

@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterable, Literal, Mapping, TypeVar, overload
 
@@ -80,6 +80,7 @@ __all__ = [
     "DEFAULT_KEYFRAME_EVERY",
 ]
 
+_T = TypeVar("_T")
 log = logging.getLogger("s4w_core.store")
 
 STORE_FORMAT = "s4weights-store"
@@ -274,6 +275,20 @@ def _parse_record(body: bytes, key: str, where: str) -> StepInfo:
         if isinstance(e, ManifestError):
             raise
         raise bad(f"missing or malformed field ({e})") from e
+
+
+def _background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
+    """``fn(*args)`` on a thread of its own (a daemon: it never holds up interpreter exit)."""
+    fut: Future[_T] = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the result
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="s4w-load-aside", daemon=True).start()
+    return fut
 
 
 # ----------------------------------------------------------------------------- base cache
@@ -889,16 +904,31 @@ class CheckpointStore:
                 recs = self._read_records()
                 rec = self._record(step, recs)
             remember = rec.step == max(recs) and self._caching()  # the next save's delta base
-            with timer.stage("decode"):  # reads and decodes the step and the bases its deltas need
-                used: builtins.list[str] = []
-                obj, raws, reader = self._load_record(
-                    rec, map_location, threads, reserve=remember, source="auto" if from_copy else "chain", used=used
-                )
-            if remember:
-                with timer.stage("cache"):
-                    manifest = self._own_manifest(rec, reader.manifest) if used == [rec.copy] else reader.manifest
-                    if manifest is not None:
-                        self._remember(rec, manifest, raws)
+            own = None  # a step read from its copy is remembered under its own container's manifest
+            if remember and from_copy and rec.copy is not None:
+                own = _background(self._own_manifest_of, rec)
+            fills: builtins.list[_async.HostFill] = []
+            try:
+                with timer.stage("decode"):  # reads and decodes the step and the bases its deltas need
+                    used: builtins.list[str] = []
+                    obj, raws, reader = self._load_record(
+                        rec, map_location, threads, reserve=remember, source="auto" if from_copy else "chain",
+                        used=used, fills=fills,
+                    )
+                if remember:
+                    with timer.stage("cache"):
+                        if used != [rec.copy]:
+                            manifest: Mapping[str, Any] | None = reader.manifest
+                        else:
+                            m = own.result() if own is not None else self._own_manifest_of(rec)
+                            manifest = m if m is not None and _same_layout(reader.manifest, m) is None else None
+                        if manifest is not None:
+                            self._remember(rec, manifest, raws, fills[-1] if fills else None)
+            finally:
+                for f in fills:
+                    f.close()
+                if own is not None:
+                    own.exception()  # its thread ends with the load
         except BaseException as e:
             total = time.perf_counter() - t0
             obs.record(obs.OpEvent(
@@ -932,9 +962,12 @@ class CheckpointStore:
         reserve: bool = False,
         source: Literal["auto", "chain", "copy"] = "auto",
         used: builtins.list[str] | None = None,
+        fills: builtins.list[_async.HostFill] | None = None,
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Read and decode one step.  ``reserve``: the step will be remembered as the next base
-        (:meth:`_remember`): its pinned buffers are allocated in the background while it loads.
+        (:meth:`_remember`): its pinned buffers are allocated in the background while it loads,
+        and CUDA storages are copied into them batch by batch (:class:`_async.HostFill`, appended
+        to ``fills``: the caller finishes or closes it).
         ``source``: ``auto`` reads the keyframe copy when the step has one (falling back to the
         chain if it is missing or corrupt), ``chain`` never, ``copy`` only (CheckpointNotFoundError
         without one).  ``used`` gets the data object the step was decoded from."""
@@ -943,7 +976,7 @@ class CheckpointStore:
             raise CheckpointNotFoundError(f"{self.backend.url}: step {rec.step} has no keyframe copy")
         if source != "chain" and rec.copy is not None:
             try:
-                got = self._load_one(rec, rec.copy, rec.copy_bytes, map_location, threads, reserve=reserve)
+                got = self._load_one(rec, rec.copy, rec.copy_bytes, map_location, threads, reserve=reserve, fills=fills)
                 used.append(rec.copy)
                 return got
             except (CheckpointNotFoundError, FormatError, BaseMismatchError) as e:
@@ -956,7 +989,7 @@ class CheckpointStore:
                         "s4weights: step %d of %s: its keyframe copy %s is unusable (%s: %s); reading its chain",
                         rec.step, self.backend.url, rec.copy, type(e).__name__, e,
                     )
-        got = self._load_one(rec, rec.object, rec.object_bytes, map_location, threads, reserve=reserve)
+        got = self._load_one(rec, rec.object, rec.object_bytes, map_location, threads, reserve=reserve, fills=fills)
         used.append(rec.object)
         return got
 
@@ -969,11 +1002,13 @@ class CheckpointStore:
         threads: int | None,
         *,
         reserve: bool = False,
+        fills: builtins.list[_async.HostFill] | None = None,
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Decode step ``rec`` from data object ``key``: its own container, or its keyframe copy
         (which must hold no delta)."""
         ctx = _Chain(self, rec, threads)
         prog = _Progress(self.progress, f"load step {rec.step}")
+        fill: _async.HostFill | None = None
         try:
             reader = ctx.reader(key, nbytes, rec.step)
             if key != rec.object:
@@ -983,7 +1018,7 @@ class CheckpointStore:
                 if _dict(m.get("extra")).get("step") != rec.step or sum(e["nbytes"] for e in m["storages"]) != rec.raw_bytes:
                     raise ManifestError(f"{reader.name}: not a keyframe copy of step {rec.step} (another step or size)")
             if reserve:
-                self._reserve_base(reader.manifest, map_location)
+                fill = self._reserve_base(reader.manifest, map_location)
             if reader.manifest and any(e.get("delta") for e in reader.manifest["storages"]):
                 ctx.open_all(rec.objects[1:])  # the bases, in parallel
             if prog.bar is not None:
@@ -996,9 +1031,12 @@ class CheckpointStore:
 
                 reader._read = counted  # noqa: SLF001
             ctx.prefetch(reader.manifest["storages"], _chain_device(reader.manifest, map_location))
-            raws = api._decode_storages(reader, map_location, threads, ctx.resolve)  # noqa: SLF001
+            raws = api._decode_storages(reader, map_location, threads, ctx.resolve, fill)  # noqa: SLF001
             m = reader.manifest
             obj = decode_tree(m["tree"], api._build_tensors(m, raws))  # noqa: SLF001
+            if fill is not None and fills is not None:
+                fills.append(fill)
+                fill = None
             return obj, raws, reader
         except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(
@@ -1006,25 +1044,27 @@ class CheckpointStore:
                 f"(deleted concurrently, or the store was damaged): {e}"
             ) from e
         finally:
+            if fill is not None:  # not handed to the caller: the load failed
+                fill.close()
             prog.close()
             ctx.close()
 
-    def _own_manifest(self, rec: StepInfo, copy: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def _own_manifest_of(self, rec: StepInfo) -> Mapping[str, Any] | None:
         """The manifest of the step's own container, for a step loaded from its keyframe copy:
         the next save's delta names that container and its checksums (the copy was checked to
-        hold the same bytes when it was committed, and its own checksums when it was decoded).
-        None (the next save then reads its base from the chain) if it cannot be read or does not
-        line up with the copy."""
+        hold the same bytes when it was committed, and its own checksums when it was decoded;
+        the caller checks that the two line up with :func:`_same_layout`). None (the next save
+        then reads its base from the chain) if it cannot be read. One ranged read, which
+        :meth:`load` runs while the copy loads."""
         try:
             reader = self._open(rec.object, whole=False, expect=rec.object_bytes, what=f" (step {rec.step})")
         except S4WError as e:
             log.debug("s4weights: step %d: its own container is unreadable (%s): not kept as the base", rec.step, e)
             return None
         try:
-            m = reader.manifest
+            return reader.manifest
         finally:
             reader.close()
-        return m if _same_layout(copy, m) is None else None
 
     def verify(self, step: int | None = None) -> api.VerifyReport:
         """Decode ``step`` (and the bases it needs) and check every checksum, and its keyframe copy
@@ -1717,28 +1757,44 @@ class CheckpointStore:
             storages[s["path"]] = (t.view(-1), ref, s["dtype"])
         return _CachedBase(step, obj, storages, total, pooled, hosts, source)
 
-    def _remember(self, rec: StepInfo, manifest: Mapping[str, Any], raws: builtins.list[torch.Tensor]) -> None:
+    def _remember(
+        self,
+        rec: StepInfo,
+        manifest: Mapping[str, Any],
+        raws: builtins.list[torch.Tensor],
+        fill: _async.HostFill | None = None,
+    ) -> None:
         """Keep copies of a committed step's storages (within ``base_cache_bytes``), the next
-        save's delta base (see :meth:`_base_copies`)."""
+        save's delta base (see :meth:`_base_copies`); ``fill``: the load's copies, made while it
+        loaded."""
         old, self._cache = self._cache, None
         self._unpool(old)
-        self._cache = self._base_copies(rec.step, rec.object, manifest, raws, copy=True)
+        hosts = fill.finish(raws) if fill is not None else None
+        if hosts is not None:
+            self._cache = self._make_cache(rec.step, rec.object, manifest, hosts, copy=False, pooled=True)
+        else:
+            self._cache = self._base_copies(rec.step, rec.object, manifest, raws, copy=True)
 
-    def _reserve_base(self, manifest: Mapping[str, Any], map_location: api.MapLocation) -> None:
-        """Start allocating the pinned buffers that :meth:`_base_copies` will take for a step that
-        loads onto a GPU (one per CUDA storage, in manifest order), so that the allocation runs
-        while the step is read and decoded instead of after it."""
+    def _reserve_base(self, manifest: Mapping[str, Any], map_location: api.MapLocation) -> _async.HostFill | None:
+        """For a step that loads onto a GPU: start allocating the pinned buffers that will hold
+        it as the next base (one per CUDA storage; a store that saved already has its
+        generations), so that the allocation runs while the step is read and decoded instead of
+        after it, and the :class:`_async.HostFill` that copies each decoded batch into them
+        (None: the step loads onto no GPU or onto several, or is larger than
+        ``base_cache_bytes``; :meth:`_base_copies` then makes the copies after the load)."""
         try:
             devs = [api._target_device(s["device"], map_location) for s in manifest["storages"]]  # noqa: SLF001
-            sizes = [int(s["nbytes"]) for s, d in zip(manifest["storages"], devs) if d.type == "cuda"]
+            sizes = {i: int(s["nbytes"]) for i, (s, d) in enumerate(zip(manifest["storages"], devs)) if d.type == "cuda"}
+            total = sum(int(s["nbytes"]) for s in manifest["storages"])
+            gpus = {torch.device("cuda", devs[i].index if devs[i].index is not None else torch.cuda.current_device()) for i in sizes}
         except Exception:  # noqa: BLE001 - the load itself reports what is wrong with the manifest
-            return
-        if (
-            sizes
-            and self._pinned_pool.live_bytes == 0  # a store that saved already has its generations
-            and (self.base_cache_bytes is None or sum(sizes) <= self.base_cache_bytes)
-        ):
-            self._pinned_pool.reserve(sizes, next(d for d in devs if d.type == "cuda"))
+            return None
+        if not sizes or len(gpus) != 1 or (self.base_cache_bytes is not None and total > self.base_cache_bytes):
+            return None
+        device = next(iter(gpus))
+        if self._pinned_pool.live_bytes == 0:
+            self._pinned_pool.reserve(list(sizes.values()), device)
+        return _async.HostFill(self._pinned_pool, sizes, device)
 
     def _base_copies(
         self,

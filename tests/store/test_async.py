@@ -564,3 +564,74 @@ def test_gpu_load_of_the_newest_step_allocates_its_base_buffers_while_it_loads(t
     st.load(1, map_location="cuda")  # not the newest: no base copy, nothing reserved
     assert pool.allocations == 1
     st.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy", ["intact", "corrupt"])
+def test_gpu_load_copies_each_decoded_batch_into_the_base_while_it_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, copy: str
+) -> None:
+    """The newest step's base copy is made batch by batch (``HostFill``): each decoded batch is
+    copied into the pinned buffers while the next one is read, so the load's end waits only for
+    the last. With 1 MiB batches: several batches, every storage copied once, the kept base holds
+    the step's bytes (on the pool's buffers) and the next save is a delta against it, bit-exact.
+    A corrupt keyframe copy decodes some batches before its checksum fails: the load falls back
+    to the chain, whose batches fill the buffers again."""
+    from s4w_core.store import _async
+
+    if api._gpu() is None:  # noqa: SLF001
+        pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    monkeypatch.setenv("S4W_GPU_BATCH_BYTES", str(1 << 20))
+    g = torch.Generator().manual_seed(11)
+    sd = {f"w{i}": (torch.randn(300_000, generator=g) * 0.02).to(torch.bfloat16).cuda() for i in range(10)}
+    sd |= {f"m{i}": torch.randn(100_000, generator=g).cuda() for i in range(4)}
+    url = str(tmp_path / "store")
+    st = CheckpointStore(url, profile="fast")
+    expected = []
+    for i in range(2):
+        st.save(sd, step=i)
+        expected.append({k: v.cpu() for k, v in sd.items()})
+        sd["w0"].add_(1)  # the rest unchanged: step 1 is a delta
+    st.close()
+    rec = CheckpointStore(url).info(1)
+    assert rec.kind == "delta" and rec.copy is not None
+    if copy == "corrupt":  # a flipped byte in the copy's last chunk: its first batches decode fine
+        backend = open_backend(url)
+        blob = bytearray(backend.get(rec.copy))
+        from s4w_core.format.container import ContainerReader
+
+        m = ContainerReader(lambda o, n: bytes(blob[o : o + n]), len(blob)).manifest
+        off, length = m["storages"][-1]["chunks"][-1][1:3]
+        blob[off + length // 2] ^= 0x10
+        backend.put(rec.copy, bytes(blob))
+
+    calls: list[list[int]] = []
+    real = _async.HostFill.__call__
+
+    def spy(self: Any, idx: list[int], raws: list[torch.Tensor]) -> None:
+        calls.append(list(idx))
+        real(self, idx, raws)
+
+    monkeypatch.setattr(_async.HostFill, "__call__", spy)
+    st = CheckpointStore(url, profile="fast")
+    with caplog.at_level(logging.WARNING, logger="s4w_core.store"):
+        loaded = st.load(map_location="cuda")
+    assert bits_equal({k: v.cpu() for k, v in loaded.items()}, expected[1])
+    assert len(calls) > 2
+    n = len(sd)
+    if copy == "intact":
+        assert sorted(i for c in calls for i in c) == list(range(n)), "every storage copied once"
+    else:  # the copy's batches before the corrupt one, then all of the chain's
+        assert "keyframe copy" in caplog.text and "unusable" in caplog.text
+        flat = [i for c in calls for i in c]
+        assert len(flat) > n and sorted(flat[-n:]) == list(range(n))
+    cache = st._cache  # noqa: SLF001
+    assert cache is not None and cache.pooled and cache.step == 1 and cache.object == rec.object
+    pool = st._pinned_pool  # noqa: SLF001
+    assert len(cache.raws) == n and all(pool.owns(h) for h in cache.raws)
+    for host, v in zip(cache.raws, loaded.values()):  # the manifest keeps the state's order
+        assert torch.equal(host, v.cpu().contiguous().view(-1).view(torch.uint8))
+    info = st.save(sd, step=2)
+    assert info.kind == "delta" and info.base_step == 1
+    st.close()
+    assert bits_equal(CheckpointStore(url).load(2, map_location="cpu", from_copy=False), {k: v.cpu() for k, v in sd.items()})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 
@@ -154,3 +155,50 @@ def test_parts_cover_the_object_once(size: int) -> None:
 def test_empty_object() -> None:
     dl = Download(_getter(b""), 0, "s3://b/k", 1000, 8, EDGES)
     assert dl.read(0, 0) == b"" and dl.readinto(0, [memoryview(bytearray(4))]) == 0
+
+
+def _wait_closed(mm: mmap.mmap) -> bool:
+    deadline = time.monotonic() + 10
+    while not mm.closed and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return mm.closed
+
+
+def test_close_unmaps_the_buffer_on_a_thread_of_its_own() -> None:
+    """A finished load closes its download: the buffer (as large as the object) is unmapped in
+    the background, and reads after close fail instead of reading freed memory."""
+    calls: list[tuple[int, int]] = []
+    dl = Download(_getter(DATA, calls), len(DATA), "s3://b/k", 1000, 2, EDGES)
+    assert dl.read(0, len(DATA)) == DATA
+    mm = dl._view.obj  # noqa: SLF001
+    assert isinstance(mm, mmap.mmap)
+    dl.close()
+    assert _wait_closed(mm)
+    assert dl.read(0, 10) == b""  # the caller's reader turns a short read into a TruncatedError
+
+
+def test_close_while_a_part_is_fetched_unmaps_when_it_ends() -> None:
+    """A part still being written when the download is closed keeps the buffer mapped until it
+    ends: closing neither fails nor pulls the memory from under it."""
+    gate, entered = threading.Event(), threading.Event()
+    inner = _getter(DATA)
+
+    def get(off: int, into: memoryview) -> int:
+        if off == 9500:
+            entered.set()
+            assert gate.wait(10)
+            into[:10] = b"x" * 10  # writes into the mapping after close()
+        return inner(off, into)
+
+    dl = Download(get, len(DATA), "s3://b/k", 1000, 1, EDGES)
+    assert entered.wait(10)
+    mm = dl._view.obj  # noqa: SLF001
+    assert isinstance(mm, mmap.mmap)
+    dl.close()
+    time.sleep(0.05)
+    assert not mm.closed, "still mapped while the part is written"
+    gate.set()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("s4w-s3-get") for t in threading.enumerate()):  # the part ends
+        assert time.monotonic() < deadline
+        time.sleep(0.005)

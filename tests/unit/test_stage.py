@@ -457,47 +457,59 @@ def _stagers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("s4w-stage")]
 
 
-def test_pipeline_stages_the_next_batch_during_a_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(params=[1, 2], ids=["ahead1", "ahead2"])
+def depth(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Batches staged ahead of the decode (``S4W_STAGE_AHEAD``; 2 by default)."""
+    monkeypatch.setenv("S4W_STAGE_AHEAD", str(request.param))
+    return int(request.param)
+
+
+def test_pipeline_stages_ahead_by_default_two() -> None:
+    assert _decode._STAGE_AHEAD == 2  # noqa: SLF001
+
+
+def test_pipeline_stages_the_next_batch_during_a_decode(monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
     p = _Pipeline(monkeypatch)
     next_staged = threading.Event()
-    p.on_stage[1] = next_staged.set
+    p.on_stage[depth] = next_staged.set
 
     def decode0() -> None:
-        assert next_staged.wait(10), "batch 1 was not staged while batch 0 decoded"
+        assert next_staged.wait(10), f"batch {depth} was not staged while batch 0 decoded"
 
     p.on_decode[0] = decode0
-    assert [int(t) for t in p.run(3)] == [0, 1, 2]
-    assert [x for x in p.log if x[0] == "decode"] == [("decode", 0), ("decode", 1), ("decode", 2)]
-    assert p.log.index(("stage", 2)) > p.log.index(("decode", 0))  # one batch ahead, no more
+    n = depth + 2
+    assert [int(t) for t in p.run(n)] == list(range(n))
+    assert [x for x in p.log if x[0] == "decode"] == [("decode", i) for i in range(n)]
+    assert p.log.index(("stage", depth + 1)) > p.log.index(("decode", 0))  # `depth` batches ahead, no more
     assert all(t.startswith("s4w-stage") for t in p.stage_threads)
     assert not _stagers()
     assert p.run(0) == []
 
 
-def test_pipeline_decode_error_waits_for_the_batch_staged_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipeline_decode_error_waits_for_the_batch_staged_ahead(monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
     p = _Pipeline(monkeypatch)
     started, release = threading.Event(), threading.Event()
 
-    def stage1() -> None:
+    def stage_last() -> None:
         started.set()
         release.wait(10)
 
     def decode0() -> None:
         assert started.wait(10)
-        threading.Timer(0.3, release.set).start()  # batch 1 still stages when this raises
+        threading.Timer(0.3, release.set).start()  # the last batch staged ahead still stages when this raises
         raise ChecksumMismatchError("batch 0 decoded wrong")
 
-    p.on_stage[1] = stage1
+    p.on_stage[depth] = stage_last
 
     p.on_decode[0] = decode0
     with pytest.raises(ChecksumMismatchError, match="batch 0"):
-        p.run(3)
-    assert ("staged", 1) in p.log, "returned while batch 1 was still staging"
-    assert ("stage", 2) not in p.log and ("decode", 1) not in p.log
+        p.run(depth + 2)
+    assert ("staged", depth) in p.log, f"returned while batch {depth} was still staging"
+    assert ("stage", depth + 1) not in p.log and ("decode", 1) not in p.log
     assert not _stagers()
 
 
-def test_pipeline_stage_error_surfaces_in_batch_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipeline_stage_error_surfaces_in_batch_order(monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
     p = _Pipeline(monkeypatch)
 
     def bad() -> None:
@@ -507,6 +519,6 @@ def test_pipeline_stage_error_surfaces_in_batch_order(monkeypatch: pytest.Monkey
     decoded0 = threading.Event()
     p.on_decode[0] = decoded0.set
     with pytest.raises(TruncatedError, match="batch 1"):
-        p.run(3)
-    assert decoded0.is_set() and ("decode", 1) not in p.log and ("stage", 2) not in p.log
+        p.run(depth + 2)
+    assert decoded0.is_set() and ("decode", 1) not in p.log and ("stage", depth + 1) not in p.log
     assert not _stagers()
