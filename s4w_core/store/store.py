@@ -2152,6 +2152,10 @@ def _decode_many(
     return [_decode_one(reader, e, threads, resolve) for e in entries]
 
 
+#: what reading a delta base may raise that a save outlives (it codes those storages whole)
+_BASE_ERRORS = (FormatError, BaseMismatchError, CheckpointNotFoundError, StoreError, BackendUnavailableError)
+
+
 def _decode_one(
     reader: ContainerReader, entry: dict[str, Any], threads: int | None, resolve: engine.BaseResolver
 ) -> torch.Tensor:
@@ -2180,29 +2184,57 @@ class _BaseProvider:
         self.cache = cache if cache is not None and cache.object == base.object else None
         self.chain: _Chain | None = None
         self.by_path: dict[str, int] | None = None
+        #: why the base step's container cannot be read at all (then no storage is delta-coded)
+        self.unreadable: S4WError | None = None
+        self.warned = False
 
     def lookup(self, path: str, nbytes: int, dtype: str) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """The base bytes of storage ``path`` and its reference, or None: no delta for it. A base
+        that cannot be read (missing, corrupt, GPU-only codecs on a machine without a GPU, a failed
+        read) is no reason to fail the save: that storage is coded whole, with a warning (a whole
+        step: a keyframe), and nothing read from the base is trusted unchecked (every storage's
+        checksum is verified as it is decoded)."""
         if self.cache is not None:
             hit = self.cache.storages.get(path)
             if hit is None or hit[0].numel() != nbytes or hit[2] != dtype:
                 return None
             return hit[0], dict(hit[1])
-        if self.chain is None:
-            self.chain = _Chain(self.store, self.base, self.store.threads)
-            reader = self.chain.reader(self.base.object, self.base.object_bytes, self.base.step)
-            self.by_path = {}
-            for i, s in enumerate(reader.manifest["storages"]):
-                self.by_path.setdefault(s["path"], i)
-        assert self.by_path is not None
-        idx = self.by_path.get(path)
-        if idx is None:
+        if self.unreadable is not None:
             return None
-        reader = self.chain.readers[self.base.object]
-        entry = reader.manifest["storages"][idx]
-        if entry["nbytes"] != nbytes or entry["dtype"] != dtype:
+        try:
+            if self.chain is None:
+                self.chain = _Chain(self.store, self.base, self.store.threads)
+                try:
+                    reader = self.chain.reader(self.base.object, self.base.object_bytes, self.base.step)
+                except _BASE_ERRORS as e:
+                    self.unreadable = e
+                    raise
+                self.by_path = {}
+                for i, s in enumerate(reader.manifest["storages"]):
+                    self.by_path.setdefault(s["path"], i)
+            assert self.by_path is not None
+            idx = self.by_path.get(path)
+            if idx is None:
+                return None
+            reader = self.chain.readers[self.base.object]
+            entry = reader.manifest["storages"][idx]
+            if entry["nbytes"] != nbytes or entry["dtype"] != dtype:
+                return None
+            raw = _decode_one(reader, entry, self.store.threads, self.chain.resolve)
+        except _BASE_ERRORS as e:
+            self._warn(path, e)
             return None
-        raw = _decode_one(reader, entry, self.store.threads, self.chain.resolve)
         return raw, {"object": self.base.object, "storage": idx, "checksum": entry["checksum"]}
+
+    def _warn(self, path: str, e: S4WError) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        what = "the whole step (a keyframe)" if self.unreadable is not None else f"{path!r} (and any other storage whose base cannot be read)"
+        log.warning(
+            "s4weights: %s: cannot read the delta base, step %d (%s: %s): coding %s without a delta",
+            self.store.backend.url, self.base.step, type(e).__name__, e, what,
+        )
 
     def close(self) -> None:
         if self.chain is not None:

@@ -124,6 +124,55 @@ def test_corrupt_base(store_url: str) -> None:
     assert bits_equal(CheckpointStore(store_url).load(0), run[0])
 
 
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "truncated"])
+def test_a_save_over_an_unreadable_base_codes_it_whole(
+    store_url: str, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The next save of a store whose newest step cannot be read (its object missing, corrupt or
+    cut short; the store holds no copy of it in memory) does not fail: what it cannot delta-code
+    against that step it codes whole, says so at WARNING, and is bit-exact."""
+    st, run = _filled(store_url)
+    newest = st.info(2)
+    assert newest.kind == "delta"
+    data = st.backend.get(newest.object)
+    if damage == "missing":
+        st.backend.delete(newest.object)
+    elif damage == "corrupt":
+        buf = bytearray(data)
+        buf[100] ^= 0xFF  # inside the first storage's chunks
+        st.backend.put(newest.object, bytes(buf))
+    else:
+        st.backend.put(newest.object, data[: len(data) // 2])
+    fresh = CheckpointStore(store_url, profile="portable")  # no base in memory: it reads step 2
+    with caplog.at_level("WARNING", logger="s4w_core.store"):
+        info = fresh.save(run[3], 3)
+    assert "cannot read the delta base, step 2" in caplog.text
+    if damage == "corrupt":  # one storage could not be read: the others still delta-code
+        assert info.kind == "delta" and info.base_step == 2
+    else:  # nothing could be read: a keyframe
+        assert info.kind == "keyframe" and info.depth == 0
+    fresh.wait()
+    assert bits_equal(CheckpointStore(store_url).load(3, from_copy=False), run[3])
+    assert CheckpointStore(store_url).verify(3).ok
+
+
+def test_a_save_over_an_unreadable_base_does_not_read_it_again(store_url: str) -> None:
+    """A base object that cannot be opened is tried once per save, not once per storage."""
+    st, run = _filled(store_url)
+    st.backend.delete(st.info(2).object)
+    opened: list[str] = []
+    fresh = CheckpointStore(store_url, profile="portable")
+    real = fresh._open  # noqa: SLF001
+
+    def spy(key: str, *a: object, **k: object):  # type: ignore[no-untyped-def]
+        opened.append(key)
+        return real(key, *a, **k)  # type: ignore[arg-type]
+
+    fresh._open = spy  # type: ignore[method-assign]  # noqa: SLF001
+    assert fresh.save(run[3], 3).kind == "keyframe"
+    assert opened.count(st.info(2).object) == 1
+
+
 def test_replaced_base_is_detected(store_url: str) -> None:
     """A base object swapped for another valid container is caught by the recorded checksum."""
     st, run = _filled(store_url)
