@@ -626,6 +626,12 @@ class PinnedPool:
         if wait:
             self._ahead.join()
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the buffers given back and not taken since (what :meth:`take` can reuse)."""
+        with self._lock:
+            return sum(b.numel() for lst in self._free.values() for b in lst)
+
     def ready(self) -> bool:
         """Is no background allocation running (:meth:`take` would not wait for one)?"""
         return self._ahead is None or not self._ahead.is_alive()

@@ -1780,8 +1780,9 @@ class CheckpointStore:
         it as the next base (one per CUDA storage; a store that saved already has its
         generations), so that the allocation runs while the step is read and decoded instead of
         after it, and the :class:`_async.HostFill` that copies each decoded batch into them
-        (None: the step loads onto no GPU or onto several, or is larger than
-        ``base_cache_bytes``; :meth:`_base_copies` then makes the copies after the load)."""
+        (None: the step loads onto no GPU or onto several, is larger than ``base_cache_bytes``,
+        or the store's pinned buffers are all in use; :meth:`_base_copies` then makes the copies
+        after the load)."""
         try:
             devs = [api._target_device(s["device"], map_location) for s in manifest["storages"]]  # noqa: SLF001
             sizes = {i: int(s["nbytes"]) for i, (s, d) in enumerate(zip(manifest["storages"], devs)) if d.type == "cuda"}
@@ -1792,9 +1793,14 @@ class CheckpointStore:
         if not sizes or len(gpus) != 1 or (self.base_cache_bytes is not None and total > self.base_cache_bytes):
             return None
         device = next(iter(gpus))
-        if self._pinned_pool.live_bytes == 0:
-            self._pinned_pool.reserve(list(sizes.values()), device)
-        return _async.HostFill(self._pinned_pool, sizes, device)
+        pool = self._pinned_pool
+        if pool.live_bytes == 0:
+            pool.reserve(list(sizes.values()), device)
+        elif pool.free_bytes < sum(sizes.values()):
+            # the store's generations are in use (the base of its own last save): copying during
+            # the load would allocate one more; after it, the old base's buffers are reused
+            return None
+        return _async.HostFill(pool, sizes, device)
 
     def _base_copies(
         self,

@@ -563,6 +563,15 @@ def test_gpu_load_of_the_newest_step_allocates_its_base_buffers_while_it_loads(t
     assert bits_equal(st.load(2, map_location="cpu"), {k: v.cpu() for k, v in sd.items()})
     st.load(1, map_location="cuda")  # not the newest: no base copy, nothing reserved
     assert pool.allocations == 1
+    # the newest step again, while its one generation is the base of the store's own last save:
+    # copied after the load into that generation, not into a second one during it
+    again = st.load(map_location="cuda")
+    assert (pool.live_bytes, pool.allocations) == (raw, 1)
+    assert bits_equal({k: v.cpu() for k, v in again.items()}, {k: v.cpu() for k, v in sd.items()})
+    for v in sd.values():
+        v.add_(1)
+    assert st.save(sd, step=3).kind == "delta" and pool.allocations == 1
+    assert bits_equal(st.load(3, map_location="cpu"), {k: v.cpu() for k, v in sd.items()})
     st.close()
 
 
