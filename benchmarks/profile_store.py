@@ -137,6 +137,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--s3", action="store_true", help="stores on SeaweedFS S3 (needs `weed`: S4W_WEED or PATH)")
     ap.add_argument("--modes", default="save,save_async", help="comma list of save, save_async")
+    ap.add_argument("--profile", default="auto", choices=("auto", "fast", "portable"), help="the saving store's profile")
     ap.add_argument("--reserve", type=float, default=0.0,
                     help="call store.reserve(state) before the async saves, then sleep this many seconds")
     args = ap.parse_args()
@@ -163,7 +164,7 @@ def main() -> int:
     try:
         for mode in args.modes.split(","):
             root = s3.url(mode) if s3 is not None else os.path.join(work, mode)
-            st = s4w_core.CheckpointStore(root)
+            st = s4w_core.CheckpointStore(root, profile=args.profile)
             if args.reserve and mode == "save_async":
                 st.reserve(tr.state())
                 time.sleep(args.reserve)  # setup time before the first save

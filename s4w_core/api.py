@@ -185,10 +185,12 @@ def _encode(
             if found is not None:
                 job.base, job.base_ref = found
     writer = ContainerWriter(fp)
-    on_gpu = any(j.raw.device.type == "cuda" for j in col.jobs)
+    # CUDA tensors, or host copies of them (a store's keyframe copy is coded from the pinned copy
+    # of the last save it keeps): the GPU codes them with either profile
+    on_gpu = any(j.raw.device.type == "cuda" or str(j.device).startswith("cuda") for j in col.jobs)
     gpu = _gpu() if prof == "fast" or on_gpu else None
     with engine._executor(threads) as pool:
-        if gpu is not None:  # fast profile, or portable with CUDA tensors: planes split on the GPU
+        if gpu is not None:  # fast profile, or portable with GPU storages: planes split on the GPU
             storages = gpu.encode_storages(col.jobs, writer, pool, profile=prof)
         else:
             storages = [engine.encode_storage_cpu(job, writer, pool) for job in col.jobs]

@@ -13,7 +13,8 @@ Per batch, all on our stream and with one host synchronization (reading back com
 4. gather the chosen bytes into one compact buffer (two launches of one gather kernel), copy it to
    pinned host memory once, and append the chunks to the container in manifest order.
 
-Storages that take the CPU path (portable profile: CPU tensors and non-float storages; fast
+Storages that take the CPU path (portable profile: CPU tensors that are not host copies of GPU
+storages, and non-float storages; fast
 profile: small non-float storages, where zstd beats order-0 ANS) are encoded by
 :func:`s4w_core.engine.encode_storage_cpu` into a recording writer and spliced in at their place.
 """
@@ -306,10 +307,21 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+def _from_device(job: engine.StorageJob) -> bool:
+    """Whether ``job`` is a GPU storage: on the device, or a host copy of one (the store's keyframe
+    copy codes the pinned host copy it keeps of the last save): the GPU codes it with either
+    profile (host-to-device per batch) instead of the CPU path."""
+    return _on_device(job.raw) or str(job.device).startswith("cuda")
+
+
 def _device_for(jobs: list[engine.StorageJob]) -> torch.device:
     for j in jobs:
         if j.raw.device.type == "cuda":
             return j.raw.device
+    for j in jobs:  # host copies of GPU storages: the device they came from
+        if str(j.device).startswith("cuda"):
+            d = torch.device(j.device)
+            return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -338,7 +350,7 @@ def encode_storages(
         for job in jobs:
             nbytes = job.raw.numel()
             transform, w = engine.transform_for(job.dtype, nbytes)
-            cpu_path = (profile == "portable" and (not _on_device(job.raw) or transform == "bytes")) or (
+            cpu_path = (profile == "portable" and (not _from_device(job) or transform == "bytes")) or (
                 profile == "fast" and transform == "bytes" and nbytes <= SMALL_BYTES_STORAGE
             )
             plan.append((transform, w, cpu_path))

@@ -386,6 +386,8 @@ def test_gpu_saves_copy_from_the_pinned_base(tmp_path: Any, profile: str, blocki
     info = reader.manifest
     reader.close()
     assert info["profile"] == rec.profile and not any(e.get("delta") for e in info["storages"])
+    # coded on the GPU from the host copy, whatever the profile (portable: nvCOMP Deflate planes)
+    assert "nvcomp" in info["writer"], info["writer"]
     assert bits_equal(fresh.load(3, map_location="cpu"), expected[3])
     assert bits_equal(fresh.load(3, map_location="cpu", from_copy=False), expected[3])
     on_gpu = fresh.load(3)  # from the copy; kept as the next base under the step's own checksums
