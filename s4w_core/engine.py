@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+import xxhash
 from xxhash import xxh3_64_hexdigest as xxh3_hexdigest
 
 from s4w_core import checksum as ck
@@ -31,7 +32,7 @@ from s4w_core.errors import (
 )
 from s4w_core.format.container import ContainerReader, ContainerWriter
 from s4w_core.planes import PLANE_DTYPES, merge_planes, plane_width, split_planes
-from s4w_core.planes.reference import merge_into
+from s4w_core.planes.reference import merge_hash_into, merge_into
 
 __all__ = [
     "SEGMENT_ELEMS",
@@ -406,6 +407,13 @@ def _prefault(t: torch.Tensor) -> None:
             _madvise = None
 
 
+#: plane storages of at least this many bytes with an xxh3 checksum are hashed as they are merged
+#: (:func:`~s4w_core.planes.reference.merge_hash_into`: each block while it is still in the
+#: cache) rather than in a second pass over the whole output; smaller ones are still in the cache
+#: after the merge, and one call costs less than a streaming hasher's
+FUSED_HASH_MIN_BYTES = 1 << 20
+
+
 def chunk_layout(entry: dict[str, Any]) -> list[tuple[int, int, int]]:
     """``(segment_start_elem, segment_end_elem, plane)`` for each chunk, in manifest order."""
     w = entry["_width"]
@@ -421,7 +429,8 @@ def decode_storage_cpu(
     name: str,
 ) -> torch.Tensor:
     """Decode one (validated) storage entry to a 1-D uint8 CPU tensor, verifying every checksum:
-    each chunk's xxh3 before it is decoded, the storage's raw checksum at the end.
+    each chunk's xxh3 before it is decoded, the storage's raw checksum at the end (for a large plane
+    storage with an xxh3 checksum, computed block by block as the planes are merged).
 
     Per chunk and per storage this does only what the bytes need (a load of a training state is
     mostly small tensors, where Python around the codecs cost as much as they did): no per-chunk
@@ -461,6 +470,15 @@ def decode_storage_cpu(
     out_np = out.numpy()
     merge_fast = transform == "planes-rotl1" and (base is None or op == "xor")
     base_np = None if base is None else base.numpy()
+    expected = entry["checksum"]
+    # every segment goes through merge_hash_into, which passes each byte of it to the hasher once,
+    # in order: the digest is the one-shot xxh3 of ``out`` (the count is checked at the end as well)
+    hasher = (
+        xxhash.xxh3_64()
+        if merge_fast and w > 1 and nbytes >= FUSED_HASH_MIN_BYTES and expected[:8] == "xxh3-64:"
+        else None
+    )
+    hashed = 0
     for s0 in range(0, n, seg):
         s1 = min(n, s0 + seg)
         if w == 1 and base is None:  # bytes transform: the chunk is the output
@@ -469,7 +487,11 @@ def decode_storage_cpu(
         parts = [np.frombuffer(next(decoded), dtype=np.uint8) for _j in range(w)]
         a, z = s0 * w, s1 * w
         if merge_fast:
-            merge_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z])
+            if hasher is None:
+                merge_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z])
+            else:
+                merge_hash_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z], hasher.update)
+                hashed += z - a
             continue
         b = base[a:z] if base is not None else None
         planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
@@ -481,10 +503,14 @@ def decode_storage_cpu(
         else:
             seg_t = planes.view(-1) if b is None else planes.view(-1) ^ b
         out[a:z] = seg_t
-    if not ck.verify_tensor_checksum(entry["checksum"], out):
+    if hasher is not None and hashed == nbytes:
+        ok = "xxh3-64:" + hasher.hexdigest() == expected
+    else:
+        ok = ck.verify_tensor_checksum(expected, out)
+    if not ok:
         raise ChecksumMismatchError(
             f"{name}: tensor {entry['path']!r} decoded to bytes that do not match its recorded "
-            f"checksum {entry['checksum']}" + (" (is the delta base the right one?)" if base is not None else "")
+            f"checksum {expected}" + (" (is the delta base the right one?)" if base is not None else "")
         )
     return out
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["enabled", "split_into", "merge_into"]
+__all__ = ["enabled", "split_into", "merge_into", "merge_hash_into"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Any] | None = None
@@ -185,17 +185,14 @@ def split_into(raw: np.ndarray, w: int, base: np.ndarray | None, out: np.ndarray
     return True
 
 
-def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None) -> bool:
-    """Inverse of :func:`split_into` into ``out`` (uint8, ``n * w`` bytes, contiguous). Returns
-    False (and does nothing) when the kernels are not available. (Called once per segment of a
-    load, most of them small tensors: the checks are plain comparisons, no temporaries.)"""
-    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=out.size)
-    if k is None or w not in _UINT:
-        return False
+def _merge_args(
+    parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The kernels' arguments for :func:`merge_into` (planes, output words, base words), every
+    length checked (the kernels do not check bounds)."""
     ps = [np.ascontiguousarray(p) for p in parts]
     o = out.view(_UINT[w])
     n = o.size
-    # the kernels do not check bounds: every length is checked here
     ok = len(ps) == w
     for p in ps if ok else ():
         if p.dtype != np.uint8 or p.size != n:
@@ -207,8 +204,55 @@ def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.nd
         ok = ok and b.size == n
     if not ok:
         raise ValueError(f"merge_into: planes {[p.size for p in ps]}, out {out.size} bytes, base {None if base is None else base.size}")
+    return ps, o, b
+
+
+def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None) -> bool:
+    """Inverse of :func:`split_into` into ``out`` (uint8, ``n * w`` bytes, contiguous). Returns
+    False (and does nothing) when the kernels are not available. (Called once per segment of a
+    load, most of them small tensors: the checks are plain comparisons, no temporaries.)"""
+    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=out.size)
+    if k is None or w not in _UINT:
+        return False
+    ps, o, b = _merge_args(parts, w, out, base)
     if w == 2:
         k["merge2"](ps[0], ps[1], b, base is not None, o)
     else:
         k["merge4"](ps[0], ps[1], ps[2], ps[3], b, base is not None, o)
+    return True
+
+
+def merge_hash_into(
+    parts: Sequence[np.ndarray],
+    w: int,
+    out: np.ndarray,
+    base: np.ndarray | None,
+    update: Callable[[np.ndarray], Any],
+    block: int,
+) -> bool:
+    """:func:`merge_into`, ``block`` bytes of ``out`` at a time (rounded down to whole elements),
+    calling ``update(out[a:z])`` on each block right after it is merged (while it is still in the
+    cache), in order: every byte of ``out`` is passed to ``update`` exactly once. Returns False
+    (and does nothing) when the kernels are not available."""
+    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=out.size)
+    if k is None or w not in _UINT:
+        return False
+    ps, o, b = _merge_args(parts, w, out, base)
+    n = o.size
+    has = base is not None
+    step = max(1, block // w)
+    if w == 2:
+        f2 = k["merge2"]
+        p0, p1 = ps
+        for a in range(0, n, step):
+            z = a + step if a + step < n else n
+            f2(p0[a:z], p1[a:z], b[a:z] if has else b, has, o[a:z])
+            update(out[a * 2 : z * 2])
+    else:
+        f4 = k["merge4"]
+        p0, p1, p2, p3 = ps
+        for a in range(0, n, step):
+            z = a + step if a + step < n else n
+            f4(p0[a:z], p1[a:z], p2[a:z], p3[a:z], b[a:z] if has else b, has, o[a:z])
+            update(out[a * 4 : z * 4])
     return True

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from s4w_core.planes import _jit
 
-__all__ = ["PLANE_DTYPES", "plane_width", "split_planes", "merge_planes", "merge_into"]
+__all__ = ["PLANE_DTYPES", "plane_width", "split_planes", "merge_planes", "merge_into", "merge_hash_into", "HASH_BLOCK"]
 
 #: dtypes the plane transform applies to, with the signed integer dtype of the same width used
 #: to read their bit patterns.
@@ -66,6 +66,36 @@ def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.nd
     r |= low
     if base is not None:
         r ^= base.view(u)
+
+
+#: bytes of output merged per step of :func:`merge_hash_into` (then hashed while still in L2)
+HASH_BLOCK = 256 << 10
+
+
+def merge_hash_into(
+    parts: Sequence[np.ndarray],
+    w: int,
+    out: np.ndarray,
+    base: np.ndarray | None,
+    update: Callable[[np.ndarray], Any],
+    block: int = HASH_BLOCK,
+) -> None:
+    """:func:`merge_into` fused with a streaming checksum: ``out`` is merged ``block`` bytes at a
+    time (whole elements) and each block is passed to ``update`` right after it is merged, while it
+    is still in the cache, instead of a second pass over the whole output from memory. Every byte
+    of ``out`` goes to ``update`` exactly once, in order (a streaming xxh3 then gives the one-shot
+    digest of ``out``)."""
+    if _jit.merge_hash_into(parts, w, out, base, update, block):
+        return
+    n = out.size // w
+    if n * w != out.size:
+        raise ValueError(f"merge_hash_into: out {out.size} bytes is not a whole number of {w}-byte elements")
+    step = max(1, block // w)
+    for a in range(0, n, step):
+        z = min(n, a + step)
+        o = out[a * w : z * w]
+        merge_into([p[a:z] for p in parts], w, o, None if base is None else base[a * w : z * w])
+        update(o)
 
 
 def _merge_np(planes: np.ndarray, w: int, base: np.ndarray | None) -> np.ndarray:
