@@ -134,6 +134,7 @@ def stages(ts: dict[str, torch.Tensor], repeats: int) -> dict[str, dict[str, flo
     wrap(engine, "_encode_chunk", "zstd encode")
     wrap(engine, "split_planes", "split")
     wrap(engine, "merge_into", "merge")
+    wrap(engine, "merge_hash_into", "merge+xxh3 (fused, storages >= 1 MiB)")
     wrap(engine.ck, "tensor_checksum", "xxh3 tensor")
     wrap(engine.ck, "verify_tensor_checksum", "xxh3 tensor")
     wrap(api, "validate_manifest", "validate manifest")
