@@ -465,8 +465,7 @@ def decode_storage_cpu(
         s0 = (i // w) * seg
         return dec(data, min(n, s0 + seg) - s0)
 
-    calls = range(len(chunks))
-    decoded = map(fetch_decode, calls) if pool._max_workers <= 1 else _ordered(pool, fetch_decode, [(i,) for i in calls])  # noqa: SLF001
+    decoded = _ordered(pool, fetch_decode, [(i,) for i in range(len(chunks))])
     out_np = out.numpy()
     merge_fast = transform == "planes-rotl1" and (base is None or op == "xor")
     base_np = None if base is None else base.numpy()

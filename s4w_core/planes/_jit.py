@@ -207,18 +207,23 @@ def _merge_args(
     return ps, o, b
 
 
+def _merge_kernel(w: int, nbytes: int) -> Any:
+    """The compiled merge of ``w``-byte elements, or None while the kernels are not available."""
+    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=nbytes)
+    if k is None or w not in _UINT:
+        return None
+    return k["merge2"] if w == 2 else k["merge4"]
+
+
 def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None) -> bool:
     """Inverse of :func:`split_into` into ``out`` (uint8, ``n * w`` bytes, contiguous). Returns
     False (and does nothing) when the kernels are not available. (Called once per segment of a
     load, most of them small tensors: the checks are plain comparisons, no temporaries.)"""
-    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=out.size)
-    if k is None or w not in _UINT:
+    f = _merge_kernel(w, out.size)
+    if f is None:
         return False
     ps, o, b = _merge_args(parts, w, out, base)
-    if w == 2:
-        k["merge2"](ps[0], ps[1], b, base is not None, o)
-    else:
-        k["merge4"](ps[0], ps[1], ps[2], ps[3], b, base is not None, o)
+    f(*ps, b, base is not None, o)
     return True
 
 
@@ -234,25 +239,15 @@ def merge_hash_into(
     calling ``update(out[a:z])`` on each block right after it is merged (while it is still in the
     cache), in order: every byte of ``out`` is passed to ``update`` exactly once. Returns False
     (and does nothing) when the kernels are not available."""
-    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=out.size)
-    if k is None or w not in _UINT:
+    f = _merge_kernel(w, out.size)
+    if f is None:
         return False
     ps, o, b = _merge_args(parts, w, out, base)
     n = o.size
     has = base is not None
     step = max(1, block // w)
-    if w == 2:
-        f2 = k["merge2"]
-        p0, p1 = ps
-        for a in range(0, n, step):
-            z = a + step if a + step < n else n
-            f2(p0[a:z], p1[a:z], b[a:z] if has else b, has, o[a:z])
-            update(out[a * 2 : z * 2])
-    else:
-        f4 = k["merge4"]
-        p0, p1, p2, p3 = ps
-        for a in range(0, n, step):
-            z = a + step if a + step < n else n
-            f4(p0[a:z], p1[a:z], p2[a:z], p3[a:z], b[a:z] if has else b, has, o[a:z])
-            update(out[a * 4 : z * 4])
+    for a in range(0, n, step):
+        z = min(n, a + step)
+        f(*[p[a:z] for p in ps], b[a:z] if has else b, has, o[a:z])
+        update(out[a * w : z * w])
     return True

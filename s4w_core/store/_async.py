@@ -747,9 +747,7 @@ class HostFill:
         copies, complete (CPU storages cloned); None if a CUDA storage is not one this fill was
         made for (then nothing is kept: :meth:`close` gives the buffers back)."""
         cuda = [i for i, r in enumerate(raws) if r.device.type == "cuda"]
-        if any(r.device != self._device or self._sizes.get(i) != r.numel() for i, r in zip(cuda, (raws[i] for i in cuda))):
-            return None
-        if set(cuda) != set(self._sizes):
+        if set(cuda) != set(self._sizes) or any(raws[i].device != self._device or raws[i].numel() != self._sizes[i] for i in cuda):
             return None
         self._pending.extend((i, raws[i]) for i in cuda if i not in self._done)
         if self._pending:
