@@ -29,7 +29,10 @@ import xxhash
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Buffer
 
-__all__ = ["xxh3_hex", "xxh3_hex_holding_gil", "tensor_checksum", "verify_tensor_checksum", "fold64"]
+__all__ = ["XXH3", "xxh3_hex", "xxh3_hex_holding_gil", "tensor_checksum", "verify_tensor_checksum", "fold64"]
+
+#: prefix of a storage checksum that is the xxh3-64 of its bytes (``"xxh3-64:" + 16 hex digits``)
+XXH3 = "xxh3-64:"
 
 _K1 = 0x9E3779B97F4A7C15
 _M1 = 0xFF51AFD7ED558CCD
@@ -132,13 +135,13 @@ def fold64(flat_u8: torch.Tensor, device: torch.device | None = None) -> int:
 def tensor_checksum(flat_u8: torch.Tensor) -> str:
     """Checksum string ``"algo:hex"`` of raw tensor bytes, using the algorithm cheapest where they live."""
     if flat_u8.device.type == "cpu":
-        return "xxh3-64:" + xxh3_hex(flat_u8.numpy())
+        return XXH3 + xxh3_hex(flat_u8.numpy())
     return f"fold64:{fold64(flat_u8):016x}"
 
 
 def compute_checksum(algo: str, flat_u8: torch.Tensor) -> str:
     if algo == "xxh3-64":
-        return "xxh3-64:" + xxh3_hex(flat_u8.cpu().numpy())
+        return XXH3 + xxh3_hex(flat_u8.cpu().numpy())
     if algo == "fold64":
         return f"fold64:{fold64(flat_u8):016x}"
     raise ValueError(f"unknown checksum algorithm {algo!r}")
@@ -147,8 +150,8 @@ def compute_checksum(algo: str, flat_u8: torch.Tensor) -> str:
 def verify_tensor_checksum(expected: str, flat_u8: torch.Tensor, device: torch.device | None = None) -> bool:
     """Is ``expected`` (``"algo:hex"``) the checksum of ``flat_u8``?  ``device``: where a
     ``fold64`` is computed (see :func:`fold64`)."""
-    if expected[:8] == "xxh3-64:" and flat_u8.device.type == "cpu":  # the CPU path's case, once per storage
-        return "xxh3-64:" + xxhash.xxh3_64_hexdigest(flat_u8.numpy()) == expected
+    if expected[:8] == XXH3 and flat_u8.device.type == "cpu":  # the CPU path's case, once per storage
+        return XXH3 + xxhash.xxh3_64_hexdigest(flat_u8.numpy()) == expected
     algo = expected.split(":", 1)[0]
     if algo == "fold64" and device is not None:
         return f"fold64:{fold64(flat_u8, device):016x}" == expected

@@ -474,7 +474,7 @@ def decode_storage_cpu(
     # in order: the digest is the one-shot xxh3 of ``out`` (the count is checked at the end as well)
     hasher = (
         xxhash.xxh3_64()
-        if merge_fast and w > 1 and nbytes >= FUSED_HASH_MIN_BYTES and expected[:8] == "xxh3-64:"
+        if merge_fast and w > 1 and nbytes >= FUSED_HASH_MIN_BYTES and expected[:8] == ck.XXH3
         else None
     )
     hashed = 0
@@ -503,7 +503,7 @@ def decode_storage_cpu(
             seg_t = planes.view(-1) if b is None else planes.view(-1) ^ b
         out[a:z] = seg_t
     if hasher is not None and hashed == nbytes:
-        ok = "xxh3-64:" + hasher.hexdigest() == expected
+        ok = ck.XXH3 + hasher.hexdigest() == expected
     else:
         ok = ck.verify_tensor_checksum(expected, out)
     if not ok:

@@ -76,21 +76,25 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
                 f"manifest: {where} must have {nseg * w} chunks ({nseg} segments x {w} planes), "
                 f"has {len(chunks) if isinstance(chunks, list) else chunks!r}"
             )
+        # the per-chunk checks inline: this loop runs for every chunk of every load
+        emax = MAX_EXPANSION
         for k, c in enumerate(chunks):
-            if not (isinstance(c, list) and len(c) == 4 and isinstance(c[0], str) and isinstance(c[3], str)):
+            if not (type(c) is list and len(c) == 4 and type(c[0]) is str and type(c[3]) is str):
                 raise ManifestError(f"manifest: {where} chunk {k} is malformed")
             codec, off, length = c[0], c[1], c[2]
             if codec not in known_codecs:
                 from s4w_core.codecs import get_codec
 
                 get_codec(codec)  # raises UnknownCodecError with the install hint
-            _int(off, f"{where} chunk {k} offset", data_start, data_end)
-            _int(length, f"{where} chunk {k} length", 0, data_end - off)
+            if not (type(off) is int and data_start <= off <= data_end):
+                _int(off, f"{where} chunk {k} offset", data_start, data_end)
+            if not (type(length) is int and 0 <= length <= data_end - off):
+                _int(length, f"{where} chunk {k} length", 0, data_end - off)
             seg_i = k // w
-            raw_len = min(seg, n - seg_i * seg)
+            raw_len = seg if (seg_i + 1) * seg <= n else n - seg_i * seg
             if codec == "raw" and length != raw_len:
                 raise ManifestError(f"manifest: {where} chunk {k}: raw chunk of {length} bytes, expected {raw_len}")
-            if raw_len > max(1, length) * MAX_EXPANSION.get(codec, 1 << 16) + 64:
+            if raw_len > (length if length > 1 else 1) * emax.get(codec, 1 << 16) + 64:
                 raise ManifestError(
                     f"manifest: {where} chunk {k} claims {raw_len} bytes from {length} stored bytes of {codec}: "
                     "beyond that codec's possible expansion"
@@ -115,9 +119,11 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
         if not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride) or len(shape) > 64:
             raise ManifestError(f"manifest: {where} has malformed shape/stride")
         for d in shape:
-            _int(d, f"{where} shape entry", 0, MAX_STORAGE_BYTES)
+            if not (type(d) is int and 0 <= d <= MAX_STORAGE_BYTES):
+                _int(d, f"{where} shape entry", 0, MAX_STORAGE_BYTES)
         for d in stride:
-            _int(d, f"{where} stride entry", 0, MAX_STORAGE_BYTES)
+            if not (type(d) is int and 0 <= d <= MAX_STORAGE_BYTES):
+                _int(d, f"{where} stride entry", 0, MAX_STORAGE_BYTES)
         off = _int(t.get("offset"), f"{where} offset", 0, MAX_STORAGE_BYTES)
         numel = 1
         for d in shape:
