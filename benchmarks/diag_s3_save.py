@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _train_gpt import MODELS, Trainer  # noqa: E402
 from bench_peers import S3Server  # noqa: E402
+from profile_store import _tensors  # noqa: E402
 
 import s4w_core  # noqa: E402
 
@@ -309,17 +310,6 @@ def main() -> int:
     finally:
         s3.stop()
     return 0
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 if __name__ == "__main__":
