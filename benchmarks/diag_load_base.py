@@ -15,6 +15,8 @@ four times (keyframe + three deltas; the newest gets its keyframe copy) and once
 * ``thp``: the slabs' mappings advised ``MADV_HUGEPAGE`` before their pages are touched;
 * ``prealloc``: the pinned buffers allocated before the load (untimed): what allocating them
   while the step loads costs it;
+* ``populate`` / ``touch``: the pinned slabs' pages faulted in by ``madvise(MADV_POPULATE_WRITE)``
+  over each thread's range / by writing one byte per page, instead of zero-filling every byte;
 * ``fadvise``: ``posix_fadvise(WILLNEED)`` over the whole object, on a thread, as the load starts
   (timed): the kernel reads ahead of the load's own reads;
 * ``pageable``: batches copied as they are decoded, into pageable buffers (no pinned allocation);
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -46,10 +49,58 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _train_gpt import MODELS, Trainer  # noqa: E402
 from bench_peers import evict  # noqa: E402
+from profile_store import _tensors  # noqa: E402
 
 import s4w_core  # noqa: E402
 from s4w_core import obs  # noqa: E402
 from s4w_core.store import _async  # noqa: E402
+
+
+def _populate(slab: torch.Tensor, threads: int) -> None:
+    from s4w_core import engine
+
+    fn = engine._madvise  # noqa: SLF001
+    assert fn is not None, "no madvise"
+    n = slab.numel()
+    threads = max(1, min(threads, -(-n // (4 << 20))))
+    per = -(-n // threads)
+    step = -(-per // mmap.PAGESIZE) * mmap.PAGESIZE
+    p = slab.data_ptr()
+
+    def one(i: int) -> None:
+        a, b = p + i * step, min(p + n, p + (i + 1) * step)
+        if b > a and fn(a, b - a, engine._MADV_POPULATE_WRITE) != 0:  # noqa: SLF001
+            raise OSError("madvise(MADV_POPULATE_WRITE) failed")
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, range(threads)))
+
+
+def _touch(slab: torch.Tensor, threads: int) -> None:
+    n = slab.numel()
+    threads = max(1, min(threads, -(-n // (4 << 20))))
+    per = -(-n // threads)
+    step = -(-per // mmap.PAGESIZE) * mmap.PAGESIZE
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda i: slab[i * step : (i + 1) * step : mmap.PAGESIZE].fill_(0), range(threads)))
+
+
+_FAULT_IN = {"default": _async._fault_in, "populate": _populate, "touch": _touch}  # noqa: SLF001
+
+
+def _alloc_times(dev: torch.device, sizes: list[int], repeats: int) -> None:
+    """The pinned allocation alone (no load beside it), per way of faulting pages in."""
+    for r in range(repeats):
+        for name, fn in _FAULT_IN.items():
+            _async._fault_in = fn  # noqa: SLF001
+            try:
+                t0 = time.perf_counter()
+                bufs, _ = _async.pinned_buffers(sizes, dev)
+                t = time.perf_counter() - t0
+                del bufs
+            finally:
+                _async._fault_in = _FAULT_IN["default"]  # noqa: SLF001
+            print(f"  alloc {r} {name:<9} {sum(sizes) / 1e9:.2f} GB pinned in {t:.3f} s", flush=True)
 
 
 def _load(root: str, variant: str, dev: torch.device, events: list[obs.OpEvent]) -> tuple[float, dict[str, float]]:
@@ -69,6 +120,8 @@ def _load(root: str, variant: str, dev: torch.device, events: list[obs.OpEvent])
             return mm
 
         _async.mmap.mmap = advised  # type: ignore[misc]
+    elif variant in ("populate", "touch"):
+        _async._fault_in = _FAULT_IN[variant]  # noqa: SLF001
     elif variant == "no-fill":
         _async.HostFill.__call__ = lambda self, idx, raws: None  # type: ignore[method-assign]
     elif variant == "pageable":
@@ -119,6 +172,7 @@ def _load(root: str, variant: str, dev: torch.device, events: list[obs.OpEvent])
         _async.HostFill.__call__ = fill  # type: ignore[method-assign]
         _async.PinnedPool.reserve, _async.PinnedPool.take = reserve, take  # type: ignore[method-assign]
         _async._SLABS, _async.mmap.mmap = slabs, mmap_new  # type: ignore[misc]  # noqa: SLF001
+        _async._fault_in = _FAULT_IN["default"]  # noqa: SLF001
         if ahead is None:
             os.environ.pop("S4W_STAGE_AHEAD", None)
         else:
@@ -157,6 +211,9 @@ def main() -> int:
         rec = s4w_core.CheckpointStore(root).info()
         print(f"{torch.cuda.get_device_name()}: newest step {rec.step} ({rec.kind}, depth {rec.depth}), "
               f"keyframe copy {rec.copy_bytes / 1e9:.3f} GB", flush=True)
+        sizes = [t.numel() * t.element_size() for t in _tensors(tr.state())]
+        _alloc_times(dev, sizes, 3)
+        _load(root, "default", dev, events)  # untimed: the process's first load compiles the decode's kernels
         variants = [v for v in args.variants.split(",") if v]
         times: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(args.repeats):
