@@ -213,7 +213,7 @@ def main() -> int:
               f"keyframe copy {rec.copy_bytes / 1e9:.3f} GB", flush=True)
         sizes = [t.numel() * t.element_size() for t in _tensors(tr.state())]
         _alloc_times(dev, sizes, 3)
-        _load(root, "default", dev, events)  # untimed: the process's first load compiles the decode's kernels
+        _load(root, "default", dev, events)  # untimed: the process's first load took twice as long (first use)
         variants = [v for v in args.variants.split(",") if v]
         times: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(args.repeats):
