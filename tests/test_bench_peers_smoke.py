@@ -27,9 +27,9 @@ SCRIPT = ROOT / "benchmarks" / "bench_peers.py"
 #: every peer that runs without a GPU (codec peers in --cpu mode, all end-to-end peers)
 CPU_PEERS = {
     "s4w_cpu", "s4w_cpu_1t", "zipnn", "zipnn_1t", "zstd", "zstd_1t",
-    "s4w_store_async", "s4w_store_async_reserved", "s4w_store", "torch_save", "dcp_save", "dcp_async", "dcp_async_zstd", "s4w_dcp", "s4w_dcp_async",
+    "s4w_store_async", "s4w_store_async_reserved", "s4w_store", "s4w_store_reserved", "torch_save", "dcp_save", "dcp_async", "dcp_async_zstd", "s4w_dcp", "s4w_dcp_async",
 }  # fmt: skip
-S3_PEERS = {"s4w_store_s3", "s3ckpt_torch_save", "dcp_s3", "s4w_dcp_s3"}
+S3_PEERS = {"s4w_store_s3", "s4w_store_s3_reserved", "s3ckpt_torch_save", "dcp_s3", "s4w_dcp_s3"}
 CODEC_PEERS = {"s4w_cpu", "s4w_cpu_1t", "zipnn", "zipnn_1t", "zstd", "zstd_1t"}
 
 
