@@ -1004,14 +1004,20 @@ class S4StoreS3(S4Store):
     s3 = True
 
 
-class S4StoreReserved(S4Store):
+class _ReserveFirst:
+    """A store peer whose untimed setup calls ``CheckpointStore.reserve(state, wait=True)``."""
+
+    store: Any
+
+    def prime(self, sd: Any) -> None:
+        self.store.reserve(sd, wait=True)
+
+
+class S4StoreReserved(_ReserveFirst, S4Store):
     note = (
         "CheckpointStore.reserve(state, wait=True) at setup (untimed: a training loop calls it long "
         "before its first save: the pinned host memory of the base copy each save keeps), then save as above"
     )
-
-    def prime(self, sd: Any) -> None:
-        self.store.reserve(sd, wait=True)
 
 
 class S4StoreS3Reserved(S4StoreReserved):
@@ -1059,14 +1065,11 @@ class S4StoreAsync(S4Store):
         return {f"handle_{k}": getattr(h, k) for k in keys if h is not None and hasattr(h, k)}
 
 
-class S4StoreAsyncReserved(S4StoreAsync):
+class S4StoreAsyncReserved(_ReserveFirst, S4StoreAsync):
     note = (
         "CheckpointStore.reserve(state, wait=True) at setup (untimed: a training loop calls it long "
         "before its first save), then save_async as above"
     )
-
-    def prime(self, sd: Any) -> None:
-        self.store.reserve(sd, wait=True)
 
 
 def _dcp() -> Any:
