@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["enabled", "split_into", "merge_into", "merge_hash_into"]
+__all__ = ["enabled", "split_into", "merge_into", "merge_range"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Any] | None = None
@@ -227,27 +227,19 @@ def merge_into(parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.nd
     return True
 
 
-def merge_hash_into(
-    parts: Sequence[np.ndarray],
-    w: int,
-    out: np.ndarray,
-    base: np.ndarray | None,
-    update: Callable[[np.ndarray], Any],
-    block: int,
-) -> bool:
-    """:func:`merge_into`, ``block`` bytes of ``out`` at a time (rounded down to whole elements),
-    calling ``update(out[a:z])`` on each block right after it is merged (while it is still in the
-    cache), in order: every byte of ``out`` is passed to ``update`` exactly once. Returns False
-    (and does nothing) when the kernels are not available."""
+def merge_range(
+    parts: Sequence[np.ndarray], w: int, out: np.ndarray, base: np.ndarray | None
+) -> Callable[[int, int], None] | None:
+    """:func:`merge_into` by element ranges: the lengths are checked once, and the returned
+    ``merge(a, z)`` merges elements ``[a, z)`` of ``out`` (for a caller that works on ``out``
+    block by block). None when the kernels are not available."""
     f = _merge_kernel(w, out.size)
     if f is None:
-        return False
+        return None
     ps, o, b = _merge_args(parts, w, out, base)
-    n = o.size
     has = base is not None
-    step = max(1, block // w)
-    for a in range(0, n, step):
-        z = min(n, a + step)
+
+    def merge(a: int, z: int) -> None:
         f(*[p[a:z] for p in ps], b[a:z] if has else b, has, o[a:z])
-        update(out[a * w : z * w])
-    return True
+
+    return merge

@@ -85,17 +85,20 @@ def merge_hash_into(
     is still in the cache, instead of a second pass over the whole output from memory. Every byte
     of ``out`` goes to ``update`` exactly once, in order (a streaming xxh3 then gives the one-shot
     digest of ``out``)."""
-    if _jit.merge_hash_into(parts, w, out, base, update, block):
-        return
     n = out.size // w
     if n * w != out.size:
         raise ValueError(f"merge_hash_into: out {out.size} bytes is not a whole number of {w}-byte elements")
+    merge = _jit.merge_range(parts, w, out, base)
+    if merge is None:  # numpy: merge_into on each block's slices
+
+        def merge(a: int, z: int) -> None:
+            merge_into([p[a:z] for p in parts], w, out[a * w : z * w], None if base is None else base[a * w : z * w])
+
     step = max(1, block // w)
     for a in range(0, n, step):
         z = min(n, a + step)
-        o = out[a * w : z * w]
-        merge_into([p[a:z] for p in parts], w, o, None if base is None else base[a * w : z * w])
-        update(o)
+        merge(a, z)
+        update(out[a * w : z * w])
 
 
 def _merge_np(planes: np.ndarray, w: int, base: np.ndarray | None) -> np.ndarray:
