@@ -489,6 +489,17 @@ def codec_s4w_fast(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
         del e2
     with mem.window():
         _s4w_device_decode(enc, plan, outs)
+    # the encode with its plan prepared once (as the decode's plan is, above): each call codes the
+    # tensors' current contents with the tables and buffers kept from the first
+    prep = _encode.PreparedEncode(tl, "fast")
+    ep = prep()
+    outs2 = [torch.empty(n, dtype=torch.uint8, device=ctx.dev) for n in plan.nbytes]
+    _s4w_device_decode(ep, _s4w_decode_plan(ep, tl), outs2)
+    _sync(ctx.dev)
+    exact = exact and ep.stored_bytes == stored and all(torch.equal(o, _bytes(t)) for o, t in zip(outs2, tl))
+    del outs2, ep
+    t_prep = _median_time(prep, ctx.args.repeats, ctx.dev)
+    del prep
     t_enc = _median_time(lambda: _encode.encode_tensors_device(tl, "fast"), ctx.args.repeats, ctx.dev)
     t_dec = _median_time(lambda: _s4w_device_decode(enc, plan, outs), ctx.args.repeats, ctx.dev)
     return {
@@ -496,11 +507,13 @@ def codec_s4w_fast(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
         "raw_bytes": raw,
         "stored_bytes": stored,
         "ratio": raw / stored,
-        "enc_GBps": raw / t_enc / GB,
+        "enc_GBps": raw / t_prep / GB,
+        "enc_GBps_one_call": raw / t_enc / GB,
         "dec_GBps": raw / t_dec / GB,
         "bit_exact": exact,
         "chunks": len(enc.owner),
-        "timing": "synchronized wall clock, tensors on the GPU -> compact coded buffer on the GPU and back",
+        "timing": "synchronized wall clock, tensors on the GPU -> coded buffer on the GPU and back; encode and "
+        "decode with their plans prepared once (enc_GBps_one_call: the encode's plan built in each call)",
     }
 
 
@@ -1438,6 +1451,8 @@ def _short(rec: dict[str, Any]) -> str:
         parts.append(f"ratio {rec['ratio']:.3f}")
     if "enc_GBps" in rec:
         parts.append(f"enc {rec['enc_GBps']:.3g} GB/s dec {rec['dec_GBps']:.3g} GB/s")
+    if "enc_GBps_one_call" in rec:
+        parts.append(f"enc with the plan built per call {rec['enc_GBps_one_call']:.3g} GB/s")
     if "save_first_s" in rec:
         parts.append(f"blocked {rec['blocked_first_s']:.3f}s save {rec['save_first_s']:.3f}s load {rec['load_s']:.3f}s")
         if rec.get("load_chain_s") is not None:
@@ -1595,7 +1610,9 @@ def targets(result: dict[str, Any], cpu_mode: bool, fixed_mib: int) -> list[dict
     for v in result["variants"]:
         p, var = v["peers"], v["variant"]
         if not cpu_mode:
-            add(var, "s4w codec encode GB/s (device)", _get(p, "s4w_fast", "enc_GBps"), ">=", 500)
+            add(var, "s4w codec encode GB/s (device; plan prepared once)", _get(p, "s4w_fast", "enc_GBps"), ">=", 500)
+            add(var, "s4w codec encode GB/s (device; plan built per call)", _get(p, "s4w_fast", "enc_GBps_one_call"),
+                ">=", 500)
             add(var, "s4w codec decode GB/s (device)", _get(p, "s4w_fast", "dec_GBps"), ">=", 700)
             add(
                 var,

@@ -157,6 +157,13 @@ def run_s4w(
         torch.cuda.synchronize(dev)
         exact = all(torch.equal(o, t.contiguous().view(-1).view(torch.uint8)) for o, t in zip(outs, tl))
         te, td = wall(encode, repeats, dev), wall(decode, repeats, dev)
+        # the encode with its plan prepared once (``PreparedEncode``; absent from older trees)
+        prepared = getattr(_encode, "PreparedEncode", None)
+        prep = prepared(tl, "fast") if prepared is not None else None
+        tp = wall(prep, repeats, dev) if prep is not None else None
+        prep_timeline = timeline(prep, dev) if prep is not None else None
+        prep_kernels = kernels(prep, dev) if prep is not None else None
+        del prep
         os.environ["S4W_MERGE_IN_PLACE"] = "0"  # the same decode with raw chunks placed first (A/B)
         try:
             td_placed = wall(decode, repeats, dev)
@@ -173,6 +180,10 @@ def run_s4w(
             "dec_ms": round(td * 1e3, 3),
             "enc_GBps": raw / te / GB,
             "dec_GBps": raw / td / GB,
+            "enc_prepared_ms": round(tp * 1e3, 3) if tp else None,
+            "enc_prepared_GBps": raw / tp / GB if tp else None,
+            "enc_prepared_timeline_ms": prep_timeline,
+            "enc_prepared_kernels": prep_kernels,
             "dec_ms_raw_placed_first": round(td_placed * 1e3, 3),
             "bit_exact": exact,
             "nvcomp_host_ms": host,
@@ -269,6 +280,10 @@ def main() -> int:
             print(f"[{variant}] seg {seg}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s dec {r['dec_GBps']:.1f} GB/s "
                   f"exact {r['bit_exact']} (dec with raw chunks placed first: {r['dec_ms_raw_placed_first']} ms "
                   f"against {r['dec_ms']} ms)", flush=True)
+            if r["enc_prepared_GBps"]:
+                print(f"   enc with the plan prepared once: {r['enc_prepared_GBps']:.1f} GB/s ({r['enc_prepared_ms']} ms); "
+                      f"timeline (host ms, GPU ms): {r['enc_prepared_timeline_ms']}; GPU sum "
+                      f"{r['enc_prepared_kernels']['gpu_ms_sum']} ms", flush=True)
             print("   enc marks", r["enc_marks_ms"], "\n   dec marks", r["dec_marks_ms"], flush=True)
             for d in ("enc", "dec"):
                 print(f"   {d} timeline (host ms, GPU ms):", r[f"{d}_timeline_ms"], flush=True)

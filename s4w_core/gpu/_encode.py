@@ -37,10 +37,19 @@ from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW
 from s4w_core.errors import BaseMismatchError
 from s4w_core.format.container import ContainerWriter
 from s4w_core.gpu import _nvcomp
-from s4w_core.gpu.kernels import fold64_batched, fold64_finish, gather_copy, sample_entropy
-from s4w_core.planes.triton_kernels import OPS, SPLIT, launch_rows, split_planes_batched
+from s4w_core.gpu.kernels import choose_and_gather, fold64_batched, fold64_finish, probe_gate
+from s4w_core.planes.triton_kernels import (
+    OPS,
+    SPLIT,
+    Tables,
+    block_config,
+    launch_items,
+    launch_rows,
+    program_map,
+    split_planes_batched,
+)
 
-__all__ = ["encode_storages", "PROFILES", "MIN_GAIN"]
+__all__ = ["encode_storages", "encode_tensors_device", "PreparedEncode", "PROFILES", "MIN_GAIN"]
 
 #: a chunk of a plane other than the first keeps its coded form only if it saves this fraction.
 MIN_GAIN = 0.005
@@ -426,11 +435,12 @@ def encode_storages(
 
 @dataclass
 class _Encoded:
-    """A batch coded on the device: chosen chunk bytes back to back (16-byte aligned) in ``compact``.
-    Per chunk, as numpy arrays: offset and length in ``compact``, coded or raw, owner (sink job,
-    chunk index)."""
+    """A batch coded on the device, in ``out``: per chunk, as numpy arrays, its offset and length in
+    ``out``, coded or raw, owner (sink job, chunk index). Every chunk lies in ``out[lo:hi]``
+    (:attr:`span`): the raw chunks of planes after the first where the split wrote them, the others
+    (coded chunks, and first planes stored raw) back to back after them, 16-byte aligned."""
 
-    compact: torch.Tensor
+    out: torch.Tensor
     out_off: np.ndarray
     out_len: np.ndarray
     coded: np.ndarray  # bool: coded with ``codec_id``, else stored raw
@@ -438,6 +448,40 @@ class _Encoded:
     owner_ji: np.ndarray
     owner_ci: np.ndarray
     raw_bytes: int
+
+    @property
+    def compact(self) -> torch.Tensor:
+        """The buffer the chunk offsets point into (decoders stage it as is)."""
+        return self.out
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(lo, hi)``: the range of ``out`` that holds every chunk (the one copy to the host)."""
+        if not len(self.out_off):
+            return 0, 0
+        return int(self.out_off.min()), int((self.out_off + self.out_len).max())
+
+    def host_layout(self, gap: int = 1 << 16) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+        """What to copy to the host: the ranges of ``out`` that hold chunks -- chunks less than
+        ``gap`` bytes apart share one range, so the dead slots of the later planes' chunks that were
+        coded (their bytes went to the compacted part) are not copied -- as ``(start, end, host
+        offset)``, and each chunk's offset in that host copy."""
+        n = len(self.out_off)
+        if not n:
+            return [], np.zeros(0, dtype=np.int64)
+        order = np.argsort(self.out_off, kind="stable")
+        a = self.out_off[order]
+        b = a + self.out_len[order]
+        new = np.ones(n, dtype=bool)
+        new[1:] = a[1:] > np.maximum.accumulate(b)[:-1] + gap
+        first = np.nonzero(new)[0]
+        run_of = np.cumsum(new) - 1
+        run_a, run_b = a[first], np.maximum.reduceat(b, first)
+        size = run_b - run_a
+        pos = np.cumsum(size) - size
+        hoff = np.empty(n, dtype=np.int64)
+        hoff[order] = pos[run_of] + (a - run_a[run_of])
+        return list(zip(run_a.tolist(), run_b.tolist(), pos.tolist())), hoff
 
     @property
     def stored_bytes(self) -> int:
@@ -454,21 +498,19 @@ class _Encoded:
 
 def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, io: _Writer) -> None:
     r = _encode_batch_device(batch, prof, dev)
-    # one copy to pinned host memory; the I/O thread appends the chunks to the container, in order
-    host = _nvcomp.host_empty(r.compact.numel())
-    host.copy_(r.compact, non_blocking=True)
+    # the chunks' bytes to pinned host memory, one copy per run of chunks that lie together (not
+    # the dead slots of chunks coded elsewhere); the I/O thread appends them to the container
+    runs, hoff = r.host_layout()
+    host = _nvcomp.host_empty(sum(b - a for a, b, _h in runs))
+    for a, b, h in runs:
+        host[h : h + b - a].copy_(r.out[a:b], non_blocking=True)
     _nvcomp.synchronize(dev)
     mv = memoryview(host.numpy())
-    ids, off, ln = r.codec_ids, r.out_off.tolist(), r.out_len.tolist()
+    ids, off, ln = r.codec_ids, hoff.tolist(), r.out_len.tolist()
     io.submit([(ji, ci, ids[i], mv[off[i] : off[i] + ln[i]]) for i, (ji, ci) in enumerate(r.owner)], keep=host)
 
 
-def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") -> _Encoded:
-    """Code CUDA tensors as one batch and stop on the device (benchmarks: no D2H, no container).
-
-    Synchronizes once (compressed sizes are read back to choose codecs per chunk).
-    """
-    prof = PROFILES[profile]
+def _tensor_batch(tensors: list[torch.Tensor], prof: Profile) -> _Batch:
     batch = _Batch()
     seg = prof.segment_elems
     for i, t in enumerate(tensors):
@@ -477,8 +519,39 @@ def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") ->
         transform, w = engine.transform_for(raw.dtype, nbytes)
         batch.pieces.append(_Piece(i, raw, None, None, raw.dtype, transform, w, 0, nbytes // w, seg, 0))
         batch.nbytes += nbytes
-    with _nvcomp.on_stream(batch.pieces[0].raw.device):
-        return _encode_batch_device(batch, prof, batch.pieces[0].raw.device)
+    return batch
+
+
+def encode_tensors_device(tensors: list[torch.Tensor], profile: str = "fast") -> _Encoded:
+    """Code CUDA tensors as one batch and stop on the device (benchmarks: no D2H, no container).
+
+    Synchronizes once (the per-chunk choice is read back at the end).
+    """
+    prof = PROFILES[profile]
+    batch = _tensor_batch(tensors, prof)
+    dev = batch.pieces[0].raw.device
+    with _nvcomp.on_stream(dev):
+        return _encode_batch_device(batch, prof, dev)
+
+
+class PreparedEncode:
+    """:func:`encode_tensors_device` for tensors coded again and again (a training state saved every
+    few hundred steps keeps its storages): the plan (:class:`EncodePlan` with ``keep``) is built once,
+    each call codes the tensors' current contents. The returned :class:`_Encoded` is valid until the
+    next call; the plan holds its buffers (about twice the raw bytes, plus the coder's slots)."""
+
+    def __init__(self, tensors: list[torch.Tensor], profile: str = "fast") -> None:
+        prof = PROFILES[profile]
+        batch = _tensor_batch(tensors, prof)
+        if any(p.raw is not t for p, t in zip(batch.pieces, tensors)):
+            raise ValueError("PreparedEncode: every tensor must be contiguous (the plan keeps their addresses)")
+        self.dev = batch.pieces[0].raw.device
+        with _nvcomp.on_stream(self.dev):
+            self.plan = EncodePlan(batch, prof, self.dev, keep=True)
+
+    def __call__(self) -> _Encoded:
+        with _nvcomp.on_stream(self.dev):
+            return self.plan.run()
 
 
 def _entropy_bits(keys: torch.Tensor, groups: int, counts: torch.Tensor) -> torch.Tensor:
@@ -494,27 +567,10 @@ PROBE_BYTES = 4096
 #: the probe sends a chunk other than a first (exponent) plane's to the coder only if its sample's
 #: order-0 entropy promises at least this saving; first planes are always coded.
 PROBE_MIN_GAIN = 0.01
-
-
-def _worth_coding(
-    planes: torch.Tensor, src_off: np.ndarray, lengths: np.ndarray, j_idx: np.ndarray, dev: torch.device
-) -> np.ndarray:
-    """Which chunks to hand to the entropy coder: ANS time grows with its input, and the low planes
-    of float data (mantissa bits) are near random unless a delta zeroed them. One histogram per
-    chunk over a spread sample, on the device, one small read-back. Chunks shorter than the sample
-    and first planes are always coded; a chunk the probe skips is stored raw (what the coder would
-    have chosen for it unless it saves more than :data:`PROBE_MIN_GAIN` on its whole length)."""
-    todo = np.ones(len(lengths), dtype=bool)
-    cand = np.nonzero((j_idx != 0) & (lengths >= PROBE_BYTES))[0]
-    if not len(cand):
-        return todo
-    runs, run = 16, PROBE_BYTES // 16
-    step = (lengths[cand] - run) // (runs - 1)
-    starts = src_off[cand][:, None] + step[:, None] * np.arange(runs)[None, :]
-    bits = sample_entropy(planes, starts, run)  # one histogram per chunk, in one launch
-    keep = (bits < 8.0 * (1.0 - PROBE_MIN_GAIN)).cpu().numpy()
-    todo[cand] = keep
-    return todo
+#: columns of a batch's chunk table (int64, one entry per chunk each; one upload): the first five
+#: are nvCOMP's batched-compression arguments (input address, bytes handed to the coder -- the
+#: probe zeroes those of chunks it skips --, output address, output size, int32 status).
+_COLS = ("in_ptr", "gate", "out_ptr", "size", "status", "length", "limit", "first", "src_off", "comp_off")
 
 
 def _stage_bases(pieces: list[_Piece], dev: torch.device) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
@@ -554,81 +610,187 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_batch_device(batch: _Batch, prof: Profile, dev: torch.device) -> _Encoded:
-    pieces = batch.pieces
-    TRACE_MARKS.clear()
-    _mark("start", dev)
-    # 1. planes of every piece into one buffer (one launch per element width and delta op; the
-    #    item table is built with numpy from one pass over the pieces), the chunk table
-    k = len(pieces)
-    meta = np.array(
-        [(p.e0, p.e1, p.w, p.seg, p.raw.data_ptr(), OPS[p.op] if p.base is not None else 0, p.transform == ROTL1)
-         for p in pieces],
-        dtype=np.int64,
-    ).reshape(k, 7)
-    e0, e1, w, seg, rot = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3], meta[:, 6].astype(bool)
-    ne = e1 - e0
-    ps = (ne + _REGION_ALIGN - 1) // _REGION_ALIGN * _REGION_ALIGN
-    size = w * ps
-    off = np.cumsum(size) - size
-    total = int(size.sum())
-    planes = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
-    base_addr, staged = _stage_bases(pieces, dev)
-    rows = np.column_stack([meta[:, 4] + e0 * w, base_addr, off, ne, ps])
-    _mark("split_tables", dev)
-    for width in np.unique(w[rot]).tolist():
-        sel = rot & (w == width)
-        launch_rows(SPLIT, int(width), planes, rows[sel], meta[sel, 5])
-    for i in np.nonzero(~rot)[0].tolist():  # storages coded as bytes (rare on this path)
-        p = pieces[i]
-        src = _as_bytes(p.raw)[p.e0 * p.w : p.e1 * p.w]
-        dst = planes[int(off[i]) : int(off[i]) + int(ne[i])]
-        if p.base is None:
-            dst.copy_(src)
+    """Code one batch on the device (a plan built and run once)."""
+    return EncodePlan(batch, prof, dev).run()
+
+
+class EncodePlan:
+    """One batch's encode on the device: the host work done once, the device work per :meth:`run`.
+
+    Layout of ``out`` (one allocation): the pieces' first planes back to back (``P`` bytes, each
+    piece's slot rounded to 256 bytes), then plane ``j`` of every piece at ``j * P`` from the same
+    slot offset (one plane stride ``P`` for the whole batch), then the compacted chunks from
+    ``maxw * P`` on. The raw chunks of planes after the first -- the mantissa bytes the probe finds
+    near random, about half a bf16 state -- are never moved: they are stored from where the split
+    wrote them. A run enqueues everything without a read-back (with nvCOMP's C API) up to the one
+    at the end, which returns the per-chunk choice.
+
+    The plan holds the chunk table and the split's launch tables (on the host and, where no delta
+    base must be staged from the host, on the device). With ``keep`` it also keeps its ``out`` and
+    coder buffers and the device copy of the chunk table between runs: a run is then the launches,
+    the coder call and one read-back, and the :class:`_Encoded` it returns is valid until the next
+    run. It codes the tensors' contents at the time of each run; the tensors must keep their
+    storage (same addresses and sizes) while the plan is used."""
+
+    def __init__(self, batch: _Batch, prof: Profile, dev: torch.device, keep: bool = False) -> None:
+        pieces = self.pieces = batch.pieces
+        self.prof, self.dev, self.raw_bytes, self.keep = prof, dev, batch.nbytes, keep
+        k = len(pieces)
+        meta = np.array(
+            [(p.e0, p.e1, p.w, p.seg, p.raw.data_ptr(), OPS[p.op] if p.base is not None else 0, p.transform == ROTL1)
+             for p in pieces],
+            dtype=np.int64,
+        ).reshape(k, 7)
+        e0, e1, w, seg, rot = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3], meta[:, 6].astype(bool)
+        ne = self.ne = e1 - e0
+        ps = (ne + _REGION_ALIGN - 1) // _REGION_ALIGN * _REGION_ALIGN
+        off = self.off = np.cumsum(ps) - ps  # each piece's slot in every plane region
+        stride = int(ps.sum())  # P: the plane stride of every piece
+        # the chunk table: chunk (segment s, plane j) of a piece lies at off + j * P + s * seg
+        nseg = (ne + seg - 1) // seg
+        nch = nseg * w
+        piece_of = np.repeat(np.arange(k, dtype=np.int64), nch)
+        local = np.arange(int(nch.sum()), dtype=np.int64) - np.repeat(np.cumsum(nch) - nch, nch)
+        j_idx = local % w[piece_of]
+        s0 = (local // w[piece_of]) * seg[piece_of]
+        self.src_off = src_off = off[piece_of] + j_idx * stride + s0
+        self.lengths = lengths = np.minimum(seg[piece_of], ne[piece_of] - s0)
+        self.owner_ji = np.array([p.ji for p in pieces], dtype=np.int64)[piece_of]
+        self.owner_ci = np.array([p.chunk0 for p in pieces], dtype=np.int64)[piece_of] + local
+        n = self.n = len(lengths)
+        self.maxlen, self.total = int(lengths.max()), int(lengths.sum())
+        self.c0 = int(w.max()) * stride
+        self.out_bytes = self.c0 + int(((lengths + 15) // 16 * 16).sum())
+        self.coder = _nvcomp.codec(prof.algorithm, dev, _round(self.maxlen, 1 << 16), **dict(prof.opts))
+        self.cap = _nvcomp.max_compressed(self.coder, self.maxlen, dev)
+        self.comp_off = np.arange(n, dtype=np.int64) * self.cap
+        # the chunk table's host copy (pinned on a GPU): buffer addresses are added per run
+        self.host = _nvcomp.host_empty(8 * len(_COLS) * n).view(torch.int64) if dev.type == "cuda" else (
+            torch.empty(len(_COLS) * n, dtype=torch.int64))
+        h = self.host.numpy().reshape(len(_COLS), n)
+        first = (j_idx == 0) | ~rot[piece_of]
+        limit = np.where(j_idx == 0, lengths, np.ceil(lengths * (1.0 - MIN_GAIN))).astype(np.int64)
+        for name, col in (("gate", lengths), ("size", -1), ("status", 0), ("length", lengths), ("limit", limit),
+                          ("first", first), ("src_off", src_off), ("comp_off", self.comp_off)):
+            h[_COLS.index(name)] = col
+        # the split's launches: rows (element address, base address, slot, elements, plane stride)
+        self.rows = np.column_stack([meta[:, 4] + e0 * w, np.zeros(k, np.int64), off, ne, np.full(k, stride, np.int64)])
+        self.ops, self.w, self.rot = meta[:, 5], w, rot
+        self.host_bases = any(p.base is not None and p.base.device != dev for p in pieces)
+        self.split: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]] | None = None
+        if not self.host_bases:
+            self.rows[:, 1] = _stage_bases(pieces, dev)[0]
+            self.split = self._split_launches()
+        self.out: torch.Tensor | None = None
+        self.comp: torch.Tensor | None = None
+        self.cols_init: torch.Tensor | None = None
+        if keep:
+            self.out, self.comp = self._buffers()
+            self.cols_init = self._upload_cols(self.out, self.comp)
+            self.cols_run = torch.empty_like(self.cols_init)
+        self.back = _nvcomp.host_empty(32 * n).view(torch.int64) if dev.type == "cuda" else None
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(self.out_bytes, dtype=torch.uint8, device=self.dev),
+                torch.empty(self.cap * self.n, dtype=torch.uint8, device=self.dev))
+
+    def _upload_cols(self, out: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
+        """The chunk table with ``out``'s and ``comp``'s addresses, on the device in one copy (a
+        copy of the host table on the CPU, where the interpreter runs the kernels)."""
+        h = self.host.numpy().reshape(len(_COLS), self.n)
+        np.add(self.src_off, out.data_ptr(), out=h[_COLS.index("in_ptr")])
+        np.add(self.comp_off, comp.data_ptr(), out=h[_COLS.index("out_ptr")])
+        return self.host.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else self.host.clone()
+
+    def _split_launches(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]]:
+        """Per element width and delta op: the split's item table and program map, uploaded once."""
+        block, _warps = block_config()
+        tables = Tables()
+        groups = []
+        for width in np.unique(self.w[self.rot]).tolist():
+            for code in np.unique(self.ops[self.rot & (self.w == width)]).tolist():
+                r = self.rows[self.rot & (self.w == width) & (self.ops == code) & (self.ne > 0)]
+                if not len(r):
+                    continue
+                programs = -(-r[:, 3] // block)
+                aligned = not ((r[:, 0] | r[:, 1] | r[:, 2] | r[:, 4]) % 16).any()
+                groups.append((int(width), int(code), tables.add(np.column_stack([r, np.cumsum(programs) - programs])),
+                               tables.add(program_map(programs)), int(programs.sum()), aligned))
+        dev = tables.upload(self.dev)
+        return [(wd, code, dev[t], dev[m], total, aligned) for wd, code, t, m, total, aligned in groups]
+
+    def run(self) -> _Encoded:
+        dev, pieces, n = self.dev, self.pieces, self.n
+        TRACE_MARKS.clear()
+        _mark("start", dev)
+        if self.keep:
+            assert self.out is not None and self.comp is not None and self.cols_init is not None
+            out, comp = self.out, self.comp
+            self.cols_run.copy_(self.cols_init)
+            table = self.cols_run
         else:
-            b = staged[i] if i in staged else p.base[p.e0 * p.w : p.e1 * p.w]
-            torch.bitwise_xor(src, b, out=dst)
-    del staged
-    _mark("split", dev)
-    nseg = (ne + seg - 1) // seg
-    nch = nseg * w
-    piece_of = np.repeat(np.arange(len(pieces), dtype=np.int64), nch)
-    local = np.arange(int(nch.sum()), dtype=np.int64) - np.repeat(np.cumsum(nch) - nch, nch)
-    s_idx = local // w[piece_of]
-    j_idx = local % w[piece_of]
-    s0 = s_idx * seg[piece_of]
-    src_off = off[piece_of] + j_idx * ps[piece_of] + s0
-    lengths = np.minimum(seg[piece_of], ne[piece_of] - s0)
-    owner_ji = np.array([p.ji for p in pieces], dtype=np.int64)[piece_of]
-    owner_ci = np.array([p.chunk0 for p in pieces], dtype=np.int64)[piece_of] + local
-    _mark("chunk_table", dev)
-    # 2. one nvCOMP call over every chunk worth coding (the probe skips near-random chunks)
-    todo = _worth_coding(planes, src_off, lengths, j_idx, dev) if prof.probe else np.ones(len(lengths), dtype=bool)
-    _mark("probe", dev)
-    nchunks = len(lengths)
-    sizes = np.full(nchunks, -1, dtype=np.int64)
-    comp = planes[:0]
-    comp_off = np.zeros(nchunks, dtype=np.int64)
-    idx = np.nonzero(todo)[0]
-    if len(idx):
-        maxlen = int(lengths[idx].max())
-        c = _nvcomp.codec(prof.algorithm, dev, _round(maxlen, 1 << 16), **dict(prof.opts))
-        cap = _nvcomp.max_compressed(c, maxlen, dev)
-        comp = torch.empty(cap * len(idx), dtype=torch.uint8, device=dev)
-        comp_off[idx] = np.arange(len(idx), dtype=np.int64) * cap
-        sizes[idx] = _nvcomp.encode_batch(
-            c, planes, src_off[idx], lengths[idx], comp, comp_off[idx], np.full(len(idx), cap, dtype=np.int64)
-        )
-    _mark("nvcomp_encode+sizes", dev)
-    # 3. choose per chunk: coded only if smaller (first plane) or MIN_GAIN smaller (other planes)
-    limit = np.where(j_idx == 0, lengths, lengths * (1.0 - MIN_GAIN))
-    coded = (sizes > 0) & (sizes < limit)
-    out_len = np.where(coded, sizes, lengths)
-    slot = (out_len + _nvcomp.ALIGN - 1) // _nvcomp.ALIGN * _nvcomp.ALIGN
-    out_off = np.cumsum(slot) - slot
-    pos = int(slot.sum())
-    compact = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
-    raw_m = ~coded
-    gather_copy(planes, compact, src_off[raw_m], out_off[raw_m], lengths[raw_m], pad_ok=True)
-    gather_copy(comp, compact, comp_off[coded], out_off[coded], sizes[coded], pad_ok=True)
-    _mark("choose+compact", dev)
-    return _Encoded(compact, out_off, out_len, coded, prof.codec_id, owner_ji, owner_ci, batch.nbytes)
+            out, comp = self._buffers()
+            table = self._upload_cols(out, comp)
+        cols = {name: table[i * n : (i + 1) * n] for i, name in enumerate(_COLS)}
+        cols["status"] = cols["status"].view(torch.int32)[:n]
+        _mark("tables", dev)
+        # 1. planes of every piece (one launch per element width and delta op)
+        staged: dict[int, torch.Tensor] = {}
+        if self.split is not None:
+            for wd, code, t, m, total, aligned in self.split:
+                launch_items(SPLIT, wd, code, t, m, total, out, aligned and out.data_ptr() % 16 == 0)
+        else:
+            rows = self.rows.copy()
+            rows[:, 1], staged = _stage_bases(pieces, dev)
+            for width in np.unique(self.w[self.rot]).tolist():
+                sel = self.rot & (self.w == width)
+                launch_rows(SPLIT, int(width), out, rows[sel], self.ops[sel])
+        for i in np.nonzero(~self.rot)[0].tolist():  # storages coded as bytes (rare on this path): one plane
+            p = pieces[i]
+            src = _as_bytes(p.raw)[p.e0 * p.w : p.e1 * p.w]
+            dst = out[int(self.off[i]) : int(self.off[i]) + int(self.ne[i])]
+            if p.base is None:
+                dst.copy_(src)
+            else:
+                b = staged[i] if i in staged else p.base[p.e0 * p.w : p.e1 * p.w]
+                torch.bitwise_xor(src, b, out=dst)
+        del staged
+        _mark("split", dev)
+        # 2. one coder call over every chunk; the probe, on the device, zeroes the length handed to
+        #    the coder of each chunk whose sample looks near random (it is then stored raw)
+        if self.prof.probe:
+            probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], PROBE_BYTES,
+                       8.0 * (1.0 - PROBE_MIN_GAIN))
+        _mark("probe", dev)
+        if isinstance(self.coder, _nvcomp._AnsC):  # noqa: SLF001 - sizes and statuses stay on the device
+            self.coder.encode_cols(cols["in_ptr"], cols["gate"], cols["out_ptr"], cols["size"], cols["status"],
+                                   self.maxlen, self.total)
+        else:  # nvCOMP's Python API (or a stand-in): the chunks to code are read back first
+            todo = np.nonzero(cols["gate"].cpu().numpy() > 0)[0]
+            if len(todo):
+                sizes = _nvcomp.encode_batch(self.coder, out, self.src_off[todo], self.lengths[todo], comp,
+                                             self.comp_off[todo], np.full(len(todo), self.cap, dtype=np.int64))
+                got = np.full(n, -1, dtype=np.int64)
+                got[todo] = sizes
+                cols["size"].copy_(torch.from_numpy(got).to(dev, non_blocking=True))
+        _mark("nvcomp_encode", dev)
+        # 3. per chunk on the device: coded only if smaller (first plane) or MIN_GAIN smaller (other
+        #    planes); coded chunks and first planes compacted after the planes, in chunk order
+        words = (dev.type == "cuda" and self.cap % 16 == 0 and (out.data_ptr() | comp.data_ptr()) % 16 == 0
+                 and not (self.src_off % 16).any())
+        res = choose_and_gather(cols, out, comp, self.c0, self.maxlen, bool(words))
+        _mark("choose+compact", dev)
+        if self.back is not None:  # the batch's one read-back
+            self.back[: 4 * n].copy_(res.reshape(-1), non_blocking=True)
+            _nvcomp.synchronize(dev)
+            back = self.back.numpy()[: 4 * n].reshape(4, n)
+        else:
+            back = res.cpu().numpy()
+        _mark("readback", dev)
+        coded, out_len, out_off, bad = back[0].astype(bool), back[1].copy(), back[2].copy(), back[3]
+        if bad.any():
+            i = int(np.nonzero(bad)[0][0])
+            raise RuntimeError(f"nvCOMP ANS compress: {int(bad.sum())} chunk(s) failed (first: chunk {i})")
+        if (out_len > self.lengths).any() or (out_off < 0).any() or int((out_off + out_len).max()) > out.numel():
+            raise RuntimeError("GPU writer: the device's chunk table is inconsistent")  # never expected
+        return _Encoded(out, out_off, out_len, coded, self.prof.codec_id, self.owner_ji, self.owner_ci, self.raw_bytes)

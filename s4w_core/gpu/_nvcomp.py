@@ -261,21 +261,29 @@ class _AnsC:
         return t
 
     def encode(self, src: torch.Tensor, so: np.ndarray, ln: np.ndarray, dst: torch.Tensor, do: np.ndarray) -> Any:
-        lib = _ans_c()
         n = len(ln)
         t = self._table([src.data_ptr() + so, ln, dst.data_ptr() + do], 2 * n)
-        w = t.data_ptr()
-        in_ptrs, in_bytes, out_ptrs, out_bytes, status = w, w + 8 * n, w + 16 * n, w + 24 * n, w + 32 * n
-        status_t = t[4 * n :].view(torch.int32)  # n int32 statuses in the last n int64 slots
-        maxlen, total = int(ln.max()), int(ln.sum())
+        status_t = t[4 * n :].view(torch.int32)[:n]  # n int32 statuses in the last n int64 slots
+        self.encode_cols(t[:n], t[n : 2 * n], t[2 * n : 3 * n], t[3 * n : 4 * n], status_t, int(ln.max()), int(ln.sum()))
+        return _DeviceSizes(t[3 * n : 4 * n], status_t, "ANS compress")
+
+    def encode_cols(self, in_ptrs: torch.Tensor, in_bytes: torch.Tensor, out_ptrs: torch.Tensor,
+                    out_bytes: torch.Tensor, status: torch.Tensor, maxlen: int, total: int) -> None:
+        """Enqueue one batched compression over chunk tables already on the device (int64 input
+        addresses and lengths, output addresses; nvCOMP writes the sizes and the int32 statuses),
+        with no read-back: the tables may still be changed by work enqueued before this call (the
+        encoder's probe zeroes the lengths of the chunks it skips). ``maxlen`` and ``total`` bound
+        the lengths (nvCOMP sizes its temporary buffer by them)."""
+        lib = _ans_c()
+        n = in_ptrs.numel()
+        maxlen = max(maxlen, 1)
         temp_bytes = ctypes.c_size_t()
-        _check(lib.nvcompBatchedANSCompressGetTempSize(n, maxlen, self.copts(), ctypes.byref(temp_bytes), total,
+        _check(lib.nvcompBatchedANSCompressGetTempSize(n, maxlen, self.copts(), ctypes.byref(temp_bytes), max(total, 1),
                                                        self.stream.cuda_stream), "ANS compress temp size")
         temp = torch.empty(max(int(temp_bytes.value), 1), dtype=torch.uint8, device=self.dev)
-        _check(lib.nvcompBatchedANSCompressAsync(in_ptrs, in_bytes, maxlen, n, temp.data_ptr(), temp_bytes.value,
-                                                 out_ptrs, out_bytes, self.copts(), status, self.stream.cuda_stream),
-               "ANS compress")
-        return _DeviceSizes(t[3 * n : 4 * n], status_t[:n], "ANS compress")
+        _check(lib.nvcompBatchedANSCompressAsync(in_ptrs.data_ptr(), in_bytes.data_ptr(), maxlen, n, temp.data_ptr(),
+                                                 temp_bytes.value, out_ptrs.data_ptr(), out_bytes.data_ptr(), self.copts(),
+                                                 status.data_ptr(), self.stream.cuda_stream), "ANS compress")
 
     def decode(self, src: torch.Tensor, so: np.ndarray, ln: np.ndarray, dst: torch.Tensor, do: np.ndarray,
                raw: np.ndarray) -> Any:

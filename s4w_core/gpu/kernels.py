@@ -1,8 +1,14 @@
-"""Triton kernels of the GPU backend besides the plane transform: a batched gather-copy and fold64.
+"""Triton kernels of the GPU backend besides the plane transform: the encoder's probe and per-chunk
+choice, a batched gather-copy and fold64.
 
+* :func:`probe_gate` and :func:`choose_and_gather` are the encoder's steps around the entropy
+  coder, on the device with no read-back between them: which chunks the coder takes (a histogram of
+  a sample per chunk), then per chunk coded or raw and the compaction of the chosen bytes (a scan
+  over the chunk table in one program, then one copy launch). The parity checks hold them to a
+  numpy model of the rule.
 * :func:`gather_copy` copies many byte ranges between two buffers in one launch (the chunk table
-  lives on the device), so assembling the compact output of thousands of chunks, or placing decoded
-  chunks into their planes, costs one launch instead of one per chunk.
+  lives on the device), so placing decoded chunks into their planes costs one launch instead of one
+  per chunk.
 * :func:`fold64_into` accumulates the ``fold64`` checksum (defined in :mod:`s4w_core.checksum`)
   of a storage into an int64 slot of a device tensor with atomics: many storages, one read-back.
   The torch definition in :mod:`s4w_core.checksum` is the oracle; the parity tests check every
@@ -30,7 +36,8 @@ __all__ = [
     "fold64_rows",
     "fold64_programs",
     "fold64_launch",
-    "sample_entropy",
+    "probe_gate",
+    "choose_and_gather",
 ]
 
 _COPY_BLOCK = 8192
@@ -232,26 +239,150 @@ def fold64_rows(addr: np.ndarray, nbytes: np.ndarray, slot: np.ndarray, acc: tor
 
 
 @triton.jit
-def _sample_entropy_kernel(buf_ptr, starts_ptr, out_ptr, RUNS: tl.constexpr, RUN: tl.constexpr):
-    c = tl.program_id(0)
-    st = tl.load(starts_ptr + c * RUNS + tl.arange(0, RUNS))
+def _sample_bits(buf_ptr, st, RUNS: tl.constexpr, RUN: tl.constexpr):
+    """Order-0 entropy (bits per byte, float32) of the bytes ``buf[s : s + RUN]`` for every ``s`` in
+    ``st`` taken together: one histogram."""
     x = tl.load(buf_ptr + st[:, None] + tl.arange(0, RUN)[None, :]).to(tl.int32) & 0xFF
     h = tl.histogram(tl.reshape(x, (RUNS * RUN,)), 256).to(tl.float32)
     p = h / (RUNS * RUN)
-    bits = -tl.sum(tl.where(h > 0, p * tl.log2(tl.where(h > 0, p, 1.0)), 0.0), axis=0)
-    tl.store(out_ptr + c, bits)
+    return -tl.sum(tl.where(h > 0, p * tl.log2(tl.where(h > 0, p, 1.0)), 0.0), axis=0)
 
 
-def sample_entropy(buf: torch.Tensor, starts: np.ndarray, run: int) -> torch.Tensor:
-    """Order-0 entropy (bits per byte, float32, on ``buf``'s device) of one sample per row of
-    ``starts``: the bytes ``buf[s : s + run]`` for every ``s`` in the row, taken together. One
-    launch, one program (one histogram) per row; no host synchronization. ``starts``: int64
-    ``(k, runs)`` with ``runs`` and ``run`` powers of two; every run must lie inside ``buf``."""
-    k, runs = starts.shape
-    out = torch.empty(k, dtype=torch.float32, device=buf.device)
-    if not k:
-        return out
-    if int(starts.min()) < 0 or int(starts.max()) + run > buf.numel():
-        raise ValueError("sample_entropy: a run lies outside the buffer")
-    _sample_entropy_kernel[(k,)](buf, upload(starts.reshape(-1), buf.device), out, RUNS=runs, RUN=run, num_warps=4)
-    return out
+@triton.jit
+def _probe_gate_kernel(buf_ptr, len_ptr, off_ptr, first_ptr, gate_ptr, thr, RUNS: tl.constexpr, RUN: tl.constexpr):
+    c = tl.program_id(0)
+    ln = tl.load(len_ptr + c)
+    first = tl.load(first_ptr + c)
+    if (first == 0) & (ln >= RUNS * RUN):
+        step = (ln - RUN) // (RUNS - 1)
+        st = tl.load(off_ptr + c) + step * tl.arange(0, RUNS).to(tl.int64)
+        bits = _sample_bits(buf_ptr, st, RUNS, RUN)
+        if bits >= thr:
+            tl.store(gate_ptr + c, tl.zeros((), tl.int64))
+
+
+def probe_gate(
+    buf: torch.Tensor, lengths: torch.Tensor, src_off: torch.Tensor, first: torch.Tensor, gate: torch.Tensor,
+    sample_bytes: int, max_bits: float,
+) -> None:
+    """The encoder's probe, on the device, with no read-back: for every chunk ``c`` that is not a
+    first plane's (``first[c] == 0``) and holds at least ``sample_bytes`` bytes, the order-0
+    entropy of a sample (16 runs spread over ``buf[src_off[c] : +lengths[c]]``, one histogram);
+    where it is not below ``max_bits`` bits per byte, ``gate[c] = 0``
+    (the entropy coder then skips the chunk). Other entries of ``gate`` are left as they are.
+    ``lengths``, ``src_off``, ``first``, ``gate``: int64 device tensors of one entry per chunk
+    (views of one table are fine); the caller sized the chunks inside ``buf``. One launch."""
+    n = lengths.numel()
+    if n:
+        runs = 16
+        _probe_gate_kernel[(n,)](buf, lengths, src_off, first, gate, float(max_bits), RUNS=runs, RUN=sample_bytes // runs,
+                                 num_warps=4)
+
+
+@triton.jit
+def _choose_chunks_kernel(gate_ptr, size_ptr, status_ptr, len_ptr, limit_ptr, first_ptr, off_ptr, res_ptr, n, c0,
+                          BLOCK: tl.constexpr):
+    run = tl.full((), 0, tl.int64) + c0
+    for b in range(0, tl.cdiv(n, BLOCK)):
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        gl = tl.load(gate_ptr + i, mask=m, other=0)
+        sz = tl.load(size_ptr + i, mask=m, other=0)
+        st = tl.load(status_ptr + i, mask=m, other=0)
+        ln = tl.load(len_ptr + i, mask=m, other=0)
+        lim = tl.load(limit_ptr + i, mask=m, other=0)
+        first = tl.load(first_ptr + i, mask=m, other=0)
+        so = tl.load(off_ptr + i, mask=m, other=0)
+        ok = (gl > 0) & (st == 0) & (sz > 0) & (sz < lim)
+        olen = tl.where(ok, sz, ln)
+        into = (ok | (first != 0)) & m
+        slot = tl.where(into, (olen + 15) // 16 * 16, 0)
+        incl = tl.cumsum(slot, axis=0)
+        dst = tl.where(into, run + incl - slot, so)
+        bad = (gl > 0) & (st != 0)
+        tl.store(res_ptr + i, ok.to(tl.int64), mask=m)
+        tl.store(res_ptr + n + i, olen, mask=m)
+        tl.store(res_ptr + 2 * n + i, dst, mask=m)
+        tl.store(res_ptr + 3 * n + i, bad.to(tl.int64), mask=m)
+        run += tl.sum(slot, axis=0)
+
+
+@triton.jit
+def _copy_tiles(src_ptr, dst_ptr, so, do, units, base, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    for k in tl.static_range(ITERS):
+        offs = base + k * BLOCK + tl.arange(0, BLOCK)
+        mk = offs < units
+        tl.store(dst_ptr + do + offs, tl.load(src_ptr + so + offs, mask=mk), mask=mk)
+
+
+@triton.jit
+def _gather_chosen_kernel(res_ptr, first_ptr, off_ptr, comp_off_ptr, n, out_ptr, comp_ptr, WORDS: tl.constexpr,
+                          BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Per chunk (program row): a coded chunk's bytes from ``comp``, a first plane's raw chunk from
+    ``out``, to its slot in ``out``; other chunks stay. ``WORDS``: the buffers are int64 views and
+    every offset a multiple of 16 bytes (16-byte granules, slots padded)."""
+    c = tl.program_id(0)
+    ok = tl.load(res_ptr + c) != 0
+    if ok | (tl.load(first_ptr + c) != 0):
+        olen = tl.load(res_ptr + n + c)
+        dst = tl.load(res_ptr + 2 * n + c)
+        base = tl.program_id(1).to(tl.int64) * (BLOCK * ITERS)
+        if WORDS:
+            units = (olen + 15) // 16 * 2
+            do = tl.multiple_of(dst // 8, 2)
+            if ok:
+                _copy_tiles(comp_ptr, out_ptr, tl.multiple_of(tl.load(comp_off_ptr + c) // 8, 2), do, units, base,
+                            BLOCK, ITERS)
+            else:
+                _copy_tiles(out_ptr, out_ptr, tl.multiple_of(tl.load(off_ptr + c) // 8, 2), do, units, base, BLOCK,
+                            ITERS)
+        else:
+            if ok:
+                _copy_tiles(comp_ptr, out_ptr, tl.load(comp_off_ptr + c), dst, olen, base, BLOCK, ITERS)
+            else:
+                _copy_tiles(out_ptr, out_ptr, tl.load(off_ptr + c), dst, olen, base, BLOCK, ITERS)
+
+
+def _compact_config() -> tuple[int, int, int]:
+    """(int64 words per tile, tiles per program, warps) of the compaction's 16-byte copies:
+    ``S4W_COMPACT_CONFIG="words,tiles,warps"`` (benchmarks sweep it) or the default."""
+    env = os.environ.get("S4W_COMPACT_CONFIG")
+    if env:
+        b, i, w = (int(x) for x in env.split(","))
+        return b, i, w
+    return 8192, 2, 16
+
+
+def choose_and_gather(
+    cols: dict[str, torch.Tensor], out: torch.Tensor, comp: torch.Tensor, c0: int, max_len: int, words: bool
+) -> torch.Tensor:
+    """The encoder's per-chunk choice and compaction, on the device, after the entropy coder and
+    with no read-back between them (:mod:`s4w_core.gpu._encode` documents the layout).
+
+    ``cols``: int64 device tensors of one entry per chunk: ``gate`` (bytes handed to the coder, 0:
+    skipped), ``size`` (its output size), ``status`` (int32: the coder's status), ``length`` (raw
+    bytes), ``limit`` (coded only if ``size < limit``), ``first`` (a first plane's chunk, or a
+    storage coded as bytes: always moved), ``src_off`` (raw bytes in ``out``), ``comp_off`` (coded
+    bytes in ``comp``). A chunk is *coded* if the coder took it, succeeded and beat ``limit``; a
+    coded or first chunk is copied (its coded or raw bytes) to the next 16-byte slot from ``c0`` on
+    in ``out``, in chunk order; any other chunk stays raw where it lies. Returns a ``(4, n)`` int64
+    device tensor: coded (0/1), stored length, offset in ``out``, coder failure (0/1). ``max_len``:
+    the longest chunk; ``words``: every ``src_off``, ``comp_off``, ``c0`` and both buffers 16-byte
+    aligned, both buffers' sizes multiples of 16, and every source readable up to its next 16-byte
+    boundary (16-byte copies)."""
+    n = cols["length"].numel()
+    if not n:
+        return torch.empty((4, 0), dtype=torch.int64, device=out.device)
+    res = torch.empty(4 * n, dtype=torch.int64, device=out.device)
+    _choose_chunks_kernel[(1,)](cols["gate"], cols["size"], cols["status"], cols["length"], cols["limit"], cols["first"],
+                                cols["src_off"], res, n, c0, BLOCK=1024, num_warps=4)
+    block, iters, warps = _compact_config() if words else (_COPY_BLOCK, 1, 4)
+    units = -(-max_len // 16) * 2 if words else max_len
+    grid = (n, max(1, triton.cdiv(units, block * iters)))
+    if words:
+        ob, cb = out.view(torch.int64), comp.view(torch.int64)
+    else:
+        ob, cb = out, comp
+    _gather_chosen_kernel[grid](res, cols["first"], cols["src_off"], cols["comp_off"], n, ob, cb, WORDS=words,
+                                BLOCK=block, ITERS=iters, num_warps=warps)
+    return res.view(4, n)

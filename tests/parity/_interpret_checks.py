@@ -190,36 +190,81 @@ def gather_copy_ranges() -> None:
         raise AssertionError("out-of-range copy was not refused")
 
 
-def sample_entropy_vs_numpy(device: str = "cpu") -> None:
-    """The probe's per-chunk histogram entropy (one Triton histogram per row) against numpy."""
+def encode_choice_vs_numpy(device: str = "cpu") -> None:
+    """The encoder's device-side steps after the split -- the probe's gate (``probe_gate``) and the
+    per-chunk choice and compaction (``choose_and_gather``) -- against a numpy model of the rule,
+    over more chunks than one block of the choice kernel (its running offset crosses blocks), in
+    16-byte and byte copies."""
+    from s4w_core.gpu import _encode
     from s4w_core.gpu import kernels as k
 
-    rng = np.random.default_rng(21)
-    buf = rng.integers(0, 256, size=300_000, dtype=np.uint8)
-    buf[:40_000] = 7  # constant: 0 bits
-    buf[40_000:90_000] = rng.integers(0, 4, size=50_000, dtype=np.uint8)  # 2 bits
-    buf[90_000:140_000] = np.minimum(rng.geometric(0.3, size=50_000), 255).astype(np.uint8)  # skewed
-    runs, run = 16, 256
-    rows = [np.arange(runs) * 2000 + s for s in (0, 40_000, 60_000, 90_000, 100_000, 150_000)]
-    rows.append(rng.integers(0, buf.size - run, size=runs))  # any start, unaligned
-    starts = np.stack(rows).astype(np.int64)
-    got = k.sample_entropy(torch.from_numpy(buf).to(device), starts, run).cpu().numpy()
-    for i, row in enumerate(starts):
-        sample = np.concatenate([buf[s : s + run] for s in row])
-        p = np.bincount(sample, minlength=256) / sample.size
-        exp = -(p[p > 0] * np.log2(p[p > 0])).sum()
-        assert abs(float(got[i]) - exp) < 1e-4, (i, float(got[i]), exp)
-    try:
-        k.sample_entropy(torch.from_numpy(buf).to(device), np.array([[buf.size - run + 1] * runs]), run)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("a run past the buffer was not refused")
+    rng = np.random.default_rng(5)
+    n = 2300
+    runs, run = 16, _encode.PROBE_BYTES // 16
+    thr = 8.0 * (1.0 - _encode.PROBE_MIN_GAIN)
+    lengths = rng.integers(1, 9000, size=n).astype(np.int64)
+    lengths[:40] = _encode.PROBE_BYTES + np.arange(-20, 20)  # around the probe's minimum
+    first = (rng.random(n) < 0.3).astype(np.int64)
+    for words in (True, False):
+        pad = np.zeros(n, np.int64) if words else rng.integers(0, 5, size=n)
+        slot = (lengths + 15) // 16 * 16 + pad
+        src_off = np.cumsum(slot) - slot + (0 if words else 3)
+        c0 = int(-(-int((src_off + slot).max()) // 16) * 16)
+        out_np = rng.integers(0, 256, size=c0 + int(((lengths + 15) // 16 * 16).sum()) + 16, dtype=np.uint8)
+        low = rng.random(n) < 0.5  # half the chunks low entropy (the probe keeps them), half random
+        for c in np.nonzero(low)[0]:
+            out_np[src_off[c] : src_off[c] + lengths[c]] = rng.integers(0, 6, size=int(lengths[c]), dtype=np.uint8)
+        cap = int(-(-int(lengths.max()) // 16) * 16) + 32
+        comp_off = np.arange(n, dtype=np.int64) * cap + (0 if words else 1)
+        comp_np = rng.integers(0, 256, size=cap * n + 16, dtype=np.uint8)
+        limit = np.where(first == 1, lengths, np.ceil(lengths * 0.995)).astype(np.int64)
+        size = np.where(rng.random(n) < 0.5, rng.integers(1, lengths + 1), lengths + rng.integers(0, 9, size=n))
+        size[rng.random(n) < 0.05] = 0
+        status = np.where(rng.random(n) < 0.03, 3, 0).astype(np.int32)
+
+        # numpy model: the probe
+        gate = lengths.copy()
+        sure = np.ones(n, dtype=bool)
+        for c in np.nonzero((first == 0) & (lengths >= _encode.PROBE_BYTES))[0]:
+            step = (lengths[c] - run) // (runs - 1)
+            sample = np.concatenate([out_np[src_off[c] + step * r : src_off[c] + step * r + run] for r in range(runs)])
+            p = np.bincount(sample, minlength=256) / sample.size
+            bits = -(p[p > 0] * np.log2(p[p > 0])).sum()
+            sure[c] = abs(bits - thr) > 1e-3
+            if bits >= thr:
+                gate[c] = 0
+        # numpy model: the choice and the compaction
+        ok = (gate > 0) & (status == 0) & (size > 0) & (size < limit)
+        olen = np.where(ok, size, lengths)
+        into = ok | (first == 1)
+        room = np.where(into, (olen + 15) // 16 * 16, 0)
+        dst = np.where(into, c0 + np.cumsum(room) - room, src_off)
+        bad = (gate > 0) & (status != 0)
+
+        out = torch.from_numpy(out_np.copy()).to(device)
+        comp = torch.from_numpy(comp_np).to(device)
+        cols = {name: torch.from_numpy(np.ascontiguousarray(a)).to(device) for name, a in (
+            ("gate", lengths.copy()), ("size", size.astype(np.int64)), ("length", lengths), ("limit", limit),
+            ("first", first), ("src_off", src_off.astype(np.int64)), ("comp_off", comp_off))}
+        cols["status"] = torch.from_numpy(status).to(device)
+        k.probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], _encode.PROBE_BYTES, thr)
+        got_gate = cols["gate"].cpu().numpy()
+        assert (got_gate[sure] == gate[sure]).all(), np.nonzero((got_gate != gate) & sure)[0][:10]
+        cols["gate"] = torch.from_numpy(gate).to(device)  # the model's gate from here (unsure chunks)
+        res = k.choose_and_gather(cols, out, comp, c0, int(lengths.max()), words).cpu().numpy()
+        assert (res[0] == ok).all() and (res[1] == olen).all(), words
+        assert (res[2] == dst).all() and (res[3] == bad).all(), words
+        got = out.cpu().numpy()
+        for c in range(n):
+            want = (comp_np[comp_off[c] : comp_off[c] + olen[c]] if ok[c]
+                    else out_np[src_off[c] : src_off[c] + lengths[c]])
+            assert (got[dst[c] : dst[c] + olen[c]] == want).all(), (words, c, bool(ok[c]), bool(into[c]))
+        assert (got[:c0] == out_np[:c0]).all(), "a chunk left in place was written over"
 
 
 @check
-def sample_entropy() -> None:
-    sample_entropy_vs_numpy("cpu")
+def encode_choice() -> None:
+    encode_choice_vs_numpy("cpu")
 
 
 def merge_chunks_vs_reference(device: str = "cpu") -> None:

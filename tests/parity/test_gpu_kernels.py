@@ -93,11 +93,11 @@ def test_batched_launches_on_device():
     batched_kernels_vs_reference("cuda")
 
 
-def test_sample_entropy_on_device():
+def test_encode_choice_on_device():
     pytest.importorskip("triton")
-    from tests.parity._interpret_checks import sample_entropy_vs_numpy
+    from tests.parity._interpret_checks import encode_choice_vs_numpy
 
-    sample_entropy_vs_numpy("cuda")
+    encode_choice_vs_numpy("cuda")
 
 
 def test_merge_chunks_on_device():

@@ -145,3 +145,73 @@ def test_decode_device_checks_nvcomp_on_the_device(nv):
     tab.host[2 * tab.n] -= 64
     with nv.on_stream(dev), pytest.raises(DecodeError, match="nvCOMP ANS failed to decode a chunk"):
         _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "bad")
+
+
+def _decode_encoded(enc, tl):
+    """Decode an ``_Encoded`` batch of ``tl`` on the device (``decode_device``), return the outputs."""
+    from s4w_core import engine
+    from s4w_core.codecs import NVCOMP_ANS
+    from s4w_core.gpu import _decode, _encode, _nvcomp
+
+    dev = tl[0].device
+    seg = _encode.PROFILES["fast"].segment_elems
+    entries = []
+    for k, t in enumerate(tl):
+        transform, w = engine.transform_for(t.dtype, t.numel() * t.element_size())
+        entries.append({"path": f"t{k}", "nbytes": t.numel() * t.element_size(), "_width": w, "transform": transform,
+                        "segment_elems": seg, "dtype": engine.dtype_name(t.dtype), "checksum": "none"})
+    layouts = [engine.chunk_layout(e) for e in entries]
+    recs = []
+    for ji, ci in enc.owner:
+        s0, s1, j = layouts[ji][ci]
+        recs.append((ji, j, s0, s1 - s0))
+    kinds = ["ans" if c == NVCOMP_ANS.id else "copy" for c in enc.codec_ids]
+    st = _decode.Staged(host=None, slot=enc.out_off, kinds=kinds, stored=enc.out_len, recs=recs)
+    outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
+    with _nvcomp.on_stream(dev):
+        _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "test")
+    return outs
+
+
+def test_prepared_encode_codes_current_contents(nv):
+    """``PreparedEncode`` (the plan and buffers kept between calls) codes what the tensors hold at
+    each call, as a one-call encode of the same contents does (the same choice per chunk, offsets
+    and lengths; the same raw bytes; both decode exactly): bf16 and fp32 in
+    one batch (plane regions of different widths), a bf16 tensor whose later plane compresses (its
+    chunks are coded and compacted, not left in place), and a tensor changed between calls."""
+    from s4w_core.gpu import _encode
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(11)
+    smooth = torch.randint(-64, 64, (1 << 20,), generator=g).to(torch.bfloat16)  # few mantissa bits set
+    tl = [(torch.randn(1 << 20, generator=g) * 0.02).to(torch.bfloat16).to(dev),
+          (torch.randn(300_001, generator=g)).to(torch.float32).to(dev),
+          smooth.to(dev),
+          (torch.randn(77_777, generator=g) * 3).to(torch.bfloat16).to(dev)]
+    prep = _encode.PreparedEncode(tl, "fast")
+    for step in range(3):
+        if step:
+            tl[0].add_(torch.randn(tl[0].shape, generator=g).to(tl[0].dtype).to(dev), alpha=1e-3)
+            tl[1].mul_(1.5)
+        got = prep()
+        one = _encode.encode_tensors_device(tl, "fast")
+        assert got.coded.tolist() == one.coded.tolist() and got.out_len.tolist() == one.out_len.tolist()
+        assert got.out_off.tolist() == one.out_off.tolist()
+        # the third tensor's later plane (plane 1) is coded
+        later = [i for i, (ji, ci) in enumerate(got.owner) if ji == 2 and ci % 2 == 1]
+        assert later and all(got.coded[i] for i in later)
+        # raw chunks byte for byte; coded ones by decoding (nvCOMP's ANS bytes need not repeat
+        # from call to call, only decode to the same)
+        assert all(torch.equal(got.compact[o : o + n], one.compact[o : o + n])
+                   for o, n, c in zip(got.out_off.tolist(), got.out_len.tolist(), got.coded.tolist()) if not c)
+        for enc in (got, one):
+            for o, t in zip(_decode_encoded(enc, tl), tl):
+                assert torch.equal(o, t.view(-1).view(torch.uint8)), step
+
+
+def test_prepared_encode_refuses_non_contiguous(nv):
+    from s4w_core.gpu import _encode
+
+    t = torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda").t()
+    with pytest.raises(ValueError, match="contiguous"):
+        _encode.PreparedEncode([t], "fast")
