@@ -704,7 +704,7 @@ class EncodePlan:
 
     def _split_launches(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]]:
         """Per element width and delta op: the split's item table and program map, uploaded once."""
-        block, _warps = block_config()
+        block, _warps = block_config(SPLIT)
         tables = Tables()
         groups = []
         for width in np.unique(self.w[self.rot]).tolist():

@@ -122,16 +122,18 @@ def synchronize(device: torch.device) -> None:
     stream_for(device).synchronize()
 
 
-#: default raw bytes per batch. A batch's working set on the device is about 4x this (planes,
-#: coded slots, the compact output, staged delta bases), which is the fixed part of the bound on a
-#: save's extra device memory: 10% of the state + 256 MiB (docs/PERFORMANCE.md). 64 MiB measured
-#: +321 / +395 MiB for a save / save_async of a 1.82 GB state against +637 / +772 MiB at 128 MiB,
-#: at the same save and load times (benchmarks/results/gpu_2026-11-22c/profile_*).
-DEFAULT_BATCH_BYTES = 64 << 20
+#: default raw bytes per batch. A batch's working set on the device is about 4x this (planes and
+#: the compacted chunks, the coder's slots, staged delta bases), which is the fixed part of the
+#: bound on a save's extra device memory: 10% of the state + 256 MiB (docs/PERFORMANCE.md). 64 MiB
+#: measured +321 / +395 MiB for a save / save_async of a 1.82 GB state against +637 / +772 MiB at
+#: 128 MiB, at the same save and load times (benchmarks/results/gpu_2026-11-22c/profile_*); since
+#: the encoder keeps the raw later planes in place and sizes its buffers for every chunk (93bcc27),
+#: 64 MiB measured +434 / +498 MiB, so the default is 48 MiB.
+DEFAULT_BATCH_BYTES = 48 << 20
 
 
 def batch_bytes(device: torch.device) -> int:
-    """Raw bytes per batch: ``S4W_GPU_BATCH_BYTES`` or min(64 MiB, free device memory / 8)."""
+    """Raw bytes per batch: ``S4W_GPU_BATCH_BYTES`` or min(48 MiB, free device memory / 8)."""
     env = os.environ.get("S4W_GPU_BATCH_BYTES")
     if env:
         return max(1 << 20, int(env))

@@ -61,9 +61,14 @@ OPS = {None: 0, "xor": 1, "sub": 2}
 _ROW = 6  # item table row: src, base, planes offset, n, plane stride, first program
 
 
-def block_config() -> tuple[int, int]:
-    """(elements per program, warps): ``S4W_PLANES_BLOCK`` / ``S4W_PLANES_WARPS`` (benchmarks sweep
-    them) or the defaults measured on an H200 (benchmarks/results/README.md)."""
+def block_config(kernel: Any = None) -> tuple[int, int]:
+    """(elements per program, warps) of ``kernel``'s launches: ``S4W_PLANES_BLOCK`` /
+    ``S4W_PLANES_WARPS`` (benchmarks sweep them) or the defaults measured on an H200
+    (benchmarks/results/README.md); the split (:data:`SPLIT`) has its own, ``S4W_SPLIT_BLOCK`` /
+    ``S4W_SPLIT_WARPS``, default 2048 / 4 (1.21 against 1.32 ms at 4096 for a 1.82 GB bf16 state on
+    an H100, docs/PERFORMANCE.md)."""
+    if kernel is _split_kernel:
+        return int(os.environ.get("S4W_SPLIT_BLOCK", "2048")), int(os.environ.get("S4W_SPLIT_WARPS", "4"))
     return int(os.environ.get("S4W_PLANES_BLOCK", "4096")), int(os.environ.get("S4W_PLANES_WARPS", "4"))
 
 
@@ -428,14 +433,14 @@ def launch_items(kernel: Any, w: int, op: int, table: torch.Tensor, prog_map: to
     """One launch of a batched plane kernel over a table uploaded ahead (see :class:`Tables`): the
     caller built ``table`` (rows ending in each item's first program) and ``prog_map`` for
     :func:`block_config`'s block and checked the addresses in them."""
-    block, warps = block_config()
+    block, warps = block_config(kernel)
     kernel[(programs,)](table, prog_map, arg, W=w, OP=op, ALIGNED=aligned and _wide(), BLOCK=block, num_warps=warps)
 
 
 def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: Any) -> None:
     """One launch of ``kernel(table, map, arg, ...)`` per delta op in ``ops`` over the items
     ``rows`` (element count in column 3); ``aligned(rows)``: whether they may take the vector path."""
-    block, warps = block_config()
+    block, warps = block_config(kernel)
     for code in np.unique(ops).tolist():
         r = rows[ops == code]
         table, prog_map, total = item_table(r, -(-r[:, 3] // block), arg.device)
