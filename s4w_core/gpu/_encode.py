@@ -1,17 +1,24 @@
 """GPU writer: plane split (Triton) + batched nvCOMP coding + per-chunk codec choice + ordered output.
 
 One *batch* = pieces (segment ranges) of one or more storages whose raw bytes fit the batch budget.
-Per batch, all on our stream and with one host synchronization (reading back compressed sizes):
+Per batch, all on our stream and with one host synchronization, at the end (:class:`EncodePlan`):
 
-1. split every piece into planes in one flat buffer (``plane_stride`` rounded up so every chunk
-   starts 256-byte aligned), XORed with the delta base in the same kernel where the storage is an
-   ``xor`` delta (other delta ops of :mod:`s4w_core.delta` are applied first, on the device);
-2. compress every chunk with one nvCOMP call (ANS for ``fast``, Deflate entropy-only for
-   ``portable``) into fixed-capacity slots;
-3. on the host, per chunk, keep the coded bytes only if they are smaller (plane 0, non-float
-   storages) or save at least :data:`MIN_GAIN` (other planes); otherwise the chunk is raw;
-4. gather the chosen bytes into one compact buffer (two launches of one gather kernel), copy it to
-   pinned host memory once, and append the chunks to the container in manifest order.
+1. split every piece into planes in one buffer, plane-major (first planes back to back, then plane
+   ``j`` of every piece at ``j * P``; slots rounded so every chunk starts 256-byte aligned), XORed
+   with the delta base in the same kernel where the storage is an ``xor`` delta (other delta ops of
+   :mod:`s4w_core.delta` are applied first, on the device);
+2. on the device, the probe zeroes the coder's input length of each later-plane chunk whose sample
+   looks near random; compress every chunk with one nvCOMP call (ANS for ``fast``, Deflate
+   entropy-only for ``portable``) into fixed-capacity slots;
+3. on the device, per chunk, keep the coded bytes only if they are smaller (plane 0, non-float
+   storages) or save at least :data:`MIN_GAIN` (other planes); otherwise the chunk is raw; coded
+   chunks and raw first planes are compacted after the planes, raw later planes stay where the
+   split wrote them; the choice is read back;
+4. copy the chunks to pinned host memory (one copy per run of chunks that lie together) and append
+   them to the container in manifest order.
+
+With nvCOMP's Python API (``S4W_NVCOMP_C=0``, an nvCOMP other than 6.x, the portable profile's
+Deflate) the chunks to code are read back between the probe and the coder.
 
 Storages that take the CPU path (portable profile: CPU tensors that are not host copies of GPU
 storages, and non-float storages; fast
