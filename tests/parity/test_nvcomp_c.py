@@ -209,9 +209,21 @@ def test_prepared_encode_codes_current_contents(nv):
                 assert torch.equal(o, t.view(-1).view(torch.uint8)), step
 
 
-def test_prepared_encode_refuses_non_contiguous(nv):
+def test_prepared_encode_refuses_non_contiguous_and_moved_tensors(nv):
     from s4w_core.gpu import _encode
 
     t = torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda").t()
     with pytest.raises(ValueError, match="contiguous"):
         _encode.PreparedEncode([t], "fast")
+    p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda").to(torch.bfloat16))
+    q = torch.randn(5000, device="cuda")
+    prep = _encode.PreparedEncode([p.data, q], "fast")
+    prep()
+    q.resize_(4000)  # same storage, another size
+    with pytest.raises(ValueError, match="new storage or another size"):
+        prep()
+    prep2 = _encode.PreparedEncode([p], "fast")
+    prep2()
+    p.data = torch.zeros_like(p.data)  # new storage
+    with pytest.raises(ValueError, match="new storage or another size"):
+        prep2()
