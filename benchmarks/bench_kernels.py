@@ -82,7 +82,8 @@ def main() -> int:
     res["copy_GBps"] = big.numel() / t / GB  # bytes of input per second (the kernels' unit)
     res["copy_rw_GBps"] = 2 * big.numel() / t / GB
     print(f"device-to-device copy: {res['copy_GBps']:.0f} GB/s of input ({res['copy_rw_GBps']:.0f} GB/s read+write)")
-    # gather_copy: the writer's compaction (1000 chunks of 512 KiB into one buffer, 16-byte slots)
+    # gather_copy: many 512 KiB chunks into one buffer, 16-byte slots (the reader places raw chunks with it;
+    # the writer compacted with it until 93bcc27)
     from s4w_core.gpu.kernels import gather_copy
 
     nch, ln = int(a.gb * GB) // 2 // (1 << 19), 1 << 19

@@ -456,7 +456,7 @@ def _s4w_decode_plan(enc: Any, tensors: list[torch.Tensor], profile: str = "fast
 
 
 def _s4w_device_decode(enc: Any, plan: _DevicePlan, outs: list[torch.Tensor]) -> None:
-    """Decode ``encode_tensors_device``'s compact buffer, on the device, into ``outs`` (uint8, one per
+    """Decode ``encode_tensors_device``'s output buffer, on the device, into ``outs`` (uint8, one per
     tensor): one nvCOMP ANS call for the coded chunks, a gather for the raw ones, the Triton plane
     merge (``s4w_core.gpu._decode.decode_device``, the device half of ``load``). One host sync."""
     from s4w_core.gpu import _decode, _nvcomp
