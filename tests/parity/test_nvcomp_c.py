@@ -103,8 +103,6 @@ def test_decode_device_checks_nvcomp_on_the_device(nv):
     """``decode_device`` reads back once: fold64 sums and the count of chunks nvCOMP failed on. A
     clean batch decodes bit-exactly; a chunk whose recorded length is short of what it decodes to
     is a DecodeError (then the sizes are read back for the message)."""
-    from s4w_core import engine
-    from s4w_core.codecs import NVCOMP_ANS
     from s4w_core.errors import DecodeError
     from s4w_core.gpu import _decode, _encode
 
@@ -113,18 +111,7 @@ def test_decode_device_checks_nvcomp_on_the_device(nv):
     tl = [(torch.randn(n, generator=g) * 0.02).to(dt).to(dev) for n, dt in
           ((1 << 20, torch.bfloat16), (300_001, torch.bfloat16), (200_000, torch.float32))]
     enc = _encode.encode_tensors_device(tl, "fast")
-    seg = _encode.PROFILES["fast"].segment_elems
-    entries = []
-    for k, t in enumerate(tl):
-        transform, w = engine.transform_for(t.dtype, t.numel() * t.element_size())
-        entries.append({"path": f"t{k}", "nbytes": t.numel() * t.element_size(), "_width": w, "transform": transform,
-                        "segment_elems": seg, "dtype": engine.dtype_name(t.dtype), "checksum": "none"})
-    layouts = [engine.chunk_layout(e) for e in entries]
-    recs = []
-    for ji, ci in enc.owner:
-        s0, s1, j = layouts[ji][ci]
-        recs.append((ji, j, s0, s1 - s0))
-    kinds = ["ans" if c == NVCOMP_ANS.id else "copy" for c in enc.codec_ids]
+    entries, recs, kinds = _decode_inputs(enc, tl)
 
     def decode():
         st = _decode.Staged(host=None, slot=enc.out_off, kinds=kinds, stored=enc.out_len, recs=recs)
@@ -147,13 +134,13 @@ def test_decode_device_checks_nvcomp_on_the_device(nv):
         _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "bad")
 
 
-def _decode_encoded(enc, tl):
-    """Decode an ``_Encoded`` batch of ``tl`` on the device (``decode_device``), return the outputs."""
+def _decode_inputs(enc, tl):
+    """What ``decode_device`` needs besides the buffer, for an ``_Encoded`` batch of ``tl``: the
+    entries, the chunk records, the chunk kinds."""
     from s4w_core import engine
     from s4w_core.codecs import NVCOMP_ANS
-    from s4w_core.gpu import _decode, _encode, _nvcomp
+    from s4w_core.gpu import _encode
 
-    dev = tl[0].device
     seg = _encode.PROFILES["fast"].segment_elems
     entries = []
     for k, t in enumerate(tl):
@@ -165,7 +152,15 @@ def _decode_encoded(enc, tl):
     for ji, ci in enc.owner:
         s0, s1, j = layouts[ji][ci]
         recs.append((ji, j, s0, s1 - s0))
-    kinds = ["ans" if c == NVCOMP_ANS.id else "copy" for c in enc.codec_ids]
+    return entries, recs, ["ans" if c == NVCOMP_ANS.id else "copy" for c in enc.codec_ids]
+
+
+def _decode_encoded(enc, tl):
+    """Decode an ``_Encoded`` batch of ``tl`` on the device (``decode_device``), return the outputs."""
+    from s4w_core.gpu import _decode, _nvcomp
+
+    dev = tl[0].device
+    entries, recs, kinds = _decode_inputs(enc, tl)
     st = _decode.Staged(host=None, slot=enc.out_off, kinds=kinds, stored=enc.out_len, recs=recs)
     outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
     with _nvcomp.on_stream(dev):
