@@ -10,6 +10,8 @@ import doctest
 import importlib
 import inspect
 import pkgutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +31,9 @@ def _modules() -> list[str]:
 
 
 @pytest.mark.parametrize("modname", _modules())
-def test_docstring_examples_run(modname: str) -> None:
+def test_docstring_examples_run(modname: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the examples make their folders with tempfile.mkdtemp(): inside pytest's tmp_path, not left in /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     mod = importlib.import_module(modname)
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
