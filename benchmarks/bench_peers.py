@@ -461,9 +461,9 @@ def _s4w_device_decode(enc: Any, plan: _DevicePlan, outs: list[torch.Tensor]) ->
     merge (``s4w_core.gpu._decode.decode_device``, the device half of ``load``). One host sync."""
     from s4w_core.gpu import _decode, _nvcomp
 
-    dev = enc.compact.device
+    dev = enc.out.device
     with _nvcomp.on_stream(dev):
-        _decode.decode_device(enc.compact, plan.st, plan.entries, outs, [None] * len(outs), dev, "bench")
+        _decode.decode_device(enc.out, plan.st, plan.entries, outs, [None] * len(outs), dev, "bench")
 
 
 def codec_s4w_fast(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def main() -> None:
     bench_peers._s4w_device_decode(enc, plan, outs)
     torch.cuda.synchronize()
     p = st.plan
-    staged = enc.compact
+    staged = enc.out
     planes = torch.empty(p.planes_bytes, dtype=torch.uint8, device=dev)
     call = p.calls[0]
     print(f"{variant}: {len(tl)} tensors, {len(st.slot)} chunks, {len(call.src)} ANS chunks, {len(p.calls)} calls")

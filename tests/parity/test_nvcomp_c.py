@@ -120,7 +120,7 @@ def test_decode_device_checks_nvcomp_on_the_device(nv):
 
     st, outs = decode()
     with nv.on_stream(dev):
-        _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "ok")
+        _decode.decode_device(enc.out, st, entries, outs, [None] * len(tl), dev, "ok")
     for o, t in zip(outs, tl):
         assert torch.equal(o, t.view(-1).view(torch.uint8))
     st, outs = decode()
@@ -131,7 +131,7 @@ def test_decode_device_checks_nvcomp_on_the_device(nv):
     assert tab is not None  # the C API's host table, prepared with the plan
     tab.host[2 * tab.n] -= 64
     with nv.on_stream(dev), pytest.raises(DecodeError, match="nvCOMP ANS failed to decode a chunk"):
-        _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "bad")
+        _decode.decode_device(enc.out, st, entries, outs, [None] * len(tl), dev, "bad")
 
 
 def _decode_inputs(enc, tl):
@@ -164,7 +164,7 @@ def _decode_encoded(enc, tl):
     st = _decode.Staged(host=None, slot=enc.out_off, kinds=kinds, stored=enc.out_len, recs=recs)
     outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
     with _nvcomp.on_stream(dev):
-        _decode.decode_device(enc.compact, st, entries, outs, [None] * len(tl), dev, "test")
+        _decode.decode_device(enc.out, st, entries, outs, [None] * len(tl), dev, "test")
     return outs
 
 
@@ -197,7 +197,7 @@ def test_prepared_encode_codes_current_contents(nv):
         assert later and all(got.coded[i] for i in later)
         # raw chunks byte for byte; coded ones by decoding (nvCOMP's ANS bytes need not repeat
         # from call to call, only decode to the same)
-        assert all(torch.equal(got.compact[o : o + n], one.compact[o : o + n])
+        assert all(torch.equal(got.out[o : o + n], one.out[o : o + n])
                    for o, n, c in zip(got.out_off.tolist(), got.out_len.tolist(), got.coded.tolist()) if not c)
         for enc in (got, one):
             for o, t in zip(_decode_encoded(enc, tl), tl):
