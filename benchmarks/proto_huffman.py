@@ -220,6 +220,36 @@ def wall_ms(fn: Any, repeats: int) -> float:
     return statistics.median(ts) * 1e3
 
 
+def bench_state(model: str, steps: int, elements: int, dev: torch.device) -> dict[str, Any]:
+    """The tensors measured (a trained model's bf16 weights and moments, or ``elements`` of
+    synthetic data), their bits (``flat``, int16), exponent plane (``e``, uint8, padded to whole
+    chunks) and mantissa plane (``mant``), after ``planes-rotl1``."""
+    tr = None
+    if elements:
+        g = torch.Generator().manual_seed(0)
+        tl_ = [(torch.randn(elements, generator=g) * 0.02).to(torch.bfloat16).to(dev)]
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _train_gpt
+
+        tr = _train_gpt.Trainer("bf16", max(steps, 1), device=str(dev), **_train_gpt.MODELS[model])
+        for _ in range(steps):
+            tr.step()
+        tl_ = [t for t in tr._live() if t.dtype == torch.bfloat16 and t.numel() > 0]
+    flat = torch.cat([t.reshape(-1).view(torch.int16) for t in tl_])
+    n = flat.numel()
+    npad = -(-n // CHUNK) * CHUNK
+    x = flat.to(torch.int32) & 0xFFFF
+    r = ((x << 1) | (x >> 15)) & 0xFFFF
+    e = torch.zeros(npad, dtype=torch.uint8, device=dev)
+    e[:n] = (r >> 8).to(torch.uint8)
+    return {"trainer": tr, "tensors": tl_, "flat": flat, "n": n, "e": e, "mant": (r & 0xFF).to(torch.uint8)}
+
+
+def device_for_run() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="medium")
@@ -230,27 +260,10 @@ def main() -> int:
                     help="then train this many steps more and report the code's size on the XOR delta's exponent plane")
     ap.add_argument("--elements", type=int, default=0, help="synthetic data of this many elements instead (CPU check)")
     a = ap.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu")
-    if a.elements:
-        g = torch.Generator().manual_seed(0)
-        tl_ = [(torch.randn(a.elements, generator=g) * 0.02).to(torch.bfloat16).to(dev)]
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _train_gpt
-
-        tr = _train_gpt.Trainer("bf16", max(a.steps, 1), device=str(dev), **_train_gpt.MODELS[a.model])
-        for _ in range(a.steps):
-            tr.step()
-        tl_ = [t for t in tr._live() if t.dtype == torch.bfloat16 and t.numel() > 0]
-    flat = torch.cat([t.reshape(-1).view(torch.int16) for t in tl_])
-    n = flat.numel()
+    dev = device_for_run()
+    st = bench_state(a.model, a.steps, a.elements, dev)
+    tr, tl_, flat, n, e, mant = st["trainer"], st["tensors"], st["flat"], st["n"], st["e"], st["mant"]
     raw = 2 * n
-    npad = -(-n // CHUNK) * CHUNK
-    x = (flat.to(torch.int32) & 0xFFFF)
-    r = ((x << 1) | (x >> 15)) & 0xFFFF
-    e = torch.zeros(npad, dtype=torch.uint8, device=dev)
-    e[:n] = (r >> 8).to(torch.uint8)
-    mant = (r & 0xFF).to(torch.uint8)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                            "tensors": len(tl_), "raw_bytes": raw, "configs": []}
     if dev.type == "cuda" and not a.elements:
