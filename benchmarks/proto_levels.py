@@ -142,108 +142,64 @@ def encode(e: torch.Tensor) -> dict[str, Any]:
 
 
 @triton.jit
+def _code_at(stream_ptr, region, bit, b, mask):
+    """The ``b``-bit code at bit ``bit`` of the byte region at ``region`` (two byte loads)."""
+    p = region + (bit >> 3)
+    w = tl.load(stream_ptr + p, mask=mask, other=0).to(tl.int32) | (
+        tl.load(stream_ptr + p + 1, mask=mask, other=0).to(tl.int32) << 8)
+    return (w >> (bit & 7)) & ((1 << b) - 1)
+
+
+@triton.jit
+def _escape_index(esc, base, ROWS: tl.constexpr):
+    """Each escape's entry on the next level: the escapes before it in the block, plus ``base``.
+    ``ROWS``: the block is [B // 32, 32] rows, counted as a prefix over the rows' counts plus one
+    inside each row; else one prefix sum over the block."""
+    e = esc.to(tl.int32)
+    if ROWS:
+        rows = tl.sum(e, axis=1)
+        return (tl.cumsum(rows, 0) - rows)[:, None] + tl.cumsum(e, axis=1) - 1 + base
+    else:
+        return tl.cumsum(e, 0) - 1 + base
+
+
+@triton.jit
 def _levels_decode_kernel(stream_ptr, meta_ptr, bases_ptr, order_ptr, mant_ptr, out_ptr, n, e_ptr,
-                          B: tl.constexpr, BPC: tl.constexpr, MODE: tl.constexpr):
+                          B: tl.constexpr, BPC: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr):
     """MODE 3 decodes; 0-2 are ablations for ``--ablate`` (not bit-exact): 0 reads the exponent
-    plane itself (the merge alone), 1 decodes level 1 only, 2 levels 1 and 2."""
+    plane itself (the merge alone), 1 decodes level 1 only, 2 levels 1 and 2. ``ROWS``: see
+    :func:`_escape_index`."""
     pid = tl.program_id(0)
     c = pid // BPC
     blk = pid % BPC
-    i = tl.arange(0, B)
+    if ROWS:
+        i = tl.arange(0, B // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    else:
+        i = tl.arange(0, B)
     g = pid.to(tl.int64) * B + i
     if MODE == 0:
         sym = tl.load(e_ptr + g).to(tl.int32)
     else:
         mp = meta_ptr + c * 8
-        o1 = tl.load(mp)
-        o2 = tl.load(mp + 1)
-        o3 = tl.load(mp + 2)
         b1 = tl.load(mp + 3).to(tl.int32)
         b2 = tl.load(mp + 4).to(tl.int32)
-        b3 = tl.load(mp + 5).to(tl.int32)
         nlev = tl.load(mp + 6).to(tl.int32)
         # level 1: a b1-bit code per symbol (bit offsets within a chunk's region fit 32 bits)
-        bit = (blk * B + i) * b1
-        p = o1 + (bit >> 3)
-        w = tl.load(stream_ptr + p).to(tl.int32) | (tl.load(stream_ptr + p + 1).to(tl.int32) << 8)
-        v1 = (w >> (bit & 7)) & ((1 << b1) - 1)
+        v1 = _code_at(stream_ptr, tl.load(mp), (blk * B + i) * b1, b1, i >= 0)
         k1 = (1 << b1) - 1
         r = v1
         if MODE >= 2:
             esc1 = v1 == tl.where(nlev > 1, k1, -1)  # no escape code on the last level
-            # level 2: this block's escapes, counted
-            j = tl.cumsum(esc1.to(tl.int32), 0) - 1 + tl.load(bases_ptr + pid * 2)
-            bit = j * b2
-            p = o2 + (bit >> 3)
-            w = tl.load(stream_ptr + p, mask=esc1, other=0).to(tl.int32) | (
-                tl.load(stream_ptr + p + 1, mask=esc1, other=0).to(tl.int32) << 8)
-            v2 = (w >> (bit & 7)) & ((1 << b2) - 1)
+            j = _escape_index(esc1, tl.load(bases_ptr + pid * 2), ROWS)
+            v2 = _code_at(stream_ptr, tl.load(mp + 1), j * b2, b2, esc1)
             k2 = (1 << b2) - 1
             r = tl.where(esc1, k1 + v2, r)
             if MODE >= 3:
+                b3 = tl.load(mp + 5).to(tl.int32)
                 esc2 = esc1 & (v2 == tl.where(nlev > 2, k2, -1))
-                j = tl.cumsum(esc2.to(tl.int32), 0) - 1 + tl.load(bases_ptr + pid * 2 + 1)
-                bit = j * b3
-                p = o3 + (bit >> 3)
-                w = tl.load(stream_ptr + p, mask=esc2, other=0).to(tl.int32) | (
-                    tl.load(stream_ptr + p + 1, mask=esc2, other=0).to(tl.int32) << 8)
-                v3 = (w >> (bit & 7)) & ((1 << b3) - 1)
-                r = tl.where(esc2, k1 + k2 + v3, r)
+                j = _escape_index(esc2, tl.load(bases_ptr + pid * 2 + 1), ROWS)
+                r = tl.where(esc2, k1 + k2 + _code_at(stream_ptr, tl.load(mp + 2), j * b3, b3, esc2), r)
         sym = tl.load(order_ptr + c * 256 + r).to(tl.int32)
-    m = tl.load(mant_ptr + g, mask=g < n, other=0).to(tl.int32)
-    x = (sym << 8) | m
-    x = (x >> 1) | ((x & 1) << 15)
-    tl.store(out_ptr + g, x.to(tl.int16), mask=g < n)
-
-
-@triton.jit
-def _levels_decode_rows_kernel(stream_ptr, meta_ptr, bases_ptr, order_ptr, mant_ptr, out_ptr, n,
-                               B: tl.constexpr, BPC: tl.constexpr):
-    """The same decode with the block as [B // 32, 32] rows: an escape's index is the escapes of the
-    rows before its row (a prefix over B // 32 row counts) plus those before it in its row (a prefix
-    over 32), instead of one prefix sum over all B symbols."""
-    pid = tl.program_id(0)
-    c = pid // BPC
-    blk = pid % BPC
-    R: tl.constexpr = B // 32
-    i = tl.arange(0, R)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    g = pid.to(tl.int64) * B + i
-    mp = meta_ptr + c * 8
-    o1 = tl.load(mp)
-    o2 = tl.load(mp + 1)
-    o3 = tl.load(mp + 2)
-    b1 = tl.load(mp + 3).to(tl.int32)
-    b2 = tl.load(mp + 4).to(tl.int32)
-    b3 = tl.load(mp + 5).to(tl.int32)
-    nlev = tl.load(mp + 6).to(tl.int32)
-    bit = (blk * B + i) * b1
-    p = o1 + (bit >> 3)
-    w = tl.load(stream_ptr + p).to(tl.int32) | (tl.load(stream_ptr + p + 1).to(tl.int32) << 8)
-    v1 = (w >> (bit & 7)) & ((1 << b1) - 1)
-    k1 = (1 << b1) - 1
-    r = v1
-    esc1 = v1 == tl.where(nlev > 1, k1, -1)
-    e1 = esc1.to(tl.int32)
-    rows = tl.sum(e1, axis=1)
-    j = (tl.cumsum(rows, 0) - rows)[:, None] + tl.cumsum(e1, axis=1) - 1 + tl.load(bases_ptr + pid * 2)
-    bit = j * b2
-    p = o2 + (bit >> 3)
-    w = tl.load(stream_ptr + p, mask=esc1, other=0).to(tl.int32) | (
-        tl.load(stream_ptr + p + 1, mask=esc1, other=0).to(tl.int32) << 8)
-    v2 = (w >> (bit & 7)) & ((1 << b2) - 1)
-    k2 = (1 << b2) - 1
-    r = tl.where(esc1, k1 + v2, r)
-    esc2 = esc1 & (v2 == tl.where(nlev > 2, k2, -1))
-    e2 = esc2.to(tl.int32)
-    rows = tl.sum(e2, axis=1)
-    j = (tl.cumsum(rows, 0) - rows)[:, None] + tl.cumsum(e2, axis=1) - 1 + tl.load(bases_ptr + pid * 2 + 1)
-    bit = j * b3
-    p = o3 + (bit >> 3)
-    w = tl.load(stream_ptr + p, mask=esc2, other=0).to(tl.int32) | (
-        tl.load(stream_ptr + p + 1, mask=esc2, other=0).to(tl.int32) << 8)
-    v3 = (w >> (bit & 7)) & ((1 << b3) - 1)
-    r = tl.where(esc2, k1 + k2 + v3, r)
-    sym = tl.load(order_ptr + c * 256 + r).to(tl.int32)
     m = tl.load(mant_ptr + g, mask=g < n, other=0).to(tl.int32)
     x = (sym << 8) | m
     x = (x >> 1) | ((x & 1) << 15)
@@ -252,14 +208,11 @@ def _levels_decode_rows_kernel(stream_ptr, meta_ptr, bases_ptr, order_ptr, mant_
 
 def decode(enc: dict[str, Any], mant: torch.Tensor, out: torch.Tensor, warps: int, mode: int = 3,
            e: torch.Tensor | None = None) -> None:
+    """``mode`` 3: decode; 4: decode with the row-wise escape counts; 0-2: the ablations."""
     blocks = enc["bases"].numel() // 2
-    if mode == 4:  # the row-wise prefix counts
-        _levels_decode_rows_kernel[(blocks,)](enc["stream"], enc["meta"], enc["bases"], enc["order"], mant, out,
-                                              out.numel(), B=BLOCK, BPC=CHUNK // BLOCK, num_warps=warps)
-        return
     _levels_decode_kernel[(blocks,)](enc["stream"], enc["meta"], enc["bases"], enc["order"], mant, out, out.numel(),
-                                     e if e is not None else mant, B=BLOCK, BPC=CHUNK // BLOCK, MODE=mode,
-                                     num_warps=warps)
+                                     e if e is not None else mant, B=BLOCK, BPC=CHUNK // BLOCK, MODE=min(mode, 3),
+                                     ROWS=mode == 4, num_warps=warps)
 
 
 def main() -> int:

@@ -52,25 +52,31 @@ def _combos() -> torch.Tensor:
 
 
 @triton.jit
+def _ranks(x_ptr, n, rank_ptr, wid_ptr, c, g):
+    """The elements' bits after ``planes-rotl1``, their exponents' ranks, the chunk's widths, the
+    codes that escape on levels 1 and 2, and which elements escape from each."""
+    x = tl.load(x_ptr + g, mask=g < n, other=0).to(tl.int32) & 0xFFFF
+    r16 = ((x << 1) | (x >> 15)) & 0xFFFF
+    rk = tl.load(rank_ptr + c * 256 + (r16 >> 8))
+    b1 = tl.load(wid_ptr + c * 4)
+    b2 = tl.load(wid_ptr + c * 4 + 1)
+    b3 = tl.load(wid_ptr + c * 4 + 2)
+    nlev = tl.load(wid_ptr + c * 4 + 3)
+    k1 = tl.where(nlev > 1, (1 << b1) - 1, 1 << 20)
+    k2 = tl.where(nlev > 2, (1 << b2) - 1, 1 << 20)
+    esc1 = rk >= k1
+    return r16, rk, b1, b2, b3, k1, k2, esc1, esc1 & (rk - k1 >= k2)
+
+
+@triton.jit
 def _encode1_kernel(x_ptr, n, rank_ptr, wid_ptr, l1off_ptr, out_ptr, mant_ptr, cnt_ptr,
                     B: tl.constexpr, BPC: tl.constexpr):
     pid = tl.program_id(0)
     c = pid // BPC
     blk = pid % BPC
-    i = tl.arange(0, B)
-    g = pid.to(tl.int64) * B + i
-    valid = g < n
-    x = tl.load(x_ptr + g, mask=valid, other=0).to(tl.int32) & 0xFFFF
-    r16 = ((x << 1) | (x >> 15)) & 0xFFFF
-    tl.store(mant_ptr + g, (r16 & 0xFF).to(tl.uint8), mask=valid)
-    rk = tl.load(rank_ptr + c * 256 + (r16 >> 8))
-    b1 = tl.load(wid_ptr + c * 4)
-    b2 = tl.load(wid_ptr + c * 4 + 1)
-    nlev = tl.load(wid_ptr + c * 4 + 3)
-    k1 = tl.where(nlev > 1, (1 << b1) - 1, 1 << 20)
-    k2 = tl.where(nlev > 2, (1 << b2) - 1, 1 << 20)
-    esc1 = rk >= k1
-    esc2 = esc1 & (rk - k1 >= k2)
+    g = pid.to(tl.int64) * B + tl.arange(0, B)
+    r16, rk, b1, b2, b3, k1, k2, esc1, esc2 = _ranks(x_ptr, n, rank_ptr, wid_ptr, c, g)
+    tl.store(mant_ptr + g, (r16 & 0xFF).to(tl.uint8), mask=g < n)
     v1 = tl.where(esc1, k1, rk).to(tl.int64)
     # 8 codes of b1 bits are b1 whole bytes
     sh = tl.arange(0, 8)[None, :].to(tl.int64) * b1
@@ -104,19 +110,8 @@ def _encode2_kernel(x_ptr, n, rank_ptr, wid_ptr, base_ptr, l2off_ptr, l3off_ptr,
                     B: tl.constexpr, BPC: tl.constexpr):
     pid = tl.program_id(0)
     c = pid // BPC
-    i = tl.arange(0, B)
-    g = pid.to(tl.int64) * B + i
-    x = tl.load(x_ptr + g, mask=g < n, other=0).to(tl.int32) & 0xFFFF
-    r16 = ((x << 1) | (x >> 15)) & 0xFFFF
-    rk = tl.load(rank_ptr + c * 256 + (r16 >> 8))
-    b1 = tl.load(wid_ptr + c * 4)
-    b2 = tl.load(wid_ptr + c * 4 + 1)
-    b3 = tl.load(wid_ptr + c * 4 + 2)
-    nlev = tl.load(wid_ptr + c * 4 + 3)
-    k1 = tl.where(nlev > 1, (1 << b1) - 1, 1 << 20)
-    k2 = tl.where(nlev > 2, (1 << b2) - 1, 1 << 20)
-    esc1 = rk >= k1
-    esc2 = esc1 & (rk - k1 >= k2)
+    g = pid.to(tl.int64) * B + tl.arange(0, B)
+    r16, rk, b1, b2, b3, k1, k2, esc1, esc2 = _ranks(x_ptr, n, rank_ptr, wid_ptr, c, g)
     j = tl.cumsum(esc1.to(tl.int32), 0) - 1 + tl.load(base_ptr + pid * 2)
     _or_bits(words_ptr, tl.load(l2off_ptr + c) * 8 + j.to(tl.int64) * b2, tl.where(esc2, k2, rk - k1), b2, esc1)
     j = tl.cumsum(esc2.to(tl.int32), 0) - 1 + tl.load(base_ptr + pid * 2 + 1)
