@@ -12,7 +12,8 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/integrations PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton; from nvidia import nvcomp; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'nvcomp', getattr(nvcomp, '__version__', '?'))"
-  git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+  echo "git HEAD $(git rev-parse HEAD 2>/dev/null) (the device's .git may lag the tree it was sent)"
+  echo "source digest $(bash benchmarks/tree_digest.sh) (benchmarks/tree_digest.sh REV gives a commit's)"; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-470} python3 benchmarks/bench_chain.py --device cuda --profile fast \
   --layers 12 --d 768 --ctx 512 --batch 16 --steps ${BENCH_STEPS:-200} --every 10 --compare chain_xor,plain \

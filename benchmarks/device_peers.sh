@@ -41,7 +41,8 @@ phase "install"
   done
   echo "weed: ${S4W_WEED:-none} $([ -n "${S4W_WEED:-}" ] && "$S4W_WEED" version 2>&1 | head -1)"
   echo "nproc $(nproc); $(free -g | awk '/Mem:/{print $2" GB RAM"}'); disk $(df -h "${BENCH_DIR:-/tmp}" | awk 'NR==2{print $4" free"}')"
-  git rev-parse HEAD 2>/dev/null; } > "$OUT/env.txt" 2>&1
+  echo "git HEAD $(git rev-parse HEAD 2>/dev/null) (the device's .git may lag the tree it was sent)"
+  echo "source digest $(bash benchmarks/tree_digest.sh) (benchmarks/tree_digest.sh REV gives a commit's)"; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 phase "env"
 
