@@ -13,8 +13,9 @@ see exactly the same sequence of states):
 * codec only (tensors in, compressed bytes out, and back; ``--repeats`` timed runs after one warm-up,
   median, device-synchronized wall clock): s4weights ``fast`` on the GPU
   (``s4w_core.gpu._encode.encode_tensors_device`` and :func:`_s4w_device_decode`), nvCOMP ANS
-  ``'<f2'``/``'<f4'`` alone (one batched call over all tensors), zstd-3 and ZipNN on the CPU (host
-  copies of the same tensors), s4weights ``portable`` on the CPU (``--cpu`` mode);
+  ``'<f2'``/``'<f4'`` alone (one batched call over all tensors), cuZipNN (ZipNN on the GPU, one call
+  per tensor, to a CPU blob and back), zstd-3 and ZipNN on the CPU (host copies of the same
+  tensors), s4weights ``portable`` on the CPU (``--cpu`` mode);
 * end to end, ``--saves`` saves in a row (one optimizer step between them, so deltas are real), then
   a load of the last save onto the training device, checked bit for bit against the live state:
   ``torch.save``, DCP ``save`` / ``async_save`` (also with DCP's ZStandard extension),
@@ -96,6 +97,7 @@ MiB = 1 << 20
 CODEC_PEERS = {
     "s4w_fast": "s4w fast codec",
     "nvcomp_ans": "nvCOMP ANS alone",
+    "cuzipnn": "cuZipNN (ZipNN on the GPU)",
     "s4w_cpu": "s4w portable codec",
     "s4w_cpu_1t": "s4w portable codec, 1 thread",
     "zipnn": "ZipNN",
@@ -124,12 +126,13 @@ S3_PEERS = {
     "dcp_s3": "DCP + s3torchconnector S3StorageWriter",
     "s4w_dcp_s3": "DCP + S4StorageWriter('s3://...')",
 }
-GPU_ONLY = {"s4w_fast", "nvcomp_ans"}
+GPU_ONLY = {"s4w_fast", "nvcomp_ans", "cuzipnn"}
 CPU_MODE_ONLY = {"s4w_cpu", "s4w_cpu_1t", "zipnn_1t", "zstd_1t"}
 #: table rows: (row label, codec or local peer, S3 peer of the same framework path)
 ROWS: list[tuple[str, str | None, str | None]] = [
     ("s4w fast codec", "s4w_fast", None),
     ("nvCOMP ANS alone", "nvcomp_ans", None),
+    ("cuZipNN (ZipNN on the GPU)", "cuzipnn", None),
     ("s4w portable codec", "s4w_cpu", None),
     ("s4w portable codec, 1 thread", "s4w_cpu_1t", None),
     ("ZipNN", "zipnn", None),
@@ -153,6 +156,7 @@ ROWS: list[tuple[str, str | None, str | None]] = [
 ORDER = [
     "s4w_fast",
     "nvcomp_ans",
+    "cuzipnn",
     "s4w_cpu_1t",
     "zipnn_1t",
     "zstd_1t",
@@ -592,6 +596,74 @@ def codec_nvcomp_ans(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
     }
 
 
+def _import_cuzipnn() -> tuple[Any, str | None]:
+    """cuZipNN binds nvCOMP 5's C API (it declares ``nvidia-libnvcomp-cu13<6``), through
+    ``nvidia.libnvcomp.load_library()`` at import; s4weights needs nvCOMP 6 from the same package.
+    ``S4W_PEER_NVCOMP5`` names a ``libnvcomp.so.5`` to hand it instead, so that both run in this one
+    process (different sonames, each bound through its own handle). Returns the module and the
+    nvCOMP it runs on."""
+    import ctypes
+
+    lib5 = os.environ.get("S4W_PEER_NVCOMP5")
+    if not lib5:
+        import cuzipnn
+
+        return cuzipnn, _dist_version("nvidia-libnvcomp-cu13", "nvidia-libnvcomp-cu12")
+    import nvidia.libnvcomp as pkg
+
+    orig = pkg.load_library
+    pkg.load_library = lambda *a, **k: ctypes.CDLL(lib5)  # type: ignore[assignment]
+    try:
+        import cuzipnn
+    finally:
+        pkg.load_library = orig  # type: ignore[assignment]
+    return cuzipnn, f"{os.path.basename(lib5)} (S4W_PEER_NVCOMP5)"
+
+
+def codec_cuzipnn(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
+    """cuZipNN (``pip install cuzipnn``): ZipNN's byte grouping in Triton and nvCOMP ANS, one call per
+    tensor with its defaults. Its blob is a CPU tensor, so both directions include the PCIe copy
+    (the s4w and nvCOMP rows stop on the GPU). n/a where it cannot import: without nvCOMP 5
+    (:func:`_import_cuzipnn`) its binding fails on a symbol nvCOMP 6 renamed."""
+    if ctx.dev.type != "cuda":
+        raise NotAvailable("needs a CUDA GPU")
+    try:
+        cuzipnn, nvcomp_used = _import_cuzipnn()
+    except Exception as e:  # noqa: BLE001 - ImportError, or its nvCOMP binding failed
+        raise NotAvailable(f"cuzipnn not importable ({type(e).__name__}: {e})") from e
+    tl = ctx.tensors()
+    raw = sum(t.numel() * t.element_size() for t in tl)
+
+    def enc() -> list[torch.Tensor]:
+        return [cuzipnn.compress_tensor(t) for t in tl]
+
+    def dec(blobs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [cuzipnn.decompress_tensor(b, device=ctx.dev) for b in blobs]
+
+    with mem.window():  # warm-up (Triton compiles), memory measured here
+        blobs = enc()
+    with mem.window():
+        back = dec(blobs)
+    exact = all(b.dtype == t.dtype and b.shape == t.shape and torch.equal(_bytes(b), _bytes(t)) for b, t in zip(back, tl))
+    del back
+    t_enc = _median_time(enc, ctx.args.repeats, ctx.dev)
+    t_dec = _median_time(lambda: dec(blobs), ctx.args.repeats, ctx.dev)
+    stored = sum(b.numel() for b in blobs)
+    return {
+        "runs_on": "GPU (to a CPU blob)",
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "ratio": raw / stored,
+        "enc_GBps": raw / t_enc / GB,
+        "dec_GBps": raw / t_dec / GB,
+        "bit_exact": exact,
+        "version": _dist_version("cuzipnn"),
+        "nvcomp_loaded": nvcomp_used,
+        "timing": "cuzipnn.compress_tensor / decompress_tensor, one call per tensor, defaults; GPU tensor to a "
+        "CPU blob and back, so both directions include the PCIe copy; synchronized wall clock",
+    }
+
+
 def _host_tensors(ctx: Ctx) -> list[torch.Tensor]:
     return [t.detach().to("cpu", copy=True).contiguous() for t in ctx.tensors()]
 
@@ -724,6 +796,7 @@ def codec_s4w_cpu(ctx: Ctx, mem: MemWatch, threads: int) -> dict[str, Any]:
 CODEC_FUNCS: dict[str, Callable[[Ctx, MemWatch], dict[str, Any]]] = {
     "s4w_fast": codec_s4w_fast,
     "nvcomp_ans": codec_nvcomp_ans,
+    "cuzipnn": codec_cuzipnn,
     "zstd": lambda c, m: codec_zstd(c, m, c.threads),
     "zstd_1t": lambda c, m: codec_zstd(c, m, 1),
     "zipnn": lambda c, m: codec_zipnn(c, m, c.threads),
@@ -1744,6 +1817,7 @@ def _versions(dev: torch.device) -> dict[str, Any]:
         "triton": _dist_version("triton"),
         "nvcomp": _dist_version("nvidia-nvcomp-cu13", "nvidia-nvcomp-cu12", "nvidia-nvcomp"),
         "zipnn": _dist_version("zipnn"),
+        "cuzipnn": _dist_version("cuzipnn"),
         "zstandard": _dist_version("zstandard"),
         "s3torchconnector": _dist_version("s3torchconnector"),
         "psutil": _dist_version("psutil"),

@@ -6,9 +6,10 @@
 # Usage: bash benchmarks/device_peers.sh DIR [extra bench_peers.py args...]
 #   DIR: carried wheels (*.whl: installed with --no-deps into /tmp/site) and optionally weed.xz
 #        (SeaweedFS's `weed` binary, xz-compressed; without it the S3 peers are n/a unless `weed`
-#        is on PATH or S4W_WEED names it).
+#        is on PATH or S4W_WEED names it) and libnvcomp.so.5.xz (nvCOMP 5's library from
+#        nvidia-libnvcomp-cu13 5.x, for the cuZipNN peer, which binds nvCOMP 5's C API).
 #   Wheels the peers need beyond torch/triton/nvCOMP: s3torchconnector + s3torchconnectorclient,
-#   tenacity (s3torchconnector.dcp), zipnn, zstandard, boto3 + botocore + s3transfer + jmespath
+#   tenacity (s3torchconnector.dcp), zipnn, cuzipnn, zstandard, boto3 + botocore + s3transfer + jmespath
 #   (the SeaweedFS helper), psutil (optional: host RSS; /proc is read without it), xxhash.
 # Knobs (environment): MODEL (medium: 303 M params, 1.8 GB bf16 / 3.6 GB fp32 state), STEPS (300),
 #   SAVES (3), REPEATS (3), BUDGET_S (380: peers still queued after it are reported n/a; the run is
@@ -31,6 +32,9 @@ if [ -f "$DIR/weed.xz" ]; then
   xz -dc "$DIR/weed.xz" > /tmp/weed && chmod +x /tmp/weed && export S4W_WEED=/tmp/weed
 fi
 if [ -z "${S4W_WEED:-}" ] && command -v weed >/dev/null 2>&1; then export S4W_WEED=$(command -v weed); fi
+if [ -f "$DIR/libnvcomp.so.5.xz" ]; then  # nvCOMP 5 for the cuZipNN peer (bench_peers._import_cuzipnn)
+  xz -dc "$DIR/libnvcomp.so.5.xz" > /tmp/libnvcomp.so.5 && export S4W_PEER_NVCOMP5=/tmp/libnvcomp.so.5
+fi
 phase "install"
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
