@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -87,7 +88,9 @@ def reference(tmp_path_factory):
     return _state(tr)
 
 
-def test_save_restore_resume_bit_exact(tmp_path, reference):
+def test_save_restore_resume_bit_exact(tmp_path, reference, monkeypatch):
+    # restore_checkpoint's default folder is a new temporary directory: made under tmp_path here
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cb = S4Callback()
     _trainer(tmp_path / "out", 9, [cb, StopAt(6)]).train()
     st = CheckpointStore(str(tmp_path / "out" / ".s4w"))
@@ -102,7 +105,9 @@ def test_save_restore_resume_bit_exact(tmp_path, reference):
     shutil.rmtree(tmp_path / "out" / "checkpoint-3")
     shutil.rmtree(tmp_path / "out" / "checkpoint-6")
     tr = _trainer(tmp_path / "resumed", 9, save_steps=100)
-    tr.train(resume_from_checkpoint=restore_checkpoint(tmp_path / "out" / ".s4w", step=3))
+    restored = restore_checkpoint(tmp_path / "out" / ".s4w", step=3)
+    assert os.path.dirname(os.path.dirname(restored)) == str(tmp_path)  # the default: a new temporary folder
+    tr.train(resume_from_checkpoint=restored)
     assert tr.state.global_step == 9
     assert not diff(_state(tr), reference)
 
