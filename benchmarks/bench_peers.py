@@ -370,6 +370,13 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _codec_result(runs_on: str, raw: int, stored: int, t_enc: float, t_dec: float, exact: bool,
+                  **extra: Any) -> dict[str, Any]:
+    """A codec row: ratio and GB/s of raw bytes from the timings (seconds), plus ``extra``."""
+    return {"runs_on": runs_on, "raw_bytes": raw, "stored_bytes": stored, "ratio": raw / stored,
+            "enc_GBps": raw / t_enc / GB, "dec_GBps": raw / t_dec / GB, "bit_exact": exact, **extra}
+
+
 def _median_time(fn: Callable[[], Any], repeats: int, dev: torch.device) -> float:
     ts = []
     for _ in range(repeats):
@@ -506,19 +513,13 @@ def codec_s4w_fast(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
     del prep
     t_enc = _median_time(lambda: _encode.encode_tensors_device(tl, "fast"), ctx.args.repeats, ctx.dev)
     t_dec = _median_time(lambda: _s4w_device_decode(enc, plan, outs), ctx.args.repeats, ctx.dev)
-    return {
-        "runs_on": "GPU",
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "ratio": raw / stored,
-        "enc_GBps": raw / t_prep / GB,
-        "enc_GBps_one_call": raw / t_enc / GB,
-        "dec_GBps": raw / t_dec / GB,
-        "bit_exact": exact,
-        "chunks": len(enc.owner),
-        "timing": "synchronized wall clock, tensors on the GPU -> coded buffer on the GPU and back; encode and "
+    return _codec_result(
+        "GPU", raw, stored, t_prep, t_dec, exact,
+        enc_GBps_one_call=raw / t_enc / GB,
+        chunks=len(enc.owner),
+        timing="synchronized wall clock, tensors on the GPU -> coded buffer on the GPU and back; encode and "
         "decode with their plans prepared once (enc_GBps_one_call: the encode's plan built in each call)",
-    }
+    )
 
 
 def codec_nvcomp_ans(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
@@ -649,19 +650,13 @@ def codec_cuzipnn(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
     t_enc = _median_time(enc, ctx.args.repeats, ctx.dev)
     t_dec = _median_time(lambda: dec(blobs), ctx.args.repeats, ctx.dev)
     stored = sum(b.numel() for b in blobs)
-    return {
-        "runs_on": "GPU (to a CPU blob)",
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "ratio": raw / stored,
-        "enc_GBps": raw / t_enc / GB,
-        "dec_GBps": raw / t_dec / GB,
-        "bit_exact": exact,
-        "version": _dist_version("cuzipnn"),
-        "nvcomp_loaded": nvcomp_used,
-        "timing": "cuzipnn.compress_tensor / decompress_tensor, one call per tensor, defaults; GPU tensor to a "
+    return _codec_result(
+        "GPU (to a CPU blob)", raw, stored, t_enc, t_dec, exact,
+        version=_dist_version("cuzipnn"),
+        nvcomp_loaded=nvcomp_used,
+        timing="cuzipnn.compress_tensor / decompress_tensor, one call per tensor, defaults; GPU tensor to a "
         "CPU blob and back, so both directions include the PCIe copy; synchronized wall clock",
-    }
+    )
 
 
 def _host_tensors(ctx: Ctx) -> list[torch.Tensor]:
