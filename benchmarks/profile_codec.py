@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -171,8 +172,13 @@ def run_s4w(
             del os.environ["S4W_MERGE_IN_PLACE"]
         ids = enc.codec_ids
         host = nvcomp_host_cost(enc, dev)
+        width = np.array([t.element_size() for t in tl], dtype=np.int64)[enc.owner_ji]
+        later = enc.coded & (enc.owner_ci % width != 0)  # coded chunks of planes after the first
         return {
             "segment_elems": seg,
+            "probe_min_gain": _encode.PROBE_MIN_GAIN,
+            "later_planes_coded": int(later.sum()),
+            "later_planes_coded_stored_bytes": int(enc.out_len[later].sum()),
             "ratio": raw / enc.stored_bytes,
             "chunks": len(ids),
             "ans_chunks": sum(1 for c in ids if c != "raw"),
@@ -258,6 +264,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--variants", default="bf16")
     ap.add_argument("--segments", default="524288")
+    ap.add_argument("--gates", default=None,
+                    help="comma list of PROBE_MIN_GAIN values to run at (the saving a later-plane chunk's sample must "
+                    "promise to be sent to ANS); default: the shipped value")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cprofile", action="store_true", help="also print a cProfile of the host work per direction")
     ap.add_argument("--out", default=None)
@@ -274,12 +283,19 @@ def main() -> int:
         raw = sum(t.numel() * t.element_size() for t in tl)
         v: dict[str, Any] = {"tensors": len(tl), "raw_bytes": raw, "ans_alone": run_ans(tl, a.repeats, dev), "s4w": []}
         print(f"[{variant}] {len(tl)} tensors, {raw / GB:.3f} GB; ANS alone {json.dumps(v['ans_alone'])}", flush=True)
-        for seg in (int(x) for x in a.segments.split(",")):
-            r = run_s4w(tl, seg, a.repeats, dev, a.cprofile)
+        shipped_gate = _encode.PROBE_MIN_GAIN
+        gates = [float(x) for x in a.gates.split(",")] if a.gates else [shipped_gate]
+        for gate, seg in ((g, int(x)) for g in gates for x in a.segments.split(",")):
+            _encode.PROBE_MIN_GAIN = gate
+            try:
+                r = run_s4w(tl, seg, a.repeats, dev, a.cprofile)
+            finally:
+                _encode.PROBE_MIN_GAIN = shipped_gate
             v["s4w"].append(r)
-            print(f"[{variant}] seg {seg}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s dec {r['dec_GBps']:.1f} GB/s "
-                  f"exact {r['bit_exact']} (dec with raw chunks placed first: {r['dec_ms_raw_placed_first']} ms "
-                  f"against {r['dec_ms']} ms)", flush=True)
+            print(f"[{variant}] seg {seg} gate {gate}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s "
+                  f"dec {r['dec_GBps']:.1f} GB/s exact {r['bit_exact']} (dec with raw chunks placed first: "
+                  f"{r['dec_ms_raw_placed_first']} ms against {r['dec_ms']} ms); later-plane chunks coded "
+                  f"{r['later_planes_coded']} ({r['later_planes_coded_stored_bytes'] / 1e6:.1f} MB stored)", flush=True)
             if r["enc_prepared_GBps"]:
                 print(f"   enc with the plan prepared once: {r['enc_prepared_GBps']:.1f} GB/s ({r['enc_prepared_ms']} ms); "
                       f"timeline (host ms, GPU ms): {r['enc_prepared_timeline_ms']}; GPU sum "

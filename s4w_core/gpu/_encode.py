@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -580,6 +581,23 @@ PROBE_BYTES = 4096
 #: the probe sends a chunk other than a first (exponent) plane's to the coder only if its sample's
 #: order-0 entropy promises at least this saving; first planes are always coded.
 PROBE_MIN_GAIN = 0.01
+
+
+def probe_min_gain() -> float:
+    """The saving a later plane's chunk must promise to be coded: ``S4W_PROBE_MIN_GAIN`` (0 to 1)
+    or :data:`PROBE_MIN_GAIN`. 1 stores every later-plane chunk raw: the encode and decode skip
+    nvCOMP on the mantissa planes, for less ratio (docs/PERFORMANCE.md, "Knobs")."""
+    env = os.environ.get("S4W_PROBE_MIN_GAIN")
+    if env is None or env == "":
+        return PROBE_MIN_GAIN
+    try:
+        gain = float(env)
+    except ValueError:
+        gain = -1.0
+    if not 0.0 <= gain <= 1.0:
+        raise ValueError(f"S4W_PROBE_MIN_GAIN={env!r}: expected a number from 0 to 1")
+    return gain
+
 #: columns of a batch's chunk table (int64, one entry per chunk each; one upload): the first five
 #: are nvCOMP's batched-compression arguments (input address, bytes handed to the coder -- the
 #: probe zeroes those of chunks it skips --, output address, output size, int32 status).
@@ -777,7 +795,7 @@ class EncodePlan:
         #    the coder of each chunk whose sample looks near random (it is then stored raw)
         if self.prof.probe:
             probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], PROBE_BYTES,
-                       8.0 * (1.0 - PROBE_MIN_GAIN))
+                       8.0 * (1.0 - probe_min_gain()))
         _mark("probe", dev)
         if isinstance(self.coder, _nvcomp._AnsC):  # noqa: SLF001 - sizes and statuses stay on the device
             self.coder.encode_cols(cols["in_ptr"], cols["gate"], cols["out_ptr"], cols["size"], cols["status"],

@@ -44,3 +44,19 @@ def test_host_layout_skips_dead_slots_and_keeps_every_chunk() -> None:
 def test_host_layout_one_run_for_adjacent_chunks() -> None:
     runs, hoff = _enc([256, 0, 1000], [700, 256, 24]).host_layout()
     assert runs == [(0, 1024, 0)] and hoff.tolist() == [256, 0, 1000]
+
+
+def test_probe_min_gain_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``S4W_PROBE_MIN_GAIN`` sets the probe's gate for later planes (1: every sampled later-plane
+    chunk stays raw); anything but a number from 0 to 1 is refused, naming the variable."""
+    from s4w_core.gpu._encode import PROBE_MIN_GAIN, probe_min_gain
+
+    monkeypatch.delenv("S4W_PROBE_MIN_GAIN", raising=False)
+    assert probe_min_gain() == PROBE_MIN_GAIN
+    for value, want in (("1", 1.0), ("0.05", 0.05), ("0", 0.0), ("", PROBE_MIN_GAIN)):
+        monkeypatch.setenv("S4W_PROBE_MIN_GAIN", value)
+        assert probe_min_gain() == want
+    for bad in ("x", "-0.1", "1.5", "nan"):
+        monkeypatch.setenv("S4W_PROBE_MIN_GAIN", bad)
+        with pytest.raises(ValueError, match="S4W_PROBE_MIN_GAIN"):
+            probe_min_gain()
