@@ -176,7 +176,7 @@ def run_s4w(
         later = enc.coded & (enc.owner_ci % width != 0)  # coded chunks of planes after the first
         return {
             "segment_elems": seg,
-            "probe_min_gain": _encode.PROBE_MIN_GAIN,
+            "probe_min_gain": _encode.probe_min_gain(),  # S4W_PROBE_MIN_GAIN, else the module's value
             "later_planes_coded": int(later.sum()),
             "later_planes_coded_stored_bytes": int(enc.out_len[later].sum()),
             "ratio": raw / enc.stored_bytes,
@@ -292,7 +292,7 @@ def main() -> int:
             finally:
                 _encode.PROBE_MIN_GAIN = shipped_gate
             v["s4w"].append(r)
-            print(f"[{variant}] seg {seg} gate {gate}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s "
+            print(f"[{variant}] seg {seg} gate {r['probe_min_gain']}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s "
                   f"dec {r['dec_GBps']:.1f} GB/s exact {r['bit_exact']} (dec with raw chunks placed first: "
                   f"{r['dec_ms_raw_placed_first']} ms against {r['dec_ms']} ms); later-plane chunks coded "
                   f"{r['later_planes_coded']} ({r['later_planes_coded_stored_bytes'] / 1e6:.1f} MB stored)", flush=True)
