@@ -581,20 +581,14 @@ def codec_nvcomp_ans(ctx: Ctx, mem: MemWatch) -> dict[str, Any]:
         ev_enc = event_time(lambda: codec.encode(srcs, compression_config=cc), s, ctx.args.repeats, warmup=0)
         ev_dec = event_time(lambda: codec.decode(enc, out=outs, decompression_config=dc), s, ctx.args.repeats, warmup=0)
     raw = sum(sizes)
-    return {
-        "runs_on": "GPU",
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "ratio": raw / stored,
-        "enc_GBps": raw / t_enc / GB,
-        "dec_GBps": raw / t_dec / GB,
-        "enc_GBps_events": raw / ev_enc / GB,
-        "dec_GBps_events": raw / ev_dec / GB,
-        "bit_exact": exact,
-        "data_type": dt_str,
-        "timing": "one batched call over all tensors (NATIVE bitstream, default 64 KiB chunks); "
+    return _codec_result(
+        "GPU", raw, stored, t_enc, t_dec, exact,
+        enc_GBps_events=raw / ev_enc / GB,
+        dec_GBps_events=raw / ev_dec / GB,
+        data_type=dt_str,
+        timing="one batched call over all tensors (NATIVE bitstream, default 64 KiB chunks); "
         "synchronized wall clock (enc/dec_GBps, same rule as s4w) and CUDA events (…_events)",
-    }
+    )
 
 
 def _import_cuzipnn() -> tuple[Any, str | None]:
@@ -691,18 +685,12 @@ def codec_zstd(ctx: Ctx, mem: MemWatch, threads: int) -> dict[str, Any]:
     finally:
         pool.shutdown()
     stored = sum(map(len, comp))
-    return {
-        "runs_on": f"CPU, {threads} thr",
-        "threads": threads,
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "ratio": raw / stored,
-        "enc_GBps": raw / t_enc / GB,
-        "dec_GBps": raw / t_dec / GB,
-        "bit_exact": exact,
-        "version": zstandard.__version__,
-        "timing": "host copies of the tensors; level 3, one frame per tensor, a pool of `threads` threads",
-    }
+    return _codec_result(
+        f"CPU, {threads} thr", raw, stored, t_enc, t_dec, exact,
+        threads=threads,
+        version=zstandard.__version__,
+        timing="host copies of the tensors; level 3, one frame per tensor, a pool of `threads` threads",
+    )
 
 
 def codec_zipnn(ctx: Ctx, mem: MemWatch, threads: int) -> dict[str, Any]:
@@ -743,18 +731,12 @@ def codec_zipnn(ctx: Ctx, mem: MemWatch, threads: int) -> dict[str, Any]:
     t_enc = statistics.median(ts)
     t_dec = _median_time(lambda: dec(comp), ctx.args.repeats, torch.device("cpu"))
     stored = sum(map(len, comp))
-    return {
-        "runs_on": f"CPU, {threads} thr",
-        "threads": threads,
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "ratio": raw / stored,
-        "enc_GBps": raw / t_enc / GB,
-        "dec_GBps": raw / t_dec / GB,
-        "bit_exact": exact,
-        "version": _dist_version("zipnn"),
-        "timing": "host copies of the tensors; input_format='torch', one call per tensor, ZipNN's own threads",
-    }
+    return _codec_result(
+        f"CPU, {threads} thr", raw, stored, t_enc, t_dec, exact,
+        threads=threads,
+        version=_dist_version("zipnn"),
+        timing="host copies of the tensors; input_format='torch', one call per tensor, ZipNN's own threads",
+    )
 
 
 def codec_s4w_cpu(ctx: Ctx, mem: MemWatch, threads: int) -> dict[str, Any]:
@@ -774,18 +756,12 @@ def codec_s4w_cpu(ctx: Ctx, mem: MemWatch, threads: int) -> dict[str, Any]:
         lambda: s4w_core.save(d, io.BytesIO(), profile="portable", threads=threads), ctx.args.repeats, cpu
     )
     t_dec = _median_time(lambda: s4w_core.load(data, map_location="cpu", threads=threads), ctx.args.repeats, cpu)
-    return {
-        "runs_on": f"CPU, {threads} thr",
-        "threads": threads,
-        "raw_bytes": raw,
-        "stored_bytes": rep.stored_bytes,
-        "file_bytes": len(data),
-        "ratio": raw / rep.stored_bytes,
-        "enc_GBps": raw / t_enc / GB,
-        "dec_GBps": raw / t_dec / GB,
-        "bit_exact": exact,
-        "timing": "s4w_core.save / load, profile 'portable', into / out of memory (container, checksums included)",
-    }
+    return _codec_result(
+        f"CPU, {threads} thr", raw, rep.stored_bytes, t_enc, t_dec, exact,
+        threads=threads,
+        file_bytes=len(data),
+        timing="s4w_core.save / load, profile 'portable', into / out of memory (container, checksums included)",
+    )
 
 
 CODEC_FUNCS: dict[str, Callable[[Ctx, MemWatch], dict[str, Any]]] = {

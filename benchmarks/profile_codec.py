@@ -271,6 +271,8 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true", help="also print a cProfile of the host work per direction")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.gates and os.environ.get("S4W_PROBE_MIN_GAIN"):
+        ap.error("--gates sets the gate itself: unset S4W_PROBE_MIN_GAIN (it would override every value)")
     dev = torch.device("cuda")
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "variants": {}}
     for variant in a.variants.split(","):

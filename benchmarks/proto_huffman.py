@@ -33,9 +33,7 @@ import argparse
 import heapq
 import json
 import os
-import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -209,15 +207,11 @@ def decode(enc: dict[str, Any], mant: torch.Tensor, out: torch.Tensor, S: int, L
 
 # ----------------------------------------------------------------------------- the measurement
 def wall_ms(fn: Any, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    """``profile_codec.wall`` (one warm-up, then the median of ``repeats`` synchronized wall-clock
+    runs on the GPU), in milliseconds."""
+    import profile_codec
+
+    return profile_codec.wall(fn, repeats, torch.device("cuda")) * 1e3
 
 
 def bench_state(model: str, steps: int, elements: int, dev: torch.device) -> dict[str, Any]:

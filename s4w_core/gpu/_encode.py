@@ -585,8 +585,9 @@ PROBE_MIN_GAIN = 0.01
 
 def probe_min_gain() -> float:
     """The saving a later plane's chunk must promise to be coded: ``S4W_PROBE_MIN_GAIN`` (0 to 1)
-    or :data:`PROBE_MIN_GAIN`. 1 stores every later-plane chunk raw: the encode and decode skip
-    nvCOMP on the mantissa planes, for less ratio (docs/PERFORMANCE.md, "Knobs")."""
+    or :data:`PROBE_MIN_GAIN`. 1 stores raw every later-plane chunk the probe samples (those of at
+    least :data:`PROBE_BYTES`): the encode and decode skip nvCOMP on the mantissa planes, for less
+    ratio (docs/PERFORMANCE.md, "Knobs")."""
     env = os.environ.get("S4W_PROBE_MIN_GAIN")
     if env is None or env == "":
         return PROBE_MIN_GAIN
