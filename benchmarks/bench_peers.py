@@ -441,6 +441,7 @@ def _s4w_decode_plan(enc: Any, tensors: list[torch.Tensor], profile: str = "fast
     for k, t in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
         transform, w = engine.transform_for(t.dtype, nbytes)
+        transform = getattr(enc, "transforms", {}).get(k, transform)  # the layout the encoder chose
         entries.append(
             {
                 "path": f"t{k}",

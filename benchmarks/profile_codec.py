@@ -178,6 +178,8 @@ def run_s4w(
             "segment_elems": seg,
             "probe_min_gain": _encode.probe_min_gain(),  # S4W_PROBE_MIN_GAIN, else the module's value
             "later_planes_coded": int(later.sum()),
+            # storages the layout probe wrote with ``planes`` (no rotation; absent from older trees)
+            "planes_storages": sum(1 for v in getattr(enc, "transforms", {}).values() if v == "planes"),
             "later_planes_coded_stored_bytes": int(enc.out_len[later].sum()),
             "ratio": raw / enc.stored_bytes,
             "chunks": len(ids),
@@ -258,6 +260,48 @@ def run_ans(tl: list[torch.Tensor], repeats: int, dev: torch.device) -> dict[str
             "enc_GBps": raw / te / GB, "dec_GBps": raw / td / GB}
 
 
+def later_curve(tl: list[torch.Tensor], labels: list[str]) -> dict[str, Any]:
+    """What the later planes' chunks (the mantissa bytes) are worth: every such chunk the probe
+    samples coded (gate 0) against none coded (gate 1), chunk by chunk. Returns, for thresholds of
+    the saving actually reached, the raw bytes an oracle selector would send to ANS and the bytes it
+    would save, and the saving per tensor group (``labels``: one per tensor)."""
+    shipped = _encode.PROBE_MIN_GAIN
+    try:
+        _encode.PROBE_MIN_GAIN = 0.0
+        every = _encode.encode_tensors_device(tl, "fast")
+        _encode.PROBE_MIN_GAIN = 1.0
+        none = _encode.encode_tensors_device(tl, "fast")
+    finally:
+        _encode.PROBE_MIN_GAIN = shipped
+    width = np.array([t.element_size() for t in tl], dtype=np.int64)[none.owner_ji]
+    sampled = (none.owner_ci % width != 0) & ~none.coded  # later-plane chunks the gate left raw
+    raw = none.out_len[sampled].astype(np.int64)
+    saved = np.where(every.coded[sampled], raw - every.out_len[sampled], 0)
+    frac = saved / np.maximum(raw, 1)
+    rows = []
+    for thr in (0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.12, 0.1, 0.05, 0.02, 0.0):
+        m = (frac >= thr) & (saved > 0)
+        rows.append({"min_saving": thr, "chunks": int(m.sum()), "raw_MB": round(float(raw[m].sum()) / 1e6, 1),
+                     "saved_MB": round(float(saved[m].sum()) / 1e6, 1)})
+    groups: dict[str, list[float]] = {}
+    owners = none.owner_ji[sampled]
+    for lab in sorted(set(labels)):
+        m = np.array([labels[j] == lab for j in owners], dtype=bool)
+        groups[lab] = [round(float(raw[m].sum()) / 1e6, 1), round(float(saved[m].sum()) / 1e6, 1)]
+    return {"later_chunks": int(sampled.sum()), "raw_MB": round(float(raw.sum()) / 1e6, 1),
+            "saved_MB": round(float(saved.sum()) / 1e6, 1), "by_saving": rows, "by_group_raw_saved_MB": groups}
+
+
+def _labels(tr: Any) -> list[str]:
+    """A group name per tensor of ``tr._live()``, in its order: weights, then each optimizer-state key."""
+    params = list(tr.model.parameters())
+    out = ["weights"] * len(params)
+    for p in params:
+        st = tr.opt.state.get(p, {})
+        out.extend(k for k, v in sorted(st.items()) if isinstance(v, torch.Tensor))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="medium")
@@ -268,6 +312,8 @@ def main() -> int:
                     help="comma list of PROBE_MIN_GAIN values to run at (the saving a later-plane chunk's sample must "
                     "promise to be sent to ANS); default: the shipped value")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--later-curve", action="store_true",
+                    help="also print what the later planes' chunks save, chunk by chunk, against the saving reached")
     ap.add_argument("--cprofile", action="store_true", help="also print a cProfile of the host work per direction")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -281,10 +327,15 @@ def main() -> int:
         for _ in range(a.steps):
             tr.step()
         torch.cuda.synchronize(dev)
-        tl = [t for t in tr._live() if t.is_floating_point() and t.numel() > 0 and t.is_cuda]
+        keep = [t.is_floating_point() and t.numel() > 0 and t.is_cuda for t in tr._live()]
+        tl = [t for t, k in zip(tr._live(), keep) if k]
+        labels = [lab for lab, k in zip(_labels(tr), keep) if k]
         raw = sum(t.numel() * t.element_size() for t in tl)
         v: dict[str, Any] = {"tensors": len(tl), "raw_bytes": raw, "ans_alone": run_ans(tl, a.repeats, dev), "s4w": []}
         print(f"[{variant}] {len(tl)} tensors, {raw / GB:.3f} GB; ANS alone {json.dumps(v['ans_alone'])}", flush=True)
+        if a.later_curve:
+            v["later_curve"] = later_curve(tl, labels)
+            print(f"[{variant}] later planes, chunk by chunk:", json.dumps(v["later_curve"]), flush=True)
         shipped_gate = _encode.PROBE_MIN_GAIN
         gates = [float(x) for x in a.gates.split(",")] if a.gates else [shipped_gate]
         for gate, seg in ((g, int(x)) for g in gates for x in a.segments.split(",")):
@@ -297,7 +348,8 @@ def main() -> int:
             print(f"[{variant}] seg {seg} gate {r['probe_min_gain']}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s "
                   f"dec {r['dec_GBps']:.1f} GB/s exact {r['bit_exact']} (dec with raw chunks placed first: "
                   f"{r['dec_ms_raw_placed_first']} ms against {r['dec_ms']} ms); later-plane chunks coded "
-                  f"{r['later_planes_coded']} ({r['later_planes_coded_stored_bytes'] / 1e6:.1f} MB stored)", flush=True)
+                  f"{r['later_planes_coded']} ({r['later_planes_coded_stored_bytes'] / 1e6:.1f} MB stored); "
+                  f"{r['planes_storages']} of {len(tl)} storages in 'planes'", flush=True)
             if r["enc_prepared_GBps"]:
                 print(f"   enc with the plan prepared once: {r['enc_prepared_GBps']:.1f} GB/s ({r['enc_prepared_ms']} ms); "
                       f"timeline (host ms, GPU ms): {r['enc_prepared_timeline_ms']}; GPU sum "

@@ -168,6 +168,16 @@ def merge_planes(planes: list[bytes], n: int) -> bytes:
     return bytes(out)
 
 
+def merge_planes_plain(planes: list[bytes], n: int) -> bytes:
+    """Inverse of the ``planes`` split (FORMAT.md 4.5b, no rotation): plane j is big-endian byte j
+    of x, i.e. little-endian byte w-1-j of each element."""
+    w = len(planes)
+    out = bytearray(n * w)
+    for j in range(w):
+        out[w - 1 - j :: w] = planes[j]
+    return bytes(out)
+
+
 def xor_bytes(a: bytes, b: bytes) -> bytes:
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")
 
@@ -226,7 +236,7 @@ def parse(blob: bytes) -> dict[str, Any]:
 
 def decode_storage(blob: bytes, s: dict[str, Any], base: bytes | None = None, check: bool = True) -> bytes:
     """The raw bytes of one storage entry (``base``: the delta base's raw bytes, if it has one)."""
-    if s["transform"] == "planes-rotl1":
+    if s["transform"] in ("planes-rotl1", "planes"):
         w = PLANE_WIDTH[s["dtype"]]
     elif s["transform"] == "bytes":
         w = 1
@@ -252,14 +262,19 @@ def decode_storage(blob: bytes, s: dict[str, Any], base: bytes | None = None, ch
             if got is not None and got != h:
                 raise FormatError(f"{s['path']}: chunk {k * w + j} checksum mismatch")
             planes.append(decode_chunk(codec, data, m))
-        out += merge_planes(planes, m) if s["transform"] == "planes-rotl1" else planes[0]
+        if s["transform"] == "planes-rotl1":
+            out += merge_planes(planes, m)
+        elif s["transform"] == "planes":
+            out += merge_planes_plain(planes, m)
+        else:
+            out += planes[0]
     raw = bytes(out)  # with a delta: the residual
     if s.get("delta"):
         assert base is not None
         op = s["delta"].get("op")
         if op == "xor":
             raw = xor_bytes(raw, base)
-        elif op == "sub" and s["transform"] == "planes-rotl1":
+        elif op == "sub" and s["transform"] in ("planes-rotl1", "planes"):
             raw = unsub(raw, base, w)
         else:
             raise FormatError(f"{s['path']}: unknown delta op {op!r}")

@@ -10,9 +10,10 @@ Ops (recorded as ``storage["delta"]["op"]`` in the manifest; docs/FORMAT.md):
     ``r = x XOR b`` on the bytes.  Any dtype.
 
 ``sub``
-    Arithmetic difference of order-preserving bit patterns, zigzag-coded.  Only for the plane
-    dtypes (bfloat16, float16: ``W = 16``; float32: ``W = 32``).  With ``x``, ``b`` the unsigned
-    ``W``-bit patterns of an element (little-endian) and all arithmetic modulo ``2**W``::
+    Arithmetic difference of order-preserving bit patterns, zigzag-coded.  Only for the byte-plane
+    transforms (``planes-rotl1``, ``planes``), i.e. their dtypes (bfloat16, float16: ``W = 16``;
+    float32: ``W = 32``).  With ``x``, ``b`` the unsigned ``W``-bit patterns of an element
+    (little-endian) and all arithmetic modulo ``2**W``::
 
         ord(u)  = u XOR (2**W - 1)   if the top bit of u is set   (negative floats: all bits flipped)
                   u XOR 2**(W-1)     otherwise                     (non-negative: sign bit set)
@@ -39,8 +40,9 @@ _SUB_DTYPES = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 
 
 def ops_for(dtype: torch.dtype, transform: str) -> tuple[str, ...]:
-    """The delta ops that apply to a storage of ``dtype`` coded with ``transform``."""
-    if transform == "planes-rotl1" and dtype in _SUB_DTYPES:
+    """The delta ops that apply to a storage of ``dtype`` coded with ``transform``: both for the
+    byte-plane transforms (``planes-rotl1``, ``planes``), ``xor`` only for ``bytes``."""
+    if transform in ("planes-rotl1", "planes") and dtype in _SUB_DTYPES:
         return OPS
     return ("xor",)
 

@@ -36,6 +36,9 @@ from s4w_core.planes.reference import merge_hash_into, merge_into
 
 __all__ = [
     "SEGMENT_ELEMS",
+    "PLANE_TRANSFORMS",
+    "plane_rot",
+    "transform_for",
     "StorageJob",
     "Collector",
     "encode_storage_cpu",
@@ -151,12 +154,55 @@ class Collector:
 
 
 # ----------------------------------------------------------------------------- helpers
-def transform_for(dtype: torch.dtype, nbytes: int) -> tuple[str, int]:
-    if dtype in PLANE_DTYPES:
-        w = plane_width(dtype)
-        if nbytes % w == 0:
-            return "planes-rotl1", w
-    return "bytes", 1
+#: the byte-plane transforms (docs/FORMAT.md 4.5 and 4.5b): ``planes-rotl1`` rotates each element
+#: left by one bit before the split, ``planes`` splits it as it is. Both apply to the dtypes of
+#: :data:`~s4w_core.planes.PLANE_DTYPES`, with the same widths, segments, chunks and delta ops.
+PLANE_TRANSFORMS = ("planes-rotl1", "planes")
+_TRANSFORMS = (*PLANE_TRANSFORMS, "bytes")
+
+
+def plane_rot(transform: str) -> bool:
+    """Whether the byte-plane ``transform`` rotates each element left by one bit before the split:
+    True for ``planes-rotl1``, False for ``planes`` (the ``rot`` argument of
+    :func:`~s4w_core.planes.split_planes` and :func:`~s4w_core.planes.merge_planes`). Raises
+    ValueError for any other transform.
+
+    Example:
+        >>> plane_rot("planes-rotl1"), plane_rot("planes")
+        (True, False)
+    """
+    if transform == "planes-rotl1":
+        return True
+    if transform == "planes":
+        return False
+    raise ValueError(f"{transform!r} is not a byte-plane transform (one of {PLANE_TRANSFORMS})")
+
+
+def transform_for(dtype: torch.dtype, nbytes: int, *, transform: str | None = None) -> tuple[str, int]:
+    """The transform and plane width to store ``nbytes`` bytes of ``dtype`` with.
+
+    ``transform=None``: the default choice, ``planes-rotl1`` for the plane dtypes (when ``nbytes``
+    is a whole number of elements), else ``bytes``. A transform named here is checked instead:
+    a byte-plane transform (:data:`PLANE_TRANSFORMS`) needs a plane dtype and whole elements,
+    ``bytes`` applies to anything; otherwise ValueError.
+
+    Example:
+        >>> transform_for(torch.bfloat16, 6), transform_for(torch.float32, 8, transform="planes")
+        (('planes-rotl1', 2), ('planes', 4))
+    """
+    if transform is None:
+        if dtype in PLANE_DTYPES:
+            w = plane_width(dtype)
+            if nbytes % w == 0:
+                return "planes-rotl1", w
+        return "bytes", 1
+    if transform == "bytes":
+        return "bytes", 1
+    if transform not in PLANE_TRANSFORMS:
+        raise ValueError(f"unknown transform {transform!r}; one of {_TRANSFORMS}")
+    if dtype not in PLANE_DTYPES or nbytes % plane_width(dtype):
+        raise ValueError(f"transform {transform!r} does not apply to {dtype_name(dtype)} x {nbytes} bytes")
+    return transform, plane_width(dtype)
 
 
 def _entropy_ratio(plane: np.ndarray) -> float:
@@ -241,12 +287,18 @@ def encode_storage_cpu(
     writer: ContainerWriter,
     pool: ThreadPoolExecutor,
     segment_elems: int | None = None,
+    *,
+    transform: str | None = None,
 ) -> dict[str, Any]:
-    """Encode one storage on the CPU and append its chunks; returns its manifest entry."""
+    """Encode one storage on the CPU and append its chunks; returns its manifest entry.
+
+    ``transform``: None for the default choice (:func:`transform_for`: ``planes-rotl1`` for
+    bf16/fp16/fp32, else ``bytes``), or the transform to write (``"planes"``, ``"planes-rotl1"``,
+    ``"bytes"``); ValueError if it does not apply to the storage's dtype and size."""
     segment_elems = segment_elems or SEGMENT_ELEMS
     raw = job.raw.cpu() if job.raw.device.type != "cpu" else job.raw
     nbytes = raw.numel()
-    transform, w = transform_for(job.dtype, nbytes)
+    transform, w = transform_for(job.dtype, nbytes, transform=transform)
     n = nbytes // w
     entry: dict[str, Any] = {
         "path": job.path,
@@ -355,8 +407,8 @@ def _planes(
 ) -> torch.Tensor:
     if base is not None and op not in (None, "xor"):
         raw, base = delta.forward(op, raw, base, dtype), None
-    if transform == "planes-rotl1":
-        return split_planes(raw, dtype, base)
+    if transform in PLANE_TRANSFORMS:
+        return split_planes(raw, dtype, base, rot=plane_rot(transform))
     x = raw if base is None else raw ^ base
     return x.view(1, -1)
 
@@ -467,7 +519,11 @@ def decode_storage_cpu(
 
     decoded = _ordered(pool, fetch_decode, [(i,) for i in range(len(chunks))])
     out_np = out.numpy()
-    merge_fast = transform == "planes-rotl1" and (base is None or op == "xor")
+    is_planes = transform in PLANE_TRANSFORMS
+    # ``rot`` is passed only for ``planes`` (False): planes-rotl1 storages call the merges exactly
+    # as before (tests and tools wrap them with the old signature)
+    rot_kw: dict[str, bool] = {} if not is_planes or plane_rot(transform) else {"rot": False}
+    merge_fast = is_planes and (base is None or op == "xor")
     base_np = None if base is None else base.numpy()
     expected = entry["checksum"]
     # every segment goes through merge_hash_into, which passes each byte of it to the hasher once,
@@ -487,18 +543,20 @@ def decode_storage_cpu(
         a, z = s0 * w, s1 * w
         if merge_fast:
             if hasher is None:
-                merge_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z])
+                merge_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z], **rot_kw)
             else:
-                merge_hash_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z], hasher.update)
+                merge_hash_into(
+                    parts, w, out_np[a:z], None if base_np is None else base_np[a:z], hasher.update, **rot_kw
+                )
                 hashed += z - a
             continue
         b = base[a:z] if base is not None else None
         planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
         if b is not None and op != "xor":  # residual planes, then the inverse delta op
-            seg_t = merge_planes(planes, dtype) if transform == "planes-rotl1" else planes.view(-1)
+            seg_t = merge_planes(planes, dtype, None, **rot_kw) if is_planes else planes.view(-1)
             seg_t = delta.inverse(op, seg_t, b, dtype)
-        elif transform == "planes-rotl1":
-            seg_t = merge_planes(planes, dtype, b)
+        elif is_planes:
+            seg_t = merge_planes(planes, dtype, b, **rot_kw)
         else:
             seg_t = planes.view(-1) if b is None else planes.view(-1) ^ b
         out[a:z] = seg_t

@@ -19,8 +19,10 @@ __all__ = ["validate_manifest", "MAX_EXPANSION", "MAX_SEGMENT_BYTES", "MAX_STORA
 MAX_EXPANSION = {"raw": 1, "deflate": 1040, "zstd": 1 << 16, "nvcomp-ans": 1 << 16}
 MAX_SEGMENT_BYTES = 1 << 26
 MAX_STORAGE_BYTES = 1 << 48
-_WIDTH = {"planes-rotl1": None, "bytes": 1}
-#: delta ops (s4w_core.delta): "xor" for any storage, "sub" for planes-rotl1 storages.
+_WIDTH = {"planes-rotl1": None, "planes": None, "bytes": 1}
+#: the byte-plane transforms (width from the dtype, docs/FORMAT.md 4.5 and 4.5b)
+_PLANE_TRANSFORMS = ("planes-rotl1", "planes")
+#: delta ops (s4w_core.delta): "xor" for any storage, "sub" for byte-plane (planes-rotl1, planes) storages.
 _DELTA_OPS = ("xor", "sub")
 _PLANE_WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -56,7 +58,7 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
             raise ManifestError(f"manifest: {where} has unknown transform {tr!r}")
         if not isinstance(s.get("dtype"), str):
             raise ManifestError(f"manifest: {where} dtype must be a string")
-        w = _PLANE_WIDTH.get(s["dtype"]) if tr == "planes-rotl1" else 1
+        w = _PLANE_WIDTH.get(s["dtype"]) if tr in _PLANE_TRANSFORMS else 1
         if w is None or nbytes % w:
             raise ManifestError(f"manifest: {where}: transform {tr} does not apply to {s['dtype']} x {nbytes} bytes")
         seg = _int(s.get("segment_elems"), f"{where} segment_elems", 1, MAX_SEGMENT_BYTES // w)
@@ -66,8 +68,10 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
         delta = s.get("delta")
         if delta is not None and (not isinstance(delta, dict) or delta.get("op") not in _DELTA_OPS):
             raise ManifestError(f"manifest: {where} has an unknown delta {delta!r}")
-        if delta is not None and delta["op"] == "sub" and tr != "planes-rotl1":
-            raise ManifestError(f"manifest: {where}: delta op 'sub' applies only to planes-rotl1 storages")
+        if delta is not None and delta["op"] == "sub" and tr not in _PLANE_TRANSFORMS:
+            raise ManifestError(
+                f"manifest: {where}: delta op 'sub' applies only to byte-plane (planes-rotl1, planes) storages"
+            )
         n = nbytes // w
         nseg = -(-n // seg)
         chunks = s.get("chunks")

@@ -49,6 +49,7 @@ from s4w_core.planes.triton_kernels import (
     MERGE,
     MERGE_CHUNKS,
     OPS,
+    PLAIN,
     Tables,
     block_config,
     launch_items,
@@ -60,7 +61,7 @@ from s4w_core.planes.triton_kernels import (
 __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
 _A = _nvcomp.ALIGN
-_ROTL1 = "planes-rotl1"
+_PLAIN = "planes"
 
 #: a file gap (bytes of chunks outside the batch) up to this size between two chunks is read and
 #: dropped, so that both chunks come in one read ...
@@ -433,7 +434,8 @@ class DecodePlan:
         p.key = _plan_key()
         k_n = p.k = len(entries)
         meta = np.array(
-            [(e["_width"], e["nbytes"], e["transform"] == _ROTL1, e["segment_elems"], e["checksum"].startswith("fold64:"))
+            [(e["_width"], e["nbytes"], e["transform"] in engine.PLANE_TRANSFORMS, e["segment_elems"],
+              e["checksum"].startswith("fold64:"))
              for e in entries],
             dtype=np.int64,
         ).reshape(k_n, 5)
@@ -446,6 +448,8 @@ class DecodePlan:
                 if op not in (("xor", "sub") if rot[i] else ("xor",)):
                     raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r}")
                 p.op[i] = OPS[op]
+            if e["transform"] == _PLAIN:
+                p.op[i] |= PLAIN  # the merge launches are grouped by this code: one more constexpr
         n_el = p.n_el = meta[:, 1] // width
         ps = (n_el + _A - 1) // _A * _A
         size = (width * ps + 255) // 256 * 256
@@ -570,10 +574,11 @@ def decode_device(
     k_n = plan.k
     out_addr = np.fromiter((o.data_ptr() for o in outs), dtype=np.int64, count=k_n)
     has = np.fromiter((b is not None for b in bases), dtype=bool, count=k_n)
-    if (has != (plan.op != 0)).any():
-        i = int(np.nonzero(has != (plan.op != 0))[0][0])
+    is_delta = (plan.op & 3) != 0
+    if (has != is_delta).any():
+        i = int(np.nonzero(has != is_delta)[0][0])
         raise DecodeError(f"{name}: tensor {entries[i]['path']!r}: a delta base was {'' if has[i] else 'not '}given "
-                          f"but the entry is {'' if plan.op[i] else 'not '}a delta")
+                          f"but the entry is {'' if is_delta[i] else 'not '}a delta")
     base_addr = np.zeros(k_n, dtype=np.int64)
     for i in np.nonzero(has)[0].tolist():
         base = bases[i]

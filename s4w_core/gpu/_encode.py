@@ -45,7 +45,15 @@ from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW
 from s4w_core.errors import BaseMismatchError
 from s4w_core.format.container import ContainerWriter
 from s4w_core.gpu import _nvcomp
-from s4w_core.gpu.kernels import choose_and_gather, fold64_batched, fold64_finish, probe_gate
+from s4w_core.gpu.kernels import (
+    LAYOUT_RUN,
+    LAYOUT_RUNS,
+    choose_and_gather,
+    fold64_batched,
+    fold64_finish,
+    layout_probe,
+    probe_gate,
+)
 from s4w_core.planes.triton_kernels import (
     OPS,
     SPLIT,
@@ -65,6 +73,10 @@ MIN_GAIN = 0.005
 SMALL_BYTES_STORAGE = 1 << 20
 _REGION_ALIGN = 256
 ROTL1 = "planes-rotl1"
+PLAIN = "planes"
+#: a piece's layout flag (``_Piece.layout``, the split's per-item flags): decided on the device by
+#: the layout probe, or given
+LAYOUT_DECIDE, LAYOUT_ROTL1, LAYOUT_PLAIN = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -226,6 +238,7 @@ class _Piece:
     e1: int
     seg: int
     chunk0: int  # index of the piece's first chunk in its storage
+    layout: int = LAYOUT_DECIDE  # LAYOUT_*: the transform, or 0 for the layout probe to choose
 
 
 @dataclass
@@ -375,6 +388,18 @@ def encode_storages(
         chosen = _choose_delta_ops([c for _, c in cands], pool, dev=dev) if cands else []
         ops: dict[int, str | None] = {i: op for (i, _), op in zip(cands, chosen)}
         batch = _Batch()
+        # the transform of each storage: the layout probe chooses it with the storage's first piece;
+        # its later pieces (in later batches) take the same
+        chosen_layout: dict[int, str] = {}
+
+        def run(b: _Batch) -> None:
+            for ji, tr in _run_batch(b, prof, dev, io).items():
+                if ji not in chosen_layout:
+                    chosen_layout[ji] = tr
+                    sink.entries[ji]["transform"] = tr
+                elif chosen_layout[ji] != tr:  # never expected: later pieces are given the layout
+                    raise RuntimeError(f"GPU writer: storage {sink.entries[ji]['path']!r} split with two layouts")
+
         for jidx, job in enumerate(jobs):
             nbytes = job.raw.numel()
             transform, w, cpu_path = plan[jidx]
@@ -421,16 +446,19 @@ def encode_storages(
                 if room <= 0 and not batch.pieces:
                     room = 1
                 if room <= 0:
-                    _run_batch(batch, prof, dev, io)
+                    run(batch)
                     batch = _Batch()
                     continue
                 take = min(nseg - s, room)
                 e0, e1 = s * seg, min(n, (s + take) * seg)
-                batch.pieces.append(_Piece(ji, raw, base, op, job.dtype, transform, w, e0, e1, seg, s * w))
+                layout = LAYOUT_DECIDE
+                if ji in chosen_layout:
+                    layout = LAYOUT_PLAIN if chosen_layout[ji] == PLAIN else LAYOUT_ROTL1
+                batch.pieces.append(_Piece(ji, raw, base, op, job.dtype, transform, w, e0, e1, seg, s * w, layout))
                 batch.nbytes += (e1 - e0) * w
                 s += take
         if batch.pieces:
-            _run_batch(batch, prof, dev, io)
+            run(batch)
         if fold_items:
             fold64_batched(fold_items, acc)
         sums = acc.cpu().tolist() if fold_slots else []
@@ -456,6 +484,17 @@ class _Encoded:
     owner_ji: np.ndarray
     owner_ci: np.ndarray
     raw_bytes: int
+    #: per piece of the batch: its storage (sink job), and its layout (``LAYOUT_*``; 0 for pieces
+    #: coded as bytes)
+    piece_ji: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    piece_layout: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def transforms(self) -> dict[int, str]:
+        """The transform each plane-transformed storage (sink job) of the batch was coded with."""
+        m = self.piece_layout > 0
+        names = np.where(self.piece_layout[m] == LAYOUT_PLAIN, PLAIN, ROTL1)
+        return dict(zip(self.piece_ji[m].tolist(), names.tolist()))
 
     def host_layout(self, gap: int = 1 << 16) -> tuple[list[tuple[int, int, int]], np.ndarray]:
         """What to copy to the host: the ranges of ``out`` that hold chunks -- chunks less than
@@ -492,7 +531,9 @@ class _Encoded:
         return list(zip(self.owner_ji.tolist(), self.owner_ci.tolist()))
 
 
-def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, io: _Writer) -> None:
+def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, io: _Writer) -> dict[int, str]:
+    """Code ``batch`` and hand its chunks to the I/O thread; returns the transform of each
+    plane-transformed storage (sink job) of the batch."""
     r = _encode_batch_device(batch, prof, dev)
     # the chunks' bytes to pinned host memory, one copy per run of chunks that lie together (not
     # the dead slots of chunks coded elsewhere); the I/O thread appends them to the container
@@ -504,6 +545,7 @@ def _run_batch(batch: _Batch, prof: Profile, dev: torch.device, io: _Writer) -> 
     mv = memoryview(host.numpy())
     ids, off, ln = r.codec_ids, hoff.tolist(), r.out_len.tolist()
     io.submit([(ji, ci, ids[i], mv[off[i] : off[i] + ln[i]]) for i, (ji, ci) in enumerate(r.owner)], keep=host)
+    return r.transforms
 
 
 def _tensor_batch(tensors: list[torch.Tensor], prof: Profile) -> _Batch:
@@ -580,7 +622,7 @@ def _entropy_bits(keys: torch.Tensor, groups: int, counts: torch.Tensor) -> torc
 PROBE_BYTES = 4096
 #: the probe sends a chunk other than a first (exponent) plane's to the coder only if its sample's
 #: order-0 entropy promises at least this saving; first planes are always coded.
-PROBE_MIN_GAIN = 0.01
+PROBE_MIN_GAIN = 0.05
 
 
 def probe_min_gain() -> float:
@@ -687,7 +729,8 @@ class EncodePlan:
         s0 = (local // w[piece_of]) * seg[piece_of]
         self.src_off = src_off = off[piece_of] + j_idx * stride + s0
         self.lengths = lengths = np.minimum(seg[piece_of], ne[piece_of] - s0)
-        self.owner_ji = np.array([p.ji for p in pieces], dtype=np.int64)[piece_of]
+        self.piece_ji = np.array([p.ji for p in pieces], dtype=np.int64)
+        self.owner_ji = self.piece_ji[piece_of]
         self.owner_ci = np.array([p.chunk0 for p in pieces], dtype=np.int64)[piece_of] + local
         n = self.n = len(lengths)
         self.maxlen, self.total = int(lengths.max()), int(lengths.sum())
@@ -711,7 +754,18 @@ class EncodePlan:
         self.rows = np.column_stack([meta[:, 4] + e0 * w, np.zeros(k, np.int64), off, ne, np.full(k, stride, np.int64)])
         self.ops, self.w, self.rot = meta[:, 5], w, rot
         self.host_bases = any(p.base is not None and p.base.device != dev for p in pieces)
+        # the transform of each piece: given, or chosen by the layout probe on the device (the fast
+        # profile's split launches from a prepared table; the other paths keep planes-rotl1)
+        layout = np.array([p.layout for p in pieces], dtype=np.int64)
+        small = ne < LAYOUT_RUNS * LAYOUT_RUN
+        undecided = layout == LAYOUT_DECIDE
+        layout[undecided & (small | ~rot | (not prof.probe) | self.host_bases)] = LAYOUT_ROTL1
+        self.layout = layout
         self.split: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]] | None = None
+        self.flag_slices: list[tuple[int, int, bool]] = []  # per split launch: its flags' slice, and whether to probe
+        self.flags_init: torch.Tensor | None = None
+        self.flags_run: torch.Tensor | None = None  # with ``keep``: the flags of a run (reset from flags_init)
+        self.flag_order = np.zeros(0, dtype=np.int64)  # the pieces of the split's items, in launch order
         if not self.host_bases:
             self.rows[:, 1] = _stage_bases(pieces, dev)[0]
             self.split = self._split_launches()
@@ -722,7 +776,9 @@ class EncodePlan:
             self.out, self.comp = self._buffers()
             self.cols_init = self._upload_cols(self.out, self.comp)
             self.cols_run = torch.empty_like(self.cols_init)
-        self.back = _nvcomp.host_empty(32 * n).view(torch.int64) if dev.type == "cuda" else None
+            if self.flags_init is not None:
+                self.flags_run = torch.empty_like(self.flags_init)
+        self.back = _nvcomp.host_empty(32 * n + 8 * k).view(torch.int64) if dev.type == "cuda" else None
 
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.empty(self.out_bytes, dtype=torch.uint8, device=self.dev),
@@ -737,21 +793,30 @@ class EncodePlan:
         return self.host.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else self.host.clone()
 
     def _split_launches(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]]:
-        """Per element width and delta op: the split's item table and program map, uploaded once."""
+        """Per element width and delta op: the split's item table and program map, uploaded once,
+        and the pieces of its items. Also the items' layout flags, in launch order, uploaded in the
+        same copy (:attr:`flags_init`): each launch reads its slice (see :meth:`run`)."""
         block, _warps = block_config(SPLIT)
         tables = Tables()
         groups = []
         for width in np.unique(self.w[self.rot]).tolist():
             for code in np.unique(self.ops[self.rot & (self.w == width)]).tolist():
-                r = self.rows[self.rot & (self.w == width) & (self.ops == code) & (self.ne > 0)]
-                if not len(r):
+                idx = np.nonzero(self.rot & (self.w == width) & (self.ops == code) & (self.ne > 0))[0]
+                if not len(idx):
                     continue
+                r = self.rows[idx]
                 programs = -(-r[:, 3] // block)
                 aligned = not ((r[:, 0] | r[:, 1] | r[:, 2] | r[:, 4]) % 16).any()
                 groups.append((int(width), int(code), tables.add(np.column_stack([r, np.cumsum(programs) - programs])),
-                               tables.add(program_map(programs)), int(programs.sum()), aligned))
+                               tables.add(program_map(programs)), int(programs.sum()), aligned, idx,
+                               bool((self.layout[idx] == LAYOUT_DECIDE).any())))
+        order = np.concatenate([g[6] for g in groups]) if groups else np.zeros(0, dtype=np.int64)
+        self.flag_slices = [(int(np.sum([len(h[6]) for h in groups[:i]])), len(g[6]), g[7]) for i, g in enumerate(groups)]
+        t_flags = tables.add(self.layout[order] if len(order) else np.zeros(1, dtype=np.int64))
+        self.flag_order = order
         dev = tables.upload(self.dev)
-        return [(wd, code, dev[t], dev[m], total, aligned) for wd, code, t, m, total, aligned in groups]
+        self.flags_init = dev[t_flags]
+        return [(wd, code, dev[t], dev[m], total, aligned) for wd, code, t, m, total, aligned, _idx, _d in groups]
 
     def run(self, before_readback: Any = None) -> _Encoded:
         """Code the batch; ``before_readback``: called once everything is enqueued, before the
@@ -770,11 +835,22 @@ class EncodePlan:
         cols = {name: table[i * n : (i + 1) * n] for i, name in enumerate(_COLS)}
         cols["status"] = cols["status"].view(torch.int32)[:n]
         _mark("tables", dev)
-        # 1. planes of every piece (one launch per element width and delta op)
+        # 1. planes of every piece (one launch per element width and delta op); the layout probe
+        #    first chooses, on the device, the transform of each piece whose flag is 0
         staged: dict[int, torch.Tensor] = {}
+        flags: torch.Tensor | None = None
         if self.split is not None:
-            for wd, code, t, m, total, aligned in self.split:
-                launch_items(SPLIT, wd, code, t, m, total, out, aligned and out.data_ptr() % 16 == 0)
+            assert self.flags_init is not None
+            if self.flags_run is not None:
+                flags = self.flags_run
+                flags.copy_(self.flags_init)
+            else:
+                flags = self.flags_init
+            for (wd, code, t, m, total, aligned), (pos, cnt, decide) in zip(self.split, self.flag_slices):
+                fl = flags[pos : pos + cnt]
+                if decide:
+                    layout_probe(t, fl, wd, code)
+                launch_items(SPLIT, wd, code, t, m, total, out, aligned and out.data_ptr() % 16 == 0, flags=fl)
         else:
             rows = self.rows.copy()
             rows[:, 1], staged = _stage_bases(pieces, dev)
@@ -817,17 +893,30 @@ class EncodePlan:
         _mark("choose+compact", dev)
         if before_readback is not None:
             before_readback()
+        nf = len(self.flag_order) if flags is not None else 0
         if self.back is not None:  # the batch's one read-back
             self.back[: 4 * n].copy_(res.reshape(-1), non_blocking=True)
+            if nf:
+                assert flags is not None
+                self.back[4 * n : 4 * n + nf].copy_(flags[:nf], non_blocking=True)
             _nvcomp.synchronize(dev)
             back = self.back.numpy()[: 4 * n].reshape(4, n)
+            got = self.back.numpy()[4 * n : 4 * n + nf].copy()
         else:
             back = res.cpu().numpy()
+            got = flags[:nf].cpu().numpy() if flags is not None else np.zeros(0, dtype=np.int64)
         _mark("readback", dev)
+        layout = self.layout.copy()
+        if nf:
+            if got.min() < LAYOUT_ROTL1 or got.max() > LAYOUT_PLAIN:
+                raise RuntimeError("GPU writer: the layout probe left a piece undecided")  # never expected
+            layout[self.flag_order[:nf]] = got
+        layout[~self.rot] = 0
         coded, out_len, out_off, bad = back[0].astype(bool), back[1].copy(), back[2].copy(), back[3]
         if bad.any():
             i = int(np.nonzero(bad)[0][0])
             raise RuntimeError(f"nvCOMP ANS compress: {int(bad.sum())} chunk(s) failed (first: chunk {i})")
         if (out_len > self.lengths).any() or (out_off < 0).any() or int((out_off + out_len).max()) > out.numel():
             raise RuntimeError("GPU writer: the device's chunk table is inconsistent")  # never expected
-        return _Encoded(out, out_off, out_len, coded, self.prof.codec_id, self.owner_ji, self.owner_ci, self.raw_bytes)
+        return _Encoded(out, out_off, out_len, coded, self.prof.codec_id, self.owner_ji, self.owner_ci, self.raw_bytes,
+                        self.piece_ji, layout)

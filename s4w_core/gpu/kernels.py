@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from s4w_core.planes.triton_kernels import item_table, upload
+from s4w_core.planes.triton_kernels import _fwd16, _fwd32, item_table, upload
 
 __all__ = [
     "gather_copy",
@@ -37,6 +37,7 @@ __all__ = [
     "fold64_programs",
     "fold64_launch",
     "probe_gate",
+    "layout_probe",
     "choose_and_gather",
 ]
 
@@ -277,6 +278,77 @@ def probe_gate(
         runs = 16
         _probe_gate_kernel[(n,)](buf, lengths, src_off, first, gate, float(max_bits), RUNS=runs, RUN=sample_bytes // runs,
                                  num_warps=4)
+
+
+#: the layout probe samples ``LAYOUT_RUNS`` runs of ``LAYOUT_RUN`` elements spread over each item; an
+#: item with fewer elements keeps ``planes-rotl1``
+LAYOUT_RUNS = 16
+LAYOUT_RUN = 128
+#: bits per element by which ``planes`` must beat ``planes-rotl1`` on the sample's plane 0
+LAYOUT_MARGIN = 0.125
+
+
+@triton.jit
+def _entropy256(x, N: tl.constexpr):
+    """Order-0 entropy in bits of ``N`` values 0..255 (a 1-D tensor)."""
+    h = tl.histogram(x, 256).to(tl.float32)
+    p = h / N
+    return -tl.sum(tl.where(h > 0, p * tl.log2(tl.where(h > 0, p, 1.0)), 0.0), axis=0)
+
+
+@triton.jit
+def _layout_probe_kernel(items_ptr, flags_ptr, margin, W: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr,
+                         RUN: tl.constexpr):
+    i = tl.program_id(0)
+    if tl.load(flags_ptr + i) == 0:
+        row = items_ptr + 6 * i
+        src = tl.load(row)
+        base = tl.load(row + 1)
+        n = tl.load(row + 3)
+        step = (n - RUN) // (RUNS - 1)
+        e = (step * tl.arange(0, RUNS).to(tl.int64))[:, None] + tl.arange(0, RUN)[None, :]
+        e = tl.reshape(e, (RUNS * RUN,))
+        zero = tl.zeros((), tl.int32)
+        if W == 2:
+            u = tl.load(src.to(tl.pointer_type(tl.int16)) + e).to(tl.int32) & 0xFFFF
+            v = u
+            if (OP & 3) != 0:
+                v = tl.load(base.to(tl.pointer_type(tl.int16)) + e).to(tl.int32) & 0xFFFF
+            x = _fwd16(u, v, (OP & 3) | 4, zero)  # the residual, not rotated
+            plain = (x >> 8) & 0xFF
+            rot = (((x << 1) | (x >> 15)) >> 8) & 0xFF
+        else:
+            u = tl.load(src.to(tl.pointer_type(tl.int32)) + e).to(tl.int64) & 0xFFFFFFFF
+            v = u
+            if (OP & 3) != 0:
+                v = tl.load(base.to(tl.pointer_type(tl.int32)) + e).to(tl.int64) & 0xFFFFFFFF
+            x = _fwd32(u, v, (OP & 3) | 4, zero)
+            plain = ((x >> 24) & 0xFF).to(tl.int32)
+            rot = ((((x << 1) | (x >> 31)) >> 24) & 0xFF).to(tl.int32)
+        better = _entropy256(plain, RUNS * RUN) + margin < _entropy256(rot, RUNS * RUN)
+        tl.store(flags_ptr + i, tl.where(better, 2, 1).to(tl.int64))
+
+
+def layout_probe(table: torch.Tensor, flags: torch.Tensor, w: int, op: int, margin: float | None = None) -> None:
+    """The encoder's layout choice, on the device, with no read-back: for each item ``i`` of a split
+    launch table (rows ``(element address, base address, slot, elements, plane stride, first
+    program)``) whose ``flags[i]`` is 0, sample :data:`LAYOUT_RUNS` runs of :data:`LAYOUT_RUN`
+    elements spread over it, take their residual under delta op ``op`` (:data:`OPS` code), and set
+    ``flags[i]`` to 2 (``planes``) where plane 0's order-0 entropy without the rotation is at least
+    ``margin`` bits (default :data:`LAYOUT_MARGIN`) lower than with it, else 1 (``planes-rotl1``). Items with another flag are left
+    as they are; the caller gives every item of fewer than ``LAYOUT_RUNS * LAYOUT_RUN`` elements
+    another flag. ``flags``: int64, one per item, on the table's device. One launch.
+
+    Plane 0 is the plane the fast profile always codes; under ``planes`` it holds the sign bit, which
+    costs nothing there when it is (nearly) constant -- non-negative tensors such as Adam's
+    ``exp_avg_sq``, or delta residuals -- while under ``planes-rotl1`` it would sit in the last plane,
+    stored raw unless an ANS pass over that whole plane pays (docs/PERFORMANCE.md, "The layout
+    choice")."""
+    k = flags.numel()
+    if k:
+        m = LAYOUT_MARGIN if margin is None else margin
+        _layout_probe_kernel[(k,)](table, flags, float(m), W=w, OP=op, RUNS=LAYOUT_RUNS, RUN=LAYOUT_RUN,
+                                   num_warps=4)
 
 
 @triton.jit

@@ -42,6 +42,7 @@ __all__ = [
     "split_planes_batched",
     "merge_planes_batched",
     "OPS",
+    "PLAIN",
     "block_config",
     "launch_rows",
     "upload",
@@ -56,8 +57,11 @@ __all__ = [
     "MERGE_CHUNKS",
 ]
 
-#: delta ops the kernels apply (0: none): codes of the ``OP`` constexpr.
+#: delta ops the kernels apply (0: none): codes of the ``OP`` constexpr (its low two bits).
 OPS = {None: 0, "xor": 1, "sub": 2}
+#: added to an :data:`OPS` code: the ``planes`` transform (no rotation; docs/FORMAT.md 4.5b) instead
+#: of ``planes-rotl1``. The split also takes the choice per item at run time (``FLAGS``).
+PLAIN = 4
 _ROW = 6  # item table row: src, base, planes offset, n, plane stride, first program
 
 
@@ -81,26 +85,32 @@ def _item_of(items_ptr, map_ptr, pid, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fwd16(u, v, OP: tl.constexpr):
-    """Delta residual of 16-bit patterns ``u`` against ``v`` (int32 holding 0..65535), rotated left by 1."""
-    if OP == 1:
+def _fwd16(u, v, OP: tl.constexpr, plain):
+    """Delta residual of 16-bit patterns ``u`` against ``v`` (int32 holding 0..65535), rotated left by 1
+    unless ``OP`` has the :data:`PLAIN` bit or ``plain`` (a run-time scalar) is non-zero."""
+    if (OP & 3) == 1:
         u = u ^ v
-    elif OP == 2:
+    elif (OP & 3) == 2:
         ou = tl.where(u >= 0x8000, u ^ 0xFFFF, u ^ 0x8000)
         ov = tl.where(v >= 0x8000, v ^ 0xFFFF, v ^ 0x8000)
         d = (ou - ov) & 0xFFFF
         s = tl.where(d >= 0x8000, d - 0x10000, d)
         u = ((s << 1) ^ (s >> 15)) & 0xFFFF
-    return ((u << 1) | (u >> 15)) & 0xFFFF
+    r = ((u << 1) | (u >> 15)) & 0xFFFF
+    if (OP & 4) != 0:
+        r = u
+    return tl.where(plain != 0, u, r)
 
 
 @triton.jit
 def _inv16(r, v, OP: tl.constexpr):
-    """Inverse of :func:`_fwd16`."""
-    u = ((r >> 1) | (r << 15)) & 0xFFFF
-    if OP == 1:
+    """Inverse of :func:`_fwd16` (the transform given by ``OP`` alone)."""
+    u = r
+    if (OP & 4) == 0:
+        u = ((r >> 1) | (r << 15)) & 0xFFFF
+    if (OP & 3) == 1:
         u = u ^ v
-    elif OP == 2:
+    elif (OP & 3) == 2:
         s = (u >> 1) ^ -(u & 1)
         ov = tl.where(v >= 0x8000, v ^ 0xFFFF, v ^ 0x8000)
         o = (ov + s) & 0xFFFF
@@ -109,25 +119,30 @@ def _inv16(r, v, OP: tl.constexpr):
 
 
 @triton.jit
-def _fwd32(u, v, OP: tl.constexpr):
+def _fwd32(u, v, OP: tl.constexpr, plain):
     """As :func:`_fwd16` for 32-bit patterns held in int64 (0 .. 2**32-1)."""
-    if OP == 1:
+    if (OP & 3) == 1:
         u = u ^ v
-    elif OP == 2:
+    elif (OP & 3) == 2:
         ou = tl.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u ^ 0x80000000)
         ov = tl.where(v >= 0x80000000, v ^ 0xFFFFFFFF, v ^ 0x80000000)
         d = (ou - ov) & 0xFFFFFFFF
         s = tl.where(d >= 0x80000000, d - 0x100000000, d)
         u = ((s << 1) ^ (s >> 31)) & 0xFFFFFFFF
-    return ((u << 1) | (u >> 31)) & 0xFFFFFFFF
+    r = ((u << 1) | (u >> 31)) & 0xFFFFFFFF
+    if (OP & 4) != 0:
+        r = u
+    return tl.where(plain != 0, u, r)
 
 
 @triton.jit
 def _inv32(r, v, OP: tl.constexpr):
-    u = ((r >> 1) | (r << 31)) & 0xFFFFFFFF
-    if OP == 1:
+    u = r
+    if (OP & 4) == 0:
+        u = ((r >> 1) | (r << 31)) & 0xFFFFFFFF
+    if (OP & 3) == 1:
         u = u ^ v
-    elif OP == 2:
+    elif (OP & 3) == 2:
         s = (u >> 1) ^ -(u & 1)
         ov = tl.where(v >= 0x80000000, v ^ 0xFFFFFFFF, v ^ 0x80000000)
         o = (ov + s) & 0xFFFFFFFF
@@ -136,23 +151,23 @@ def _inv32(r, v, OP: tl.constexpr):
 
 
 @triton.jit
-def _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, mask, W: tl.constexpr, OP: tl.constexpr):
+def _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, mask, W: tl.constexpr, OP: tl.constexpr, plain):
     """Element-wise split of the elements at ``offs`` (any alignment)."""
     o = out_ptr + out_off + offs
     if W == 2:
         u = tl.load(src_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
         v = u
-        if OP != 0:
+        if (OP & 3) != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        r = _fwd16(u, v, OP)
+        r = _fwd16(u, v, OP, plain)
         tl.store(o, (r >> 8).to(tl.uint8), mask=mask)
         tl.store(o + ps, (r & 0xFF).to(tl.uint8), mask=mask)
     else:
         u = tl.load(src_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
         v = u
-        if OP != 0:
+        if (OP & 3) != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-        r = _fwd32(u, v, OP)
+        r = _fwd32(u, v, OP, plain)
         tl.store(o, ((r >> 24) & 0xFF).to(tl.uint8), mask=mask)
         tl.store(o + ps, ((r >> 16) & 0xFF).to(tl.uint8), mask=mask)
         tl.store(o + 2 * ps, ((r >> 8) & 0xFF).to(tl.uint8), mask=mask)
@@ -192,8 +207,15 @@ def _pack4(a, b, c, d):
 
 
 @triton.jit
-def _split_kernel(items_ptr, map_ptr, out_ptr, W: tl.constexpr, OP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _split_kernel(items_ptr, map_ptr, out_ptr, flags_ptr, W: tl.constexpr, OP: tl.constexpr, FLAGS: tl.constexpr,
+                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """The split of the items of ``items_ptr`` (rows: see :func:`launch_rows`); with ``FLAGS``, item
+    ``i`` takes the ``planes`` transform where ``flags_ptr[i] == 2`` (the encoder's layout probe,
+    :func:`s4w_core.gpu.kernels.layout_probe`, wrote it on the device), else ``OP`` says which."""
     row, start = _item_of(items_ptr, map_ptr, tl.program_id(0), BLOCK)
+    plain = tl.zeros((), tl.int32)
+    if FLAGS:
+        plain = (tl.load(flags_ptr + tl.load(map_ptr + tl.program_id(0))) == 2).to(tl.int32)
     src_addr = tl.load(row)
     base_addr = tl.load(row + 1)
     out_off = tl.load(row + 2)
@@ -208,26 +230,28 @@ def _split_kernel(items_ptr, map_ptr, out_ptr, W: tl.constexpr, OP: tl.constexpr
         xp = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int64)), 16)
         u0, u1, u2, u3 = _lanes(xp, q, m, W)
         v0, v1, v2, v3 = u0, u1, u2, u3
-        if OP != 0:
+        if (OP & 3) != 0:
             bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
             v0, v1, v2, v3 = _lanes(bp, q, m, W)
         o = (out_ptr + out_off).to(tl.pointer_type(tl.int32)) + q
         ps4 = ps // 4
         if W == 2:
-            r0, r1, r2, r3 = _fwd16(u0, v0, OP), _fwd16(u1, v1, OP), _fwd16(u2, v2, OP), _fwd16(u3, v3, OP)
+            r0, r1 = _fwd16(u0, v0, OP, plain), _fwd16(u1, v1, OP, plain)
+            r2, r3 = _fwd16(u2, v2, OP, plain), _fwd16(u3, v3, OP, plain)
             tl.store(o, _pack4(_byte(r0, 8), _byte(r1, 8), _byte(r2, 8), _byte(r3, 8)), mask=m)
             tl.store(o + ps4, _pack4(_byte(r0, 0), _byte(r1, 0), _byte(r2, 0), _byte(r3, 0)), mask=m)
         else:
-            r0, r1, r2, r3 = _fwd32(u0, v0, OP), _fwd32(u1, v1, OP), _fwd32(u2, v2, OP), _fwd32(u3, v3, OP)
+            r0, r1 = _fwd32(u0, v0, OP, plain), _fwd32(u1, v1, OP, plain)
+            r2, r3 = _fwd32(u2, v2, OP, plain), _fwd32(u3, v3, OP, plain)
             for j in tl.static_range(4):
                 sh = 24 - 8 * j
                 tl.store(o + j * ps4, _pack4(_byte(r0, sh), _byte(r1, sh), _byte(r2, sh), _byte(r3, sh)), mask=m)
         if start + BLOCK >= n:  # the item's last program: the 0-3 elements after the last whole quad
             e = (n // 4) * 4 + tl.arange(0, 4)
-            _split_elems(src_addr, base_addr, out_ptr, out_off, ps, e, e < n, W, OP)
+            _split_elems(src_addr, base_addr, out_ptr, out_off, ps, e, e < n, W, OP, plain)
     else:
         offs = start + tl.arange(0, BLOCK)
-        _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, offs < n, W, OP)
+        _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, offs < n, W, OP, plain)
 
 
 @triton.jit
@@ -247,7 +271,7 @@ def _merge_quads(a, b, c, d, out_addr, base_addr, q, m, W: tl.constexpr, OP: tl.
         r2 = (_byte(a, 16) << 24) | (_byte(b, 16) << 16) | (_byte(c, 16) << 8) | _byte(d, 16)
         r3 = (_byte(a, 24) << 24) | (_byte(b, 24) << 16) | (_byte(c, 24) << 8) | _byte(d, 24)
     v0, v1, v2, v3 = r0, r1, r2, r3
-    if OP != 0:
+    if (OP & 3) != 0:
         bp = tl.multiple_of(base_addr.to(tl.pointer_type(tl.int64)), 16)
         v0, v1, v2, v3 = _lanes(bp, q, m, W)
     if W == 2:
@@ -300,7 +324,7 @@ def _merge_elems_at(out_addr, base_addr, q0, q1, q2, q3, offs, mask, W: tl.const
         p0 = tl.load(q0 + offs, mask=mask, other=0).to(tl.int32) & 0xFF
         p1 = tl.load(q1 + offs, mask=mask, other=0).to(tl.int32) & 0xFF
         v = p0
-        if OP != 0:
+        if (OP & 3) != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
         x = _inv16((p0 << 8) | p1, v, OP)
         tl.store(out_addr.to(tl.pointer_type(tl.int16)) + offs, x.to(tl.int16), mask=mask)
@@ -310,7 +334,7 @@ def _merge_elems_at(out_addr, base_addr, q0, q1, q2, q3, offs, mask, W: tl.const
         p2 = tl.load(q2 + offs, mask=mask, other=0).to(tl.int64) & 0xFF
         p3 = tl.load(q3 + offs, mask=mask, other=0).to(tl.int64) & 0xFF
         v = p0
-        if OP != 0:
+        if (OP & 3) != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
         x = _inv32((p0 << 24) | (p1 << 16) | (p2 << 8) | p3, v, OP)
         tl.store(out_addr.to(tl.pointer_type(tl.int32)) + offs, x.to(tl.int32), mask=mask)
@@ -429,12 +453,17 @@ class Tables:
 
 
 def launch_items(kernel: Any, w: int, op: int, table: torch.Tensor, prog_map: torch.Tensor, programs: int,
-                 arg: torch.Tensor, aligned: bool) -> None:
+                 arg: torch.Tensor, aligned: bool, flags: torch.Tensor | None = None) -> None:
     """One launch of a batched plane kernel over a table uploaded ahead (see :class:`Tables`): the
     caller built ``table`` (rows ending in each item's first program) and ``prog_map`` for
-    :func:`block_config`'s block and checked the addresses in them."""
+    :func:`block_config`'s block and checked the addresses in them. ``flags`` (the split only): one
+    int64 per item, ``2`` where the item takes the ``planes`` transform (see :data:`PLAIN`)."""
     block, warps = block_config(kernel)
-    kernel[(programs,)](table, prog_map, arg, W=w, OP=op, ALIGNED=aligned and _wide(), BLOCK=block, num_warps=warps)
+    if kernel is _split_kernel:
+        kernel[(programs,)](table, prog_map, arg, table if flags is None else flags, W=w, OP=op, FLAGS=flags is not None,
+                            ALIGNED=aligned and _wide(), BLOCK=block, num_warps=warps)
+    else:
+        kernel[(programs,)](table, prog_map, arg, W=w, OP=op, ALIGNED=aligned and _wide(), BLOCK=block, num_warps=warps)
 
 
 def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: Any) -> None:
@@ -444,7 +473,11 @@ def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops:
     for code in np.unique(ops).tolist():
         r = rows[ops == code]
         table, prog_map, total = item_table(r, -(-r[:, 3] // block), arg.device)
-        kernel[(total,)](table, prog_map, arg, W=w, OP=int(code), ALIGNED=aligned(r), BLOCK=block, num_warps=warps)
+        if kernel is _split_kernel:
+            kernel[(total,)](table, prog_map, arg, table, W=w, OP=int(code), FLAGS=False, ALIGNED=aligned(r), BLOCK=block,
+                             num_warps=warps)
+        else:
+            kernel[(total,)](table, prog_map, arg, W=w, OP=int(code), ALIGNED=aligned(r), BLOCK=block, num_warps=warps)
 
 
 def _wide() -> bool:

@@ -87,7 +87,7 @@ def rebuild(prefix: bytes, manifest: Any) -> bytes:
 
 _FORGE_VALUES: list[Any] = [
     -1, 0, 1, 2, 3, 7, 255, 1 << 31, 1 << 40, 1 << 62, 1 << 64, 10**30, 1.5, -0.0, None, True, "", "x",
-    "raw", "deflate", "zstd", "nvcomp-ans", "lz77", "planes-rotl1", "bytes", "bfloat16", "float32",
+    "raw", "deflate", "zstd", "nvcomp-ans", "lz77", "planes-rotl1", "planes", "bytes", "bfloat16", "float32",
     "qint8", "int4", "uint1", "cuda:0", "meta", "cpu", "xxh3-64:0", "fold64:0", [], [0], [1, 2], {}, {"$t": 0},
     {"$t": 99}, {"$dictsub": "os.system", "items": []}, {"$f64": "zz"}, {"$bytes": "!!"},
 ]

@@ -616,6 +616,131 @@ def pipeline_delta() -> None:
     assert {"xor", "sub"} <= seen_ops, seen_ops
 
 
+def _layout_model(u: np.ndarray, v: np.ndarray | None, w: int, op: int, runs: int, run: int, margin: float) -> int:
+    """numpy model of ``kernels.layout_probe`` for one item: 2 (``planes``) or 1 (``planes-rotl1``)."""
+    from s4w_core import delta
+
+    bits = 8 * w
+    n = u.size
+    step = (n - run) // (runs - 1)
+    e = (step * np.arange(runs, dtype=np.int64))[:, None] + np.arange(run)[None, :]
+    e = e.reshape(-1)
+    dt = {2: torch.bfloat16, 4: torch.float32}[w]
+    x_t = torch.from_numpy(u[e].copy())
+    if op:
+        assert v is not None
+        r = delta.forward({1: "xor", 2: "sub"}[op], x_t.view(torch.uint8), torch.from_numpy(v[e].copy()).view(torch.uint8), dt)
+        x_t = r.view(x_t.dtype)
+    x = x_t.numpy().astype(np.int64) & ((1 << bits) - 1)
+    plain = (x >> (bits - 8)) & 0xFF
+    rot = ((((x << 1) | (x >> (bits - 1))) & ((1 << bits) - 1)) >> (bits - 8)) & 0xFF
+
+    def h(b: np.ndarray) -> float:
+        p = np.bincount(b, minlength=256)[np.bincount(b, minlength=256) > 0] / b.size
+        return float(-(p * np.log2(p)).sum())
+
+    return 2 if h(plain) + margin < h(rot) else 1
+
+
+@check
+def layout_probe_vs_numpy() -> None:
+    """``kernels.layout_probe`` (the encoder's per-storage choice of ``planes`` against
+    ``planes-rotl1``) against a numpy model on the same samples: non-negative and signed tensors,
+    bf16 and fp32, without a delta and with ``xor`` / ``sub`` residuals; items whose flag is already
+    set are left alone."""
+    from s4w_core.gpu import kernels as K
+
+    g = torch.Generator().manual_seed(5)
+    n = 40_000
+    cases = []
+    for w, dt in ((2, torch.bfloat16), (4, torch.float32)):
+        pos = (torch.randn(n, generator=g) ** 2).to(dt)
+        sig = torch.randn(n, generator=g).to(dt)
+        pos2 = (pos.float() * (1 + 1e-2 * torch.randn(n, generator=g))).abs().to(dt)
+        sig2 = (sig.float() + 1e-3 * torch.randn(n, generator=g)).to(dt)
+        for a, b in ((pos, None), (sig, None), (pos2, pos), (sig2, sig)):
+            for op in ((0,) if b is None else (1, 2)):
+                cases.append((w, a, b, op))
+    seen = set()
+    for w, a, b, op in cases:
+        it = {2: torch.int16, 4: torch.int32}[w]
+        rows = np.array([[a.data_ptr(), b.data_ptr() if b is not None else 0, 0, n, n, 0],
+                         [a.data_ptr(), b.data_ptr() if b is not None else 0, 0, n, n, 0]], dtype=np.int64)
+        flags = torch.tensor([0, 1], dtype=torch.int64)
+        K.layout_probe(torch.from_numpy(rows.reshape(-1)), flags, w, op)
+        u = a.view(it).numpy()
+        v = b.view(it).numpy() if b is not None else None
+        want = _layout_model(u, v, w, op, K.LAYOUT_RUNS, K.LAYOUT_RUN, K.LAYOUT_MARGIN)
+        assert flags.tolist() == [want, 1], (w, op, flags.tolist(), want)
+        seen.add(want)
+    assert seen == {1, 2}, seen
+
+
+@check
+def pipeline_layout_choice() -> None:
+    """The GPU writer's layout choice end to end (simulated nvCOMP): non-negative tensors (Adam's
+    ``exp_avg_sq`` kind) are written with ``planes``, signed ones and small ones with
+    ``planes-rotl1``; a storage that spans two batches keeps its first piece's choice; the portable
+    profile keeps ``planes-rotl1``. Then, with the probe's margin set so that every storage it
+    samples takes ``planes``, deltas (the writer's op, and ``sub`` forced) under ``planes``: all
+    decode bit-exactly."""
+    import s4w_core
+    from s4w_core.gpu import _encode
+    from s4w_core.gpu import kernels as K
+
+    g = torch.Generator().manual_seed(3)
+    sq0 = (torch.randn(1_700_000, generator=g) ** 2).to(torch.bfloat16)  # 3.4 MB: two 3 MiB batches
+    obj = {
+        "sq": (sq0.float() * 1.01).to(torch.bfloat16),
+        "sq32": torch.randn(300_000, generator=g).abs(),
+        "w": torch.randn(300_000, generator=g).to(torch.bfloat16),
+        "tiny": torch.rand(100, generator=g).to(torch.bfloat16),
+    }
+    w0 = (obj["w"].float() + 1e-3 * torch.randn(300_000, generator=g)).to(torch.bfloat16)
+    bases = {"sq": sq0.view(torch.uint8).clone(), "w": w0.view(torch.uint8).clone()}
+
+    def lookup(path: str, nbytes: int, dtype: str) -> Any:
+        b = bases.get(path)
+        return (b, {"ref": path}) if b is not None and b.numel() == nbytes else None
+
+    def resolve(ref_: dict[str, Any], nbytes: int) -> torch.Tensor:
+        return bases[ref_["ref"]]
+
+    def save(profile: str, **kw: Any) -> dict[str, Any]:
+        buf = io.BytesIO()
+        with simulated_gpu():
+            s4w_core.save(obj, buf, profile=profile, **kw)
+            back, m = _decode_all_gpu_sim(buf.getvalue(), resolve)
+        assert_same(obj, back)
+        return m
+
+    m = save("fast")
+    tr = {s["path"]: s["transform"] for s in m["storages"]}
+    assert tr == {"sq": "planes", "sq32": "planes", "w": "planes-rotl1", "tiny": "planes-rotl1"}, tr
+    m = save("portable")
+    assert {s["transform"] for s in m["storages"]} == {"planes-rotl1"}, "the portable profile keeps rotl1"
+    seen = set()
+    with contextlib.ExitStack() as stack:
+        stack.callback(setattr, K, "LAYOUT_MARGIN", K.LAYOUT_MARGIN)
+        K.LAYOUT_MARGIN = -1e9  # every sampled storage takes planes
+        for forced in (None, "sub"):
+            if forced:
+                orig = _encode._choose_delta_ops
+
+                def force(cands: Any, pool: Any, o: Any = orig, f: str = forced, **kw: Any) -> list[Any]:
+                    return [f if c[0].base is not None else op for c, op in zip(cands, o(cands, pool, **kw))]
+
+                _encode._choose_delta_ops = force  # type: ignore[assignment]
+                stack.callback(setattr, _encode, "_choose_delta_ops", orig)
+            m = save("fast", _base_lookup=lookup)
+            tr = {s["path"]: s["transform"] for s in m["storages"]}
+            assert tr == {"sq": "planes", "sq32": "planes", "w": "planes", "tiny": "planes-rotl1"}, tr
+            for s in m["storages"]:
+                if s["delta"]:
+                    seen.add(s["delta"]["op"])
+    assert "sub" in seen and len(seen) >= 1, seen
+
+
 @check
 def pipeline_write_error_surfaces() -> None:
     """A failing write on the writer's I/O thread (disk full) reaches the caller; nothing hangs."""

@@ -145,6 +145,7 @@ def _decode_inputs(enc, tl):
     entries = []
     for k, t in enumerate(tl):
         transform, w = engine.transform_for(t.dtype, t.numel() * t.element_size())
+        transform = enc.transforms.get(k, transform)  # the layout the encoder's probe chose
         entries.append({"path": f"t{k}", "nbytes": t.numel() * t.element_size(), "_width": w, "transform": transform,
                         "segment_elems": seg, "dtype": engine.dtype_name(t.dtype), "checksum": "none"})
     layouts = [engine.chunk_layout(e) for e in entries]

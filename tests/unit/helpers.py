@@ -112,7 +112,7 @@ def deflate_plane0() -> Iterator[None]:
 
     choose = engine._choose_codec
     engine._choose_codec = lambda transform, j, plane: (  # type: ignore[assignment]
-        DEFLATE if transform == "planes-rotl1" and j == 0 else choose(transform, j, plane)
+        DEFLATE if transform in engine.PLANE_TRANSFORMS and j == 0 else choose(transform, j, plane)
     )
     try:
         yield
