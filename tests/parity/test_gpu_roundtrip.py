@@ -225,6 +225,50 @@ def test_delta_on_gpu(monkeypatch, forced):
         assert torch.equal(back["w"].cpu().view(torch.int16), w1.view(torch.int16))
 
 
+@pytest.mark.parametrize("where", [None, "cuda", "cpu"])
+def test_layout_choice_on_gpu(monkeypatch, where):
+    """The fast writer's per-storage layout choice on the device (kernels.layout_probe): a
+    non-negative tensor (Adam's ``exp_avg_sq`` kind, bf16 and fp32) takes ``planes``, signed weights
+    ``planes-rotl1``; with a delta base on the device and in pinned host memory (the store's cache of
+    the last step, staged per batch), and then with every sampled storage forced to ``planes``
+    (deltas under ``planes``); everything loads bit-exactly on the GPU."""
+    from s4w_core.gpu import kernels as K
+
+    g = torch.Generator().manual_seed(41)
+    sq0 = (torch.randn(1_000_000, generator=g) ** 2 * 1e-4).to(torch.bfloat16)
+    sq1 = (sq0.float() * (1 + 0.05 * torch.randn(1_000_000, generator=g)).abs()).to(torch.bfloat16)
+    state = {"sq": sq1.cuda(), "w": torch.randn(900_000, generator=g).to(torch.bfloat16).cuda(),
+             "f": torch.randn(300_000, generator=g).abs().cuda()}
+    base = None
+    if where is not None:
+        base = sq0.view(torch.uint8).cuda() if where == "cuda" else sq0.view(torch.uint8).clone().pin_memory()
+
+    def lookup(path, nbytes, dtype):
+        return (base, {"ref": "b"}) if base is not None and nbytes == base.numel() else None
+
+    def resolve(ref, nbytes):
+        return sq0.view(torch.uint8).cuda()
+
+    def save_load():
+        buf = io.BytesIO()
+        s4w_core.save(state, buf, profile="fast", _base_lookup=lookup)
+        m = s4w_core.api.open_reader(buf.getvalue()).manifest
+        back = s4w_core.load(buf.getvalue(), map_location="cuda", _resolve_base=resolve)
+        for k, t in state.items():
+            assert torch.equal(back[k].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), k
+        return {s["path"]: s for s in m["storages"]}
+
+    st = save_load()
+    assert st["w"]["transform"] == "planes-rotl1" and st["f"]["transform"] == "planes"
+    assert bool(st["sq"]["delta"]) == (where is not None)
+    if where is None:
+        assert st["sq"]["transform"] == "planes"
+    monkeypatch.setattr(K, "LAYOUT_MARGIN", -1e9)  # every sampled storage takes planes
+    st = save_load()
+    assert {s["transform"] for s in st.values()} == {"planes"}
+    assert bool(st["sq"]["delta"]) == (where is not None)
+
+
 def test_fast_ratio_beats_plain_bf16_on_normal_weights():
     w = torch.randn(4_000_000, device="cuda").to(torch.bfloat16)
     rep = s4w_core.save({"w": w}, io.BytesIO(), profile="fast")
