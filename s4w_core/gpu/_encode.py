@@ -711,7 +711,8 @@ class EncodePlan:
         self.prof, self.dev, self.raw_bytes, self.keep = prof, dev, batch.nbytes, keep
         k = len(pieces)
         meta = np.array(
-            [(p.e0, p.e1, p.w, p.seg, p.raw.data_ptr(), OPS[p.op] if p.base is not None else 0, p.transform == ROTL1)
+            [(p.e0, p.e1, p.w, p.seg, p.raw.data_ptr(), OPS[p.op] if p.base is not None else 0,
+              p.transform in engine.PLANE_TRANSFORMS)
              for p in pieces],
             dtype=np.int64,
         ).reshape(k, 7)
@@ -759,18 +760,18 @@ class EncodePlan:
         layout = np.array([p.layout for p in pieces], dtype=np.int64)
         small = ne < LAYOUT_RUNS * LAYOUT_RUN
         undecided = layout == LAYOUT_DECIDE
-        layout[undecided & (small | ~rot | (not prof.probe) | (self.host_bases and keep))] = LAYOUT_ROTL1
+        # delta residuals keep planes-rotl1: a store run (4 saves, bf16) lost 0.6% of its chain's ratio
+        # when they were probed too (docs/PERFORMANCE.md, "The layout choice")
+        has_base = np.array([p.base is not None for p in pieces], dtype=bool)
+        layout[undecided & (small | ~rot | (not prof.probe) | has_base)] = LAYOUT_ROTL1
         self.layout = layout
         self.split: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]] | None = None
         self.flag_slices: list[tuple[int, int, bool]] = []  # per split launch: its flags' slice, and whether to probe
         self.flags_init: torch.Tensor | None = None
         self.flags_run: torch.Tensor | None = None  # with ``keep``: the flags of a run (reset from flags_init)
         self.flag_order = np.zeros(0, dtype=np.int64)  # the pieces of the split's items, in launch order
-        # delta bases on the host (the store's cache of the previous step) are copied to the device
-        # here when the plan runs once (no ``keep``): the split's tables then hold their addresses
-        self._staged: dict[int, torch.Tensor] | None = {}
-        if not self.host_bases or not keep:
-            self.rows[:, 1], self._staged = _stage_bases(pieces, dev)
+        if not self.host_bases:
+            self.rows[:, 1] = _stage_bases(pieces, dev)[0]
             self.split = self._split_launches()
         self.out: torch.Tensor | None = None
         self.comp: torch.Tensor | None = None
@@ -844,9 +845,6 @@ class EncodePlan:
         flags: torch.Tensor | None = None
         if self.split is not None:
             assert self.flags_init is not None
-            if self._staged is None:
-                raise RuntimeError("EncodePlan: a plan with delta bases staged from the host runs once")
-            staged = self._staged
             if self.flags_run is not None:
                 flags = self.flags_run
                 flags.copy_(self.flags_init)
@@ -873,8 +871,6 @@ class EncodePlan:
                 b = staged[i] if i in staged else p.base[p.e0 * p.w : p.e1 * p.w]
                 torch.bitwise_xor(src, b, out=dst)
         del staged
-        if self.host_bases and not self.keep:
-            self._staged = None  # the staged bases go once their kernels are enqueued (the plan runs once)
         _mark("split", dev)
         # 2. one coder call over every chunk; the probe, on the device, zeroes the length handed to
         #    the coder of each chunk whose sample looks near random (it is then stored raw)

@@ -681,11 +681,10 @@ def pipeline_layout_choice() -> None:
     """The GPU writer's layout choice end to end (simulated nvCOMP): non-negative tensors (Adam's
     ``exp_avg_sq`` kind) are written with ``planes``, signed ones and small ones with
     ``planes-rotl1``; a storage that spans two batches keeps its first piece's choice; the portable
-    profile keeps ``planes-rotl1``. Then, with the probe's margin set so that every storage it
-    samples takes ``planes``, deltas (the writer's op, and ``sub`` forced) under ``planes``: all
-    decode bit-exactly."""
+    profile keeps ``planes-rotl1``, and so do delta residuals. Then containers written by the CPU
+    writer with ``planes`` forced, with ``xor`` and ``sub`` deltas, through the GPU reader's merges
+    and the CPU reader. All decode bit-exactly."""
     import s4w_core
-    from s4w_core.gpu import _encode
     from s4w_core.gpu import kernels as K
 
     g = torch.Generator().manual_seed(3)
@@ -719,26 +718,41 @@ def pipeline_layout_choice() -> None:
     assert tr == {"sq": "planes", "sq32": "planes", "w": "planes-rotl1", "tiny": "planes-rotl1"}, tr
     m = save("portable")
     assert {s["transform"] for s in m["storages"]} == {"planes-rotl1"}, "the portable profile keeps rotl1"
-    seen = set()
+    # deltas keep planes-rotl1, whatever the probe would say (the margin set so that it says planes)
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, K, "LAYOUT_MARGIN", K.LAYOUT_MARGIN)
-        K.LAYOUT_MARGIN = -1e9  # every sampled storage takes planes
-        for forced in (None, "sub"):
-            if forced:
-                orig = _encode._choose_delta_ops
+        K.LAYOUT_MARGIN = -1e9
+        m = save("fast", _base_lookup=lookup)
+        st = {s["path"]: s for s in m["storages"]}
+        assert st["sq"]["delta"] and st["w"]["delta"], st
+        tr = {p: s["transform"] for p, s in st.items()}
+        assert tr == {"sq": "planes-rotl1", "sq32": "planes", "w": "planes-rotl1", "tiny": "planes-rotl1"}, tr
+    # the GPU reader's merges under planes with each delta op: a CPU-written container with planes forced
+    from s4w_core import engine
 
-                def force(cands: Any, pool: Any, o: Any = orig, f: str = forced, **kw: Any) -> list[Any]:
-                    return [f if c[0].base is not None else op for c, op in zip(cands, o(cands, pool, **kw))]
+    for forced in ("xor", "sub"):
+        with contextlib.ExitStack() as stack:
+            orig_tf, orig_op = engine.transform_for, engine.choose_delta_op
 
-                _encode._choose_delta_ops = force  # type: ignore[assignment]
-                stack.callback(setattr, _encode, "_choose_delta_ops", orig)
-            m = save("fast", _base_lookup=lookup)
-            tr = {s["path"]: s["transform"] for s in m["storages"]}
-            assert tr == {"sq": "planes", "sq32": "planes", "w": "planes", "tiny": "planes-rotl1"}, tr
-            for s in m["storages"]:
-                if s["delta"]:
-                    seen.add(s["delta"]["op"])
-    assert "sub" in seen and len(seen) >= 1, seen
+            def tf(dtype: Any, nbytes: int, *, transform: Any = None, o: Any = orig_tf) -> Any:
+                return o(dtype, nbytes, transform=transform or ("planes" if o(dtype, nbytes)[0] != "bytes" else None))
+
+            def op(job: Any, transform: str, ops: Any = None, f: str = forced) -> Any:
+                return f
+
+            stack.callback(setattr, engine, "transform_for", orig_tf)
+            stack.callback(setattr, engine, "choose_delta_op", orig_op)
+            engine.transform_for = tf  # type: ignore[assignment]
+            engine.choose_delta_op = op  # type: ignore[assignment]
+            buf = io.BytesIO()
+            s4w_core.save(obj, buf, profile="portable", _base_lookup=lookup)
+        with simulated_gpu():
+            back, m = _decode_all_gpu_sim(buf.getvalue(), resolve)
+        assert_same(obj, back)
+        assert_same(obj, s4w_core.load(buf.getvalue(), _resolve_base=resolve))
+        st = {s["path"]: s for s in m["storages"]}
+        assert {s["transform"] for s in st.values()} == {"planes"}, st
+        assert st["sq"]["delta"]["op"] == forced and st["w"]["delta"]["op"] == forced
 
 
 @check

@@ -261,12 +261,38 @@ def test_layout_choice_on_gpu(monkeypatch, where):
     st = save_load()
     assert st["w"]["transform"] == "planes-rotl1" and st["f"]["transform"] == "planes"
     assert bool(st["sq"]["delta"]) == (where is not None)
-    if where is None:
-        assert st["sq"]["transform"] == "planes"
+    # a delta residual keeps planes-rotl1 (docs/PERFORMANCE.md, "The layout choice")
+    assert st["sq"]["transform"] == ("planes" if where is None else "planes-rotl1")
     monkeypatch.setattr(K, "LAYOUT_MARGIN", -1e9)  # every sampled storage takes planes
     st = save_load()
-    assert {s["transform"] for s in st.values()} == {"planes"}
-    assert bool(st["sq"]["delta"]) == (where is not None)
+    assert {p: s["transform"] for p, s in st.items()} == {
+        "sq": "planes" if where is None else "planes-rotl1", "w": "planes", "f": "planes"}
+
+
+@pytest.mark.parametrize("op", ["xor", "sub"])
+def test_planes_with_delta_decodes_on_gpu(monkeypatch, op):
+    """Containers in the ``planes`` transform with ``xor`` / ``sub`` deltas (written by the CPU
+    writer with the transform forced) decode bit-exactly through the GPU reader's merge kernels."""
+    from s4w_core import engine
+
+    g = torch.Generator().manual_seed(43)
+    w0 = torch.randn(1_000_000, generator=g).to(torch.bfloat16)
+    f0 = torch.randn(300_001, generator=g)
+    state = {"w": (w0.float() + 1e-3 * torch.randn(1_000_000, generator=g)).to(torch.bfloat16),
+             "f": f0 * (1 + 1e-4 * torch.randn(300_001, generator=g))}
+    bases = {2_000_000: w0.view(torch.uint8).clone(), 1_200_004: f0.view(torch.uint8).clone()}
+    orig_tf = engine.transform_for
+    monkeypatch.setattr(engine, "transform_for", lambda dtype, nbytes, *, transform=None: orig_tf(
+        dtype, nbytes, transform=transform or ("planes" if orig_tf(dtype, nbytes)[0] != "bytes" else None)))
+    monkeypatch.setattr(engine, "choose_delta_op", lambda job, transform, ops=None: op)
+    buf = io.BytesIO()
+    s4w_core.save(state, buf, profile="portable", _base_lookup=lambda path, nbytes, dtype: (bases[nbytes], {"n": nbytes}))
+    m = s4w_core.api.open_reader(buf.getvalue()).manifest
+    assert {(s["transform"], s["delta"]["op"]) for s in m["storages"]} == {("planes", op)}
+    back = s4w_core.load(buf.getvalue(), map_location="cuda", _resolve_base=lambda ref, nbytes: bases[nbytes].cuda())
+    for k, t in state.items():
+        assert back[k].is_cuda
+        assert torch.equal(back[k].cpu().view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), k
 
 
 def test_fast_ratio_beats_plain_bf16_on_normal_weights():
