@@ -763,15 +763,19 @@ class EncodePlan:
         # delta residuals keep planes-rotl1: a store run (4 saves, bf16) lost 0.6% of its chain's ratio
         # when they were probed too (docs/PERFORMANCE.md, "The layout choice")
         has_base = np.array([p.base is not None for p in pieces], dtype=bool)
-        layout[undecided & (small | ~rot | (not prof.probe) | has_base)] = LAYOUT_ROTL1
+        layout[undecided & (small | ~rot | (not prof.probe) | has_base | (self.host_bases and keep))] = LAYOUT_ROTL1
         self.layout = layout
         self.split: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]] | None = None
         self.flag_slices: list[tuple[int, int, bool]] = []  # per split launch: its flags' slice, and whether to probe
         self.flags_init: torch.Tensor | None = None
         self.flags_run: torch.Tensor | None = None  # with ``keep``: the flags of a run (reset from flags_init)
         self.flag_order = np.zeros(0, dtype=np.int64)  # the pieces of the split's items, in launch order
-        if not self.host_bases:
-            self.rows[:, 1] = _stage_bases(pieces, dev)[0]
+        # delta bases on the host (the store's cache of the previous step) are copied to the device
+        # here when the plan runs once (no ``keep``): the split's tables then hold their addresses, and
+        # the layout probe runs for the batch's other pieces whatever bases share their batch
+        self._staged: dict[int, torch.Tensor] | None = {}
+        if not self.host_bases or not keep:
+            self.rows[:, 1], self._staged = _stage_bases(pieces, dev)
             self.split = self._split_launches()
         self.out: torch.Tensor | None = None
         self.comp: torch.Tensor | None = None
@@ -845,6 +849,9 @@ class EncodePlan:
         flags: torch.Tensor | None = None
         if self.split is not None:
             assert self.flags_init is not None
+            if self._staged is None:
+                raise RuntimeError("EncodePlan: a plan with delta bases staged from the host runs once")
+            staged = self._staged
             if self.flags_run is not None:
                 flags = self.flags_run
                 flags.copy_(self.flags_init)
@@ -871,6 +878,8 @@ class EncodePlan:
                 b = staged[i] if i in staged else p.base[p.e0 * p.w : p.e1 * p.w]
                 torch.bitwise_xor(src, b, out=dst)
         del staged
+        if self.host_bases and not self.keep:
+            self._staged = None  # the staged bases go once their kernels are enqueued (the plan runs once)
         _mark("split", dev)
         # 2. one coder call over every chunk; the probe, on the device, zeroes the length handed to
         #    the coder of each chunk whose sample looks near random (it is then stored raw)
@@ -915,6 +924,8 @@ class EncodePlan:
             if got.min() < LAYOUT_ROTL1 or got.max() > LAYOUT_PLAIN:
                 raise RuntimeError("GPU writer: the layout probe left a piece undecided")  # never expected
             layout[self.flag_order[:nf]] = got
+        if (layout[self.rot] == LAYOUT_DECIDE).any():
+            raise RuntimeError("GPU writer: a piece's layout was never chosen")  # never expected
         layout[~self.rot] = 0
         coded, out_len, out_off, bad = back[0].astype(bool), back[1].copy(), back[2].copy(), back[3]
         if bad.any():
