@@ -623,16 +623,20 @@ PROBE_BYTES = 4096
 #: the probe sends a chunk other than a first (exponent) plane's to the coder only if its sample's
 #: order-0 entropy promises at least this saving; first planes are always coded.
 PROBE_MIN_GAIN = 0.05
+#: the same for a batch that holds delta residuals: their later planes often promise 1-5% (at 0.05 a
+#: store's chain of four bf16 saves lost 0.5% of its ratio; docs/PERFORMANCE.md, "The layout choice")
+PROBE_MIN_GAIN_DELTA = 0.01
 
 
-def probe_min_gain() -> float:
+def probe_min_gain(delta: bool = False) -> float:
     """The saving a later plane's chunk must promise to be coded: ``S4W_PROBE_MIN_GAIN`` (0 to 1)
-    or :data:`PROBE_MIN_GAIN`. 1 stores raw every later-plane chunk the probe samples (those of at
-    least :data:`PROBE_BYTES`): the encode and decode skip nvCOMP on the mantissa planes, for less
-    ratio (docs/PERFORMANCE.md, "Knobs")."""
+    or :data:`PROBE_MIN_GAIN` (:data:`PROBE_MIN_GAIN_DELTA` for a batch with ``delta`` residuals).
+    1 stores raw every later-plane chunk the probe samples (those of at least :data:`PROBE_BYTES`):
+    the encode and decode skip nvCOMP on the mantissa planes, for less ratio
+    (docs/PERFORMANCE.md, "Knobs")."""
     env = os.environ.get("S4W_PROBE_MIN_GAIN")
     if env is None or env == "":
-        return PROBE_MIN_GAIN
+        return PROBE_MIN_GAIN_DELTA if delta else PROBE_MIN_GAIN
     try:
         gain = float(env)
     except ValueError:
@@ -885,7 +889,7 @@ class EncodePlan:
         #    the coder of each chunk whose sample looks near random (it is then stored raw)
         if self.prof.probe:
             probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], PROBE_BYTES,
-                       8.0 * (1.0 - probe_min_gain()))
+                       8.0 * (1.0 - probe_min_gain(bool(self.ops.any()))))
         _mark("probe", dev)
         if isinstance(self.coder, _nvcomp._AnsC):  # noqa: SLF001 - sizes and statuses stay on the device
             self.coder.encode_cols(cols["in_ptr"], cols["gate"], cols["out_ptr"], cols["size"], cols["status"],

@@ -49,13 +49,15 @@ def test_host_layout_one_run_for_adjacent_chunks() -> None:
 def test_probe_min_gain_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     """``S4W_PROBE_MIN_GAIN`` sets the probe's gate for later planes (1: every sampled later-plane
     chunk stays raw); anything but a number from 0 to 1 is refused, naming the variable."""
-    from s4w_core.gpu._encode import PROBE_MIN_GAIN, probe_min_gain
+    from s4w_core.gpu._encode import PROBE_MIN_GAIN, PROBE_MIN_GAIN_DELTA, probe_min_gain
 
     monkeypatch.delenv("S4W_PROBE_MIN_GAIN", raising=False)
     assert probe_min_gain() == PROBE_MIN_GAIN
-    for value, want in (("1", 1.0), ("0.05", 0.05), ("0", 0.0), ("", PROBE_MIN_GAIN)):
-        monkeypatch.setenv("S4W_PROBE_MIN_GAIN", value)
-        assert probe_min_gain() == want
+    assert probe_min_gain(delta=True) == PROBE_MIN_GAIN_DELTA < PROBE_MIN_GAIN
+    for value, want, want_delta in (("1", 1.0, 1.0), ("0.05", 0.05, 0.05), ("0", 0.0, 0.0),
+                                    ("", PROBE_MIN_GAIN, PROBE_MIN_GAIN_DELTA)):
+        monkeypatch.setenv("S4W_PROBE_MIN_GAIN", value)  # set, it overrides both defaults
+        assert probe_min_gain() == want and probe_min_gain(delta=True) == want_delta
     for bad in ("x", "-0.1", "1.5", "nan"):
         monkeypatch.setenv("S4W_PROBE_MIN_GAIN", bad)
         with pytest.raises(ValueError, match="S4W_PROBE_MIN_GAIN"):
