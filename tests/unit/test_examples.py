@@ -3,7 +3,6 @@ not import s4w_core) decodes what s4w_core writes — the proof that docs/FORMAT
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import subprocess
@@ -19,16 +18,6 @@ from s4w_core import checksum, engine
 from tests.unit.helpers import bits, forge
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def rc() -> Any:
-    spec = importlib.util.spec_from_file_location("read_container", ROOT / "examples" / "read_container.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["read_container"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _same(rc: Any, ref: Any, loaded: Any, path: str = "") -> None:

@@ -7,9 +7,7 @@ examples of the spec; CPU containers written with it (``encode_storage_cpu(..., 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import io
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -242,16 +240,6 @@ def _force(transform: str) -> Callable[..., Any]:
         return orig(job, writer, pool, segment_elems, **kw)
 
     return enc
-
-
-@pytest.fixture(scope="module")
-def rc() -> Any:
-    spec = importlib.util.spec_from_file_location("read_container", ROOT / "examples" / "read_container.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["read_container"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _state() -> dict[str, torch.Tensor]:
