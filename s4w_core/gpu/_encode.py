@@ -77,6 +77,9 @@ PLAIN = "planes"
 #: a piece's layout flag (``_Piece.layout``, the split's per-item flags): decided on the device by
 #: the layout probe, or given
 LAYOUT_DECIDE, LAYOUT_ROTL1, LAYOUT_PLAIN = 0, 1, 2
+#: whether the layout probe also chooses for delta residuals (off: they keep planes-rotl1; a
+#: benchmark switches it on to measure, docs/PERFORMANCE.md, "The layout choice")
+LAYOUT_DELTAS = False
 
 
 @dataclass(frozen=True)
@@ -766,7 +769,7 @@ class EncodePlan:
         undecided = layout == LAYOUT_DECIDE
         # delta residuals keep planes-rotl1: a store run (4 saves, bf16) lost 0.6% of its chain's ratio
         # when they were probed too (docs/PERFORMANCE.md, "The layout choice")
-        has_base = np.array([p.base is not None for p in pieces], dtype=bool)
+        has_base = np.array([p.base is not None and not LAYOUT_DELTAS for p in pieces], dtype=bool)
         layout[undecided & (small | ~rot | (not prof.probe) | has_base | (self.host_bases and keep))] = LAYOUT_ROTL1
         self.layout = layout
         self.split: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]] | None = None
