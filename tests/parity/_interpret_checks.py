@@ -383,6 +383,68 @@ def batched_kernels_vs_reference(device: str = "cpu") -> None:
     assert k.fold64_finish(int(sums[0]), xs[-1].numel() - 3) == ck.fold64(xs[-1][3:].clone())
 
 
+def plain_kernels_vs_reference(device: str = "cpu") -> None:
+    """The kernels under the ``planes`` transform against the CPU reference (``rot=False``): the
+    split with per-item flags (plain and rotl1 items in one launch), the merge from a planes buffer
+    and the in-place chunk merge with the ``PLAIN`` op bit, for every bf16 and fp16 pattern and fp32
+    specials, without a delta and with ``xor`` / ``sub``."""
+    from s4w_core import delta
+    from s4w_core.planes import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(21)
+    cases = [(torch.bfloat16, all16()), (torch.float16, all16()), (torch.float32, fp32_patterns(20_000, 3))]
+    for dt, raw in cases:
+        w = ref.plane_width(dt)
+        n = raw.numel() // w
+        base = torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=g)
+        for op in (None, "xor", "sub"):
+            b = None if op is None else base
+            resid = delta.forward("sub", raw, base, dt) if op == "sub" else raw
+            want_plain = ref.split_planes(resid, dt, None if op != "xor" else base, rot=False)
+            want_rot = ref.split_planes(resid, dt, None if op != "xor" else base)
+            code = tk.OPS[op]
+            # two items over the same input, the first plain, the second rotl1, in one split launch
+            ps = n + (16 - n % 16) % 16
+            rd, bd = raw.to(device), (b.to(device) if b is not None else None)
+            out = torch.zeros(2 * w * ps + 64, dtype=torch.uint8, device=device)
+            rows = np.array([[rd.data_ptr(), bd.data_ptr() if bd is not None else 0, o, n, 2 * ps] for o in (0, ps)],
+                            dtype=np.int64)
+            block, _ = tk.block_config(tk.SPLIT)
+            table, pmap, total = tk.item_table(rows, -(-rows[:, 3] // block), out.device)
+            flags = torch.tensor([2, 1], dtype=torch.int64, device=device)
+            tk.launch_items(tk.SPLIT, w, code, table, pmap, total, out, True, flags=flags)
+            host = out.cpu()
+            for o, want in ((0, want_plain), (ps, want_rot)):
+                for j in range(w):
+                    got = host[o + j * 2 * ps : o + j * 2 * ps + n]
+                    assert torch.equal(got, want[j]), (dt, op, o, j)
+            # merge from a planes buffer (launch_rows) with the PLAIN bit
+            planes = torch.cat([want_plain[j] for j in range(w)]).to(device)
+            dst = torch.full((raw.numel(),), 0x5A, dtype=torch.uint8, device=device)
+            mrows = np.array([[dst.data_ptr(), bd.data_ptr() if bd is not None else 0, 0, n, n]], dtype=np.int64)
+            tk.launch_rows(tk.MERGE, w, planes, mrows, np.array([code | tk.PLAIN], dtype=np.int64))
+            assert torch.equal(dst.cpu(), raw), (dt, op, "merge")
+            # the in-place chunk merge (one segment per chunk) with the PLAIN bit
+            seg = tk.merge_block() * 2
+            nseg = -(-n // seg)
+            chunks = []
+            for s_ in range(nseg):
+                for j in range(w):
+                    chunks.append(want_plain[j][s_ * seg : (s_ + 1) * seg].clone().to(device))
+            addr = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64, device=device)
+            dst2 = torch.full((raw.numel(),), 0x5A, dtype=torch.uint8, device=device)
+            crow = np.array([[dst2.data_ptr(), bd.data_ptr() if bd is not None else 0, 0, n, seg]], dtype=np.int64)
+            aligned = all(c.data_ptr() % 16 == 0 for c in chunks) and dst2.data_ptr() % 16 == 0 and (
+                bd is None or bd.data_ptr() % 16 == 0)
+            tk.merge_chunks(w, addr, crow, np.array([code | tk.PLAIN], dtype=np.int64), aligned)
+            assert torch.equal(dst2.cpu(), raw), (dt, op, "merge_chunks")
+
+
+@check
+def plain_kernels() -> None:
+    plain_kernels_vs_reference()
+
+
 @check
 def batched_kernels() -> None:
     batched_kernels_vs_reference("cpu")

@@ -100,6 +100,15 @@ def test_encode_choice_on_device():
     encode_choice_vs_numpy("cuda")
 
 
+def test_plain_planes_kernels_on_device():
+    """The split (per-item flags), merge and in-place chunk merge under ``planes`` against the CPU
+    reference, compiled (the interpreted check ``plain_kernels`` runs the same in CI)."""
+    pytest.importorskip("triton")
+    from tests.parity._interpret_checks import plain_kernels_vs_reference
+
+    plain_kernels_vs_reference("cuda")
+
+
 def test_merge_chunks_on_device():
     pytest.importorskip("triton")
     from tests.parity._interpret_checks import merge_chunks_vs_reference
