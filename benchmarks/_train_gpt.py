@@ -197,6 +197,15 @@ class Trainer:
             out.extend(v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor))
         return out
 
+    def labels(self) -> list[str]:
+        """A group name per tensor of :meth:`_live`, in its order: ``weights``, then each
+        optimizer-state key (``exp_avg``, ``exp_avg_sq``, ...)."""
+        params = list(self.model.parameters())
+        out = ["weights"] * len(params)
+        for p in params:
+            out.extend(k for k, v in sorted(self.opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor))
+        return out
+
     def snapshot(self) -> dict:
         """Copies of everything :meth:`step` changes (on the tensors' own devices)."""
         return {

@@ -94,10 +94,7 @@ def main() -> int:
             if a.delta and i == a.steps - a.delta:
                 snap = [t.detach().clone() for t in tr._live()]
             tr.step()
-        params = list(tr.model.parameters())
-        labels = ["weights"] * len(params)
-        for p in params:
-            labels.extend(k for k, v in sorted(tr.opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor))
+        labels = tr.labels()
         live = tr._live()
         kinds = [("none", None)] + ([("xor", snap), ("sub", snap)] if snap is not None else [])
         table: dict[str, Any] = {}

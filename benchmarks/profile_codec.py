@@ -292,16 +292,6 @@ def later_curve(tl: list[torch.Tensor], labels: list[str]) -> dict[str, Any]:
             "saved_MB": round(float(saved.sum()) / 1e6, 1), "by_saving": rows, "by_group_raw_saved_MB": groups}
 
 
-def _labels(tr: Any) -> list[str]:
-    """A group name per tensor of ``tr._live()``, in its order: weights, then each optimizer-state key."""
-    params = list(tr.model.parameters())
-    out = ["weights"] * len(params)
-    for p in params:
-        st = tr.opt.state.get(p, {})
-        out.extend(k for k, v in sorted(st.items()) if isinstance(v, torch.Tensor))
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="medium")
@@ -329,7 +319,7 @@ def main() -> int:
         torch.cuda.synchronize(dev)
         keep = [t.is_floating_point() and t.numel() > 0 and t.is_cuda for t in tr._live()]
         tl = [t for t, k in zip(tr._live(), keep) if k]
-        labels = [lab for lab, k in zip(_labels(tr), keep) if k]
+        labels = [lab for lab, k in zip(tr.labels(), keep) if k]
         raw = sum(t.numel() * t.element_size() for t in tl)
         v: dict[str, Any] = {"tensors": len(tl), "raw_bytes": raw, "ans_alone": run_ans(tl, a.repeats, dev), "s4w": []}
         print(f"[{variant}] {len(tl)} tensors, {raw / GB:.3f} GB; ANS alone {json.dumps(v['ans_alone'])}", flush=True)

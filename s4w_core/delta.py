@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from s4w_core.format.manifest import PLANE_TRANSFORMS
+
 __all__ = ["OPS", "ops_for", "forward", "inverse"]
 
 OPS = ("xor", "sub")
@@ -42,7 +44,7 @@ _SUB_DTYPES = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 def ops_for(dtype: torch.dtype, transform: str) -> tuple[str, ...]:
     """The delta ops that apply to a storage of ``dtype`` coded with ``transform``: both for the
     byte-plane transforms (``planes-rotl1``, ``planes``), ``xor`` only for ``bytes``."""
-    if transform in ("planes-rotl1", "planes") and dtype in _SUB_DTYPES:
+    if transform in PLANE_TRANSFORMS and dtype in _SUB_DTYPES:
         return OPS
     return ("xor",)
 

@@ -31,6 +31,7 @@ from s4w_core.errors import (
     UnsupportedTypeError,
 )
 from s4w_core.format.container import ContainerReader, ContainerWriter
+from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, ROTL1
 from s4w_core.planes import PLANE_DTYPES, merge_planes, plane_width, split_planes
 from s4w_core.planes.reference import merge_hash_into, merge_into
 
@@ -154,10 +155,8 @@ class Collector:
 
 
 # ----------------------------------------------------------------------------- helpers
-#: the byte-plane transforms (docs/FORMAT.md 4.5 and 4.5b): ``planes-rotl1`` rotates each element
-#: left by one bit before the split, ``planes`` splits it as it is. Both apply to the dtypes of
-#: :data:`~s4w_core.planes.PLANE_DTYPES`, with the same widths, segments, chunks and delta ops.
-PLANE_TRANSFORMS = ("planes-rotl1", "planes")
+#: every transform (:data:`PLANE_TRANSFORMS`, defined with the format, apply to the dtypes of
+#: :data:`~s4w_core.planes.PLANE_DTYPES`, with the same widths, segments, chunks and delta ops)
 _TRANSFORMS = (*PLANE_TRANSFORMS, "bytes")
 
 
@@ -171,9 +170,9 @@ def plane_rot(transform: str) -> bool:
         >>> plane_rot("planes-rotl1"), plane_rot("planes")
         (True, False)
     """
-    if transform == "planes-rotl1":
+    if transform == ROTL1:
         return True
-    if transform == "planes":
+    if transform == PLAIN:
         return False
     raise ValueError(f"{transform!r} is not a byte-plane transform (one of {PLANE_TRANSFORMS})")
 
@@ -520,9 +519,7 @@ def decode_storage_cpu(
     decoded = _ordered(pool, fetch_decode, [(i,) for i in range(len(chunks))])
     out_np = out.numpy()
     is_planes = transform in PLANE_TRANSFORMS
-    # ``rot`` is passed only for ``planes`` (False): planes-rotl1 storages call the merges exactly
-    # as before (tests and tools wrap them with the old signature)
-    rot_kw: dict[str, bool] = {} if not is_planes or plane_rot(transform) else {"rot": False}
+    rot = is_planes and plane_rot(transform)
     merge_fast = is_planes and (base is None or op == "xor")
     base_np = None if base is None else base.numpy()
     expected = entry["checksum"]
@@ -543,20 +540,20 @@ def decode_storage_cpu(
         a, z = s0 * w, s1 * w
         if merge_fast:
             if hasher is None:
-                merge_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z], **rot_kw)
+                merge_into(parts, w, out_np[a:z], None if base_np is None else base_np[a:z], rot=rot)
             else:
                 merge_hash_into(
-                    parts, w, out_np[a:z], None if base_np is None else base_np[a:z], hasher.update, **rot_kw
+                    parts, w, out_np[a:z], None if base_np is None else base_np[a:z], hasher.update, rot=rot
                 )
                 hashed += z - a
             continue
         b = base[a:z] if base is not None else None
         planes = torch.from_numpy(np.stack(parts)) if parts[0].size else torch.empty((w, 0), dtype=torch.uint8)
         if b is not None and op != "xor":  # residual planes, then the inverse delta op
-            seg_t = merge_planes(planes, dtype, None, **rot_kw) if is_planes else planes.view(-1)
+            seg_t = merge_planes(planes, dtype, None, rot=rot) if is_planes else planes.view(-1)
             seg_t = delta.inverse(op, seg_t, b, dtype)
         elif is_planes:
-            seg_t = merge_planes(planes, dtype, b, **rot_kw)
+            seg_t = merge_planes(planes, dtype, b, rot=rot)
         else:
             seg_t = planes.view(-1) if b is None else planes.view(-1) ^ b
         out[a:z] = seg_t

@@ -12,16 +12,19 @@ from typing import Any
 from s4w_core.errors import ManifestError, UnsupportedVersionError
 from s4w_core.format.container import FORMAT_VERSION
 
-__all__ = ["validate_manifest", "MAX_EXPANSION", "MAX_SEGMENT_BYTES", "MAX_STORAGE_BYTES"]
+__all__ = ["validate_manifest", "MAX_EXPANSION", "MAX_SEGMENT_BYTES", "MAX_STORAGE_BYTES", "PLANE_TRANSFORMS"]
 
 #: largest decoded/stored ratio a chunk of each codec may claim (deflate's format limit is
 #: ~1032:1; zstd and ANS can go further on constant data, capped here).
 MAX_EXPANSION = {"raw": 1, "deflate": 1040, "zstd": 1 << 16, "nvcomp-ans": 1 << 16}
 MAX_SEGMENT_BYTES = 1 << 26
 MAX_STORAGE_BYTES = 1 << 48
-_WIDTH = {"planes-rotl1": None, "planes": None, "bytes": 1}
-#: the byte-plane transforms (width from the dtype, docs/FORMAT.md 4.5 and 4.5b)
-_PLANE_TRANSFORMS = ("planes-rotl1", "planes")
+#: the byte-plane transforms (docs/FORMAT.md 4.5 and 4.5b): ``planes-rotl1`` rotates each element
+#: left by one bit before the split, ``planes`` splits it as it is; the width comes from the dtype.
+#: The one definition of these names (s4w_core.engine, .delta and .gpu import them).
+ROTL1, PLAIN = "planes-rotl1", "planes"
+PLANE_TRANSFORMS = (ROTL1, PLAIN)
+_WIDTH = {ROTL1: None, PLAIN: None, "bytes": 1}
 #: delta ops (s4w_core.delta): "xor" for any storage, "sub" for byte-plane (planes-rotl1, planes) storages.
 _DELTA_OPS = ("xor", "sub")
 _PLANE_WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -58,7 +61,7 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
             raise ManifestError(f"manifest: {where} has unknown transform {tr!r}")
         if not isinstance(s.get("dtype"), str):
             raise ManifestError(f"manifest: {where} dtype must be a string")
-        w = _PLANE_WIDTH.get(s["dtype"]) if tr in _PLANE_TRANSFORMS else 1
+        w = _PLANE_WIDTH.get(s["dtype"]) if tr in PLANE_TRANSFORMS else 1
         if w is None or nbytes % w:
             raise ManifestError(f"manifest: {where}: transform {tr} does not apply to {s['dtype']} x {nbytes} bytes")
         seg = _int(s.get("segment_elems"), f"{where} segment_elems", 1, MAX_SEGMENT_BYTES // w)
@@ -68,7 +71,7 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
         delta = s.get("delta")
         if delta is not None and (not isinstance(delta, dict) or delta.get("op") not in _DELTA_OPS):
             raise ManifestError(f"manifest: {where} has an unknown delta {delta!r}")
-        if delta is not None and delta["op"] == "sub" and tr not in _PLANE_TRANSFORMS:
+        if delta is not None and delta["op"] == "sub" and tr not in PLANE_TRANSFORMS:
             raise ManifestError(
                 f"manifest: {where}: delta op 'sub' applies only to byte-plane (planes-rotl1, planes) storages"
             )

@@ -42,14 +42,15 @@ from s4w_core import engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW, get_codec
 from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
+from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._encode import TRACE_MARKS, _mark
 from s4w_core.gpu.kernels import fold64_finish, fold64_launch, fold64_programs, fold64_rows, gather_copy
 from s4w_core.planes.triton_kernels import (
     MERGE,
     MERGE_CHUNKS,
+    OP_PLAIN,
     OPS,
-    PLAIN,
     Tables,
     block_config,
     launch_items,
@@ -61,7 +62,6 @@ from s4w_core.planes.triton_kernels import (
 __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
 _A = _nvcomp.ALIGN
-_PLAIN = "planes"
 
 #: a file gap (bytes of chunks outside the batch) up to this size between two chunks is read and
 #: dropped, so that both chunks come in one read ...
@@ -434,7 +434,7 @@ class DecodePlan:
         p.key = _plan_key()
         k_n = p.k = len(entries)
         meta = np.array(
-            [(e["_width"], e["nbytes"], e["transform"] in engine.PLANE_TRANSFORMS, e["segment_elems"],
+            [(e["_width"], e["nbytes"], e["transform"] in PLANE_TRANSFORMS, e["segment_elems"],
               e["checksum"].startswith("fold64:"))
              for e in entries],
             dtype=np.int64,
@@ -448,8 +448,8 @@ class DecodePlan:
                 if op not in (("xor", "sub") if rot[i] else ("xor",)):
                     raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r}")
                 p.op[i] = OPS[op]
-            if e["transform"] == _PLAIN:
-                p.op[i] |= PLAIN  # the merge launches are grouped by this code: one more constexpr
+            if e["transform"] == PLAIN:
+                p.op[i] |= OP_PLAIN  # the merge launches are grouped by this code: one more constexpr
         n_el = p.n_el = meta[:, 1] // width
         ps = (n_el + _A - 1) // _A * _A
         size = (width * ps + 255) // 256 * 256

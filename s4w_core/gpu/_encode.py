@@ -44,6 +44,7 @@ from s4w_core import delta, engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW
 from s4w_core.errors import BaseMismatchError
 from s4w_core.format.container import ContainerWriter
+from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, ROTL1
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu.kernels import (
     LAYOUT_RUN,
@@ -72,8 +73,6 @@ MIN_GAIN = 0.005
 #: non-float storages up to this size take the CPU path (zstd) in the fast profile.
 SMALL_BYTES_STORAGE = 1 << 20
 _REGION_ALIGN = 256
-ROTL1 = "planes-rotl1"
-PLAIN = "planes"
 #: a piece's layout flag (``_Piece.layout``, the split's per-item flags): decided on the device by
 #: the layout probe, or given
 LAYOUT_DECIDE, LAYOUT_ROTL1, LAYOUT_PLAIN = 0, 1, 2
@@ -302,7 +301,7 @@ def _choose_delta_ops(
             r = raw_s[off[k] : off[k] + c * w]
             b = base_s[off[k] : off[k] + c * w]
             use = op if op in delta.ops_for(job.dtype, transform) else None
-            if transform == "planes-rotl1":
+            if transform in PLANE_TRANSFORMS:
                 by_width.setdefault(w, []).append((r, b if use else None, off[k], c, use or "xor"))
             elif use == "xor":
                 torch.bitwise_xor(r, b, out=buf[off[k] : off[k] + c])
@@ -719,7 +718,7 @@ class EncodePlan:
         k = len(pieces)
         meta = np.array(
             [(p.e0, p.e1, p.w, p.seg, p.raw.data_ptr(), OPS[p.op] if p.base is not None else 0,
-              p.transform in engine.PLANE_TRANSFORMS)
+              p.transform in PLANE_TRANSFORMS)
              for p in pieces],
             dtype=np.int64,
         ).reshape(k, 7)
@@ -826,7 +825,9 @@ class EncodePlan:
                                tables.add(program_map(programs)), int(programs.sum()), aligned, idx,
                                bool((self.layout[idx] == LAYOUT_DECIDE).any())))
         order = np.concatenate([g[6] for g in groups]) if groups else np.zeros(0, dtype=np.int64)
-        self.flag_slices = [(int(np.sum([len(h[6]) for h in groups[:i]])), len(g[6]), g[7]) for i, g in enumerate(groups)]
+        counts = [len(g[6]) for g in groups]
+        starts = np.cumsum([0, *counts])[:-1].tolist()
+        self.flag_slices = [(pos, cnt, g[7]) for pos, cnt, g in zip(starts, counts, groups)]
         t_flags = tables.add(self.layout[order] if len(order) else np.zeros(1, dtype=np.int64))
         self.flag_order = order
         dev = tables.upload(self.dev)

@@ -240,13 +240,19 @@ def fold64_rows(addr: np.ndarray, nbytes: np.ndarray, slot: np.ndarray, acc: tor
 
 
 @triton.jit
+def _entropy256(x, N: tl.constexpr):
+    """Order-0 entropy in bits of ``N`` values 0..255 (a 1-D tensor)."""
+    h = tl.histogram(x, 256).to(tl.float32)
+    p = h / N
+    return -tl.sum(tl.where(h > 0, p * tl.log2(tl.where(h > 0, p, 1.0)), 0.0), axis=0)
+
+
+@triton.jit
 def _sample_bits(buf_ptr, st, RUNS: tl.constexpr, RUN: tl.constexpr):
     """Order-0 entropy (bits per byte, float32) of the bytes ``buf[s : s + RUN]`` for every ``s`` in
     ``st`` taken together: one histogram."""
     x = tl.load(buf_ptr + st[:, None] + tl.arange(0, RUN)[None, :]).to(tl.int32) & 0xFF
-    h = tl.histogram(tl.reshape(x, (RUNS * RUN,)), 256).to(tl.float32)
-    p = h / (RUNS * RUN)
-    return -tl.sum(tl.where(h > 0, p * tl.log2(tl.where(h > 0, p, 1.0)), 0.0), axis=0)
+    return _entropy256(tl.reshape(x, (RUNS * RUN,)), RUNS * RUN)
 
 
 @triton.jit
@@ -286,14 +292,6 @@ LAYOUT_RUNS = 16
 LAYOUT_RUN = 128
 #: bits per element by which ``planes`` must beat ``planes-rotl1`` on the sample's plane 0
 LAYOUT_MARGIN = 0.125
-
-
-@triton.jit
-def _entropy256(x, N: tl.constexpr):
-    """Order-0 entropy in bits of ``N`` values 0..255 (a 1-D tensor)."""
-    h = tl.histogram(x, 256).to(tl.float32)
-    p = h / N
-    return -tl.sum(tl.where(h > 0, p * tl.log2(tl.where(h > 0, p, 1.0)), 0.0), axis=0)
 
 
 @triton.jit

@@ -97,12 +97,11 @@ def merge_hash_into(
     if n * w != out.size:
         raise ValueError(f"merge_hash_into: out {out.size} bytes is not a whole number of {w}-byte elements")
     merge = _jit.merge_range(parts, w, out, base) if rot else None
-    rot_kw: dict[str, bool] = {} if rot else {"rot": False}  # the default call as it always was
     if merge is None:  # numpy: merge_into on each block's slices
 
         def merge(a: int, z: int) -> None:
             merge_into(
-                [p[a:z] for p in parts], w, out[a * w : z * w], None if base is None else base[a * w : z * w], **rot_kw
+                [p[a:z] for p in parts], w, out[a * w : z * w], None if base is None else base[a * w : z * w], rot=rot
             )
 
     step = max(1, block // w)

@@ -42,7 +42,7 @@ __all__ = [
     "split_planes_batched",
     "merge_planes_batched",
     "OPS",
-    "PLAIN",
+    "OP_PLAIN",
     "block_config",
     "launch_rows",
     "upload",
@@ -61,7 +61,7 @@ __all__ = [
 OPS = {None: 0, "xor": 1, "sub": 2}
 #: added to an :data:`OPS` code: the ``planes`` transform (no rotation; docs/FORMAT.md 4.5b) instead
 #: of ``planes-rotl1``. The split also takes the choice per item at run time (``FLAGS``).
-PLAIN = 4
+OP_PLAIN = 4
 _ROW = 6  # item table row: src, base, planes offset, n, plane stride, first program
 
 
@@ -87,7 +87,7 @@ def _item_of(items_ptr, map_ptr, pid, BLOCK: tl.constexpr):
 @triton.jit
 def _fwd16(u, v, OP: tl.constexpr, plain):
     """Delta residual of 16-bit patterns ``u`` against ``v`` (int32 holding 0..65535), rotated left by 1
-    unless ``OP`` has the :data:`PLAIN` bit or ``plain`` (a run-time scalar) is non-zero."""
+    unless ``OP`` has the :data:`OP_PLAIN` bit or ``plain`` (a run-time scalar) is non-zero."""
     if (OP & 3) == 1:
         u = u ^ v
     elif (OP & 3) == 2:
@@ -457,7 +457,7 @@ def launch_items(kernel: Any, w: int, op: int, table: torch.Tensor, prog_map: to
     """One launch of a batched plane kernel over a table uploaded ahead (see :class:`Tables`): the
     caller built ``table`` (rows ending in each item's first program) and ``prog_map`` for
     :func:`block_config`'s block and checked the addresses in them. ``flags`` (the split only): one
-    int64 per item, ``2`` where the item takes the ``planes`` transform (see :data:`PLAIN`)."""
+    int64 per item, ``2`` where the item takes the ``planes`` transform (see :data:`OP_PLAIN`)."""
     block, warps = block_config(kernel)
     if kernel is _split_kernel:
         kernel[(programs,)](table, prog_map, arg, table if flags is None else flags, W=w, OP=op, FLAGS=flags is not None,
@@ -469,15 +469,11 @@ def launch_items(kernel: Any, w: int, op: int, table: torch.Tensor, prog_map: to
 def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: Any) -> None:
     """One launch of ``kernel(table, map, arg, ...)`` per delta op in ``ops`` over the items
     ``rows`` (element count in column 3); ``aligned(rows)``: whether they may take the vector path."""
-    block, warps = block_config(kernel)
+    block, _warps = block_config(kernel)
     for code in np.unique(ops).tolist():
         r = rows[ops == code]
         table, prog_map, total = item_table(r, -(-r[:, 3] // block), arg.device)
-        if kernel is _split_kernel:
-            kernel[(total,)](table, prog_map, arg, table, W=w, OP=int(code), FLAGS=False, ALIGNED=aligned(r), BLOCK=block,
-                             num_warps=warps)
-        else:
-            kernel[(total,)](table, prog_map, arg, W=w, OP=int(code), ALIGNED=aligned(r), BLOCK=block, num_warps=warps)
+        launch_items(kernel, w, int(code), table, prog_map, total, arg, aligned(r))
 
 
 def _wide() -> bool:

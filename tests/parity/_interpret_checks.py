@@ -386,7 +386,7 @@ def batched_kernels_vs_reference(device: str = "cpu") -> None:
 def plain_kernels_vs_reference(device: str = "cpu") -> None:
     """The kernels under the ``planes`` transform against the CPU reference (``rot=False``): the
     split with per-item flags (plain and rotl1 items in one launch), the merge from a planes buffer
-    and the in-place chunk merge with the ``PLAIN`` op bit, for every bf16 and fp16 pattern and fp32
+    and the in-place chunk merge with the ``OP_PLAIN`` op bit, for every bf16 and fp16 pattern and fp32
     specials, without a delta and with ``xor`` / ``sub``."""
     from s4w_core import delta
     from s4w_core.planes import triton_kernels as tk
@@ -418,13 +418,13 @@ def plain_kernels_vs_reference(device: str = "cpu") -> None:
                 for j in range(w):
                     got = host[o + j * 2 * ps : o + j * 2 * ps + n]
                     assert torch.equal(got, want[j]), (dt, op, o, j)
-            # merge from a planes buffer (launch_rows) with the PLAIN bit
+            # merge from a planes buffer (launch_rows) with the OP_PLAIN bit
             planes = torch.cat([want_plain[j] for j in range(w)]).to(device)
             dst = torch.full((raw.numel(),), 0x5A, dtype=torch.uint8, device=device)
             mrows = np.array([[dst.data_ptr(), bd.data_ptr() if bd is not None else 0, 0, n, n]], dtype=np.int64)
-            tk.launch_rows(tk.MERGE, w, planes, mrows, np.array([code | tk.PLAIN], dtype=np.int64))
+            tk.launch_rows(tk.MERGE, w, planes, mrows, np.array([code | tk.OP_PLAIN], dtype=np.int64))
             assert torch.equal(dst.cpu(), raw), (dt, op, "merge")
-            # the in-place chunk merge (one segment per chunk) with the PLAIN bit
+            # the in-place chunk merge (one segment per chunk) with the OP_PLAIN bit
             seg = tk.merge_block() * 2
             nseg = -(-n // seg)
             chunks = []
@@ -436,7 +436,7 @@ def plain_kernels_vs_reference(device: str = "cpu") -> None:
             crow = np.array([[dst2.data_ptr(), bd.data_ptr() if bd is not None else 0, 0, n, seg]], dtype=np.int64)
             aligned = all(c.data_ptr() % 16 == 0 for c in chunks) and dst2.data_ptr() % 16 == 0 and (
                 bd is None or bd.data_ptr() % 16 == 0)
-            tk.merge_chunks(w, addr, crow, np.array([code | tk.PLAIN], dtype=np.int64), aligned)
+            tk.merge_chunks(w, addr, crow, np.array([code | tk.OP_PLAIN], dtype=np.int64), aligned)
             assert torch.equal(dst2.cpu(), raw), (dt, op, "merge_chunks")
 
 
@@ -791,20 +791,18 @@ def pipeline_layout_choice() -> None:
         assert tr == {"sq": "planes-rotl1", "sq32": "planes", "w": "planes-rotl1", "tiny": "planes-rotl1"}, tr
     # the GPU reader's merges under planes with each delta op: a CPU-written container with planes forced
     from s4w_core import engine
+    from tests.unit.helpers import cpu_writer_with
 
     for forced in ("xor", "sub"):
         with contextlib.ExitStack() as stack:
-            orig_tf, orig_op = engine.transform_for, engine.choose_delta_op
-
-            def tf(dtype: Any, nbytes: int, *, transform: Any = None, o: Any = orig_tf) -> Any:
-                return o(dtype, nbytes, transform=transform or ("planes" if o(dtype, nbytes)[0] != "bytes" else None))
+            orig_enc, orig_op = engine.encode_storage_cpu, engine.choose_delta_op
 
             def op(job: Any, transform: str, ops: Any = None, f: str = forced) -> Any:
                 return f
 
-            stack.callback(setattr, engine, "transform_for", orig_tf)
+            stack.callback(setattr, engine, "encode_storage_cpu", orig_enc)
             stack.callback(setattr, engine, "choose_delta_op", orig_op)
-            engine.transform_for = tf  # type: ignore[assignment]
+            engine.encode_storage_cpu = cpu_writer_with("planes")  # type: ignore[assignment]
             engine.choose_delta_op = op  # type: ignore[assignment]
             buf = io.BytesIO()
             s4w_core.save(obj, buf, profile="portable", _base_lookup=lookup)

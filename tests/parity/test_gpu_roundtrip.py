@@ -274,6 +274,7 @@ def test_planes_with_delta_decodes_on_gpu(monkeypatch, op):
     """Containers in the ``planes`` transform with ``xor`` / ``sub`` deltas (written by the CPU
     writer with the transform forced) decode bit-exactly through the GPU reader's merge kernels."""
     from s4w_core import engine
+    from tests.unit.helpers import cpu_writer_with
 
     g = torch.Generator().manual_seed(43)
     w0 = torch.randn(1_000_000, generator=g).to(torch.bfloat16)
@@ -281,9 +282,7 @@ def test_planes_with_delta_decodes_on_gpu(monkeypatch, op):
     state = {"w": (w0.float() + 1e-3 * torch.randn(1_000_000, generator=g)).to(torch.bfloat16),
              "f": f0 * (1 + 1e-4 * torch.randn(300_001, generator=g))}
     bases = {2_000_000: w0.view(torch.uint8).clone(), 1_200_004: f0.view(torch.uint8).clone()}
-    orig_tf = engine.transform_for
-    monkeypatch.setattr(engine, "transform_for", lambda dtype, nbytes, *, transform=None: orig_tf(
-        dtype, nbytes, transform=transform or ("planes" if orig_tf(dtype, nbytes)[0] != "bytes" else None)))
+    monkeypatch.setattr(engine, "encode_storage_cpu", cpu_writer_with("planes"))
     monkeypatch.setattr(engine, "choose_delta_op", lambda job, transform, ops=None: op)
     buf = io.BytesIO()
     s4w_core.save(state, buf, profile="portable", _base_lookup=lambda path, nbytes, dtype: (bases[nbytes], {"n": nbytes}))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import struct
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import xxhash
@@ -118,3 +119,20 @@ def deflate_plane0() -> Iterator[None]:
         yield
     finally:
         engine._choose_codec = choose  # type: ignore[assignment]
+
+
+def cpu_writer_with(transform: str) -> Callable[..., Any]:
+    """``engine.encode_storage_cpu`` writing ``transform`` (e.g. ``"planes"``) for every storage of a
+    byte-plane dtype (monkeypatch it over ``s4w_core.engine.encode_storage_cpu``)."""
+    from s4w_core import engine
+    from s4w_core.planes import plane_width
+
+    orig = engine.encode_storage_cpu
+
+    @functools.wraps(orig)
+    def enc(job: engine.StorageJob, writer: Any, pool: Any, segment_elems: int | None = None, **kw: Any) -> Any:
+        if job.dtype in engine.PLANE_DTYPES and job.raw.numel() % plane_width(job.dtype) == 0:
+            kw.setdefault("transform", transform)
+        return orig(job, writer, pool, segment_elems, **kw)
+
+    return enc

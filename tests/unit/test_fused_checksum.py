@@ -106,8 +106,8 @@ def _flip_on_call(k: int, calls: list[int], out_arg: int) -> Any:
     of what it wrote (its argument ``out_arg``)."""
 
     def wrap(orig: Any) -> Any:
-        def merged(*a: Any) -> Any:
-            r = orig(*a)
+        def merged(*a: Any, **kw: Any) -> Any:
+            r = orig(*a, **kw)
             calls.append(1)
             if len(calls) == k:
                 out = a[out_arg]

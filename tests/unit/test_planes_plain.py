@@ -6,10 +6,9 @@ examples of the spec; CPU containers written with it (``encode_storage_cpu(..., 
 
 from __future__ import annotations
 
-import functools
 import io
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,9 +21,9 @@ from s4w_core.codecs import get_codec
 from s4w_core.errors import ManifestError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import validate_manifest
-from s4w_core.planes import merge_planes, split_planes
+from s4w_core.planes import merge_planes, plane_width, split_planes
 from s4w_core.planes import reference as ref
-from tests.unit.helpers import bits, deflate_plane0, forge, split
+from tests.unit.helpers import bits, cpu_writer_with, deflate_plane0, forge, split
 from tests.unit.test_bitexact import ALL16, fp32_specials, random_fp32
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,10 +71,6 @@ def residual(op: str | None, raw: np.ndarray, base: np.ndarray | None, dtype: to
     return raw ^ base if op == "xor" else oracle_sub(raw, base, SUB_BITS[dtype])
 
 
-def _w(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _patterns(dtype: torch.dtype) -> torch.Tensor:
     """Raw bytes: all 65,536 patterns of a 16-bit float, or fp32 specials + random patterns."""
     if dtype == torch.float32:
@@ -96,7 +91,7 @@ def _base_for(raw: torch.Tensor, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("op", [None, "xor", "sub"])
 def test_split_merge_plain_matches_definition(dtype: torch.dtype, op: str | None) -> None:
-    w = _w(dtype)
+    w = plane_width(dtype)
     raw = _patterns(dtype)
     base = None if op is None else _base_for(raw, seed=5)
     want = oracle_planes(residual(op, raw.numpy(), None if base is None else base.numpy(), dtype), w)
@@ -171,7 +166,7 @@ def test_merge_into_and_hash_plain(w: int, with_base: bool) -> None:
 
 # ----------------------------------------------------------------------------- (b) FORMAT.md 4.5b
 def _pl(dtype: torch.dtype, pattern: int) -> list[int]:
-    w = _w(dtype)
+    w = plane_width(dtype)
     raw = torch.frombuffer(bytearray(pattern.to_bytes(w, "little")), dtype=torch.uint8)
     return [int(v) for v in split_planes(raw, dtype, rot=False)[:, 0]]
 
@@ -229,19 +224,6 @@ def test_plane_transform_names() -> None:
 
 
 # ----------------------------------------------------------------------------- (c) containers
-def _force(transform: str) -> Callable[..., Any]:
-    """``encode_storage_cpu`` writing ``transform`` for every plane-dtype storage."""
-    orig = engine.encode_storage_cpu
-
-    @functools.wraps(orig)
-    def enc(job: engine.StorageJob, writer: Any, pool: Any, segment_elems: int | None = None, **kw: Any) -> Any:
-        if job.dtype in engine.PLANE_DTYPES and job.raw.numel() % _w(job.dtype) == 0:
-            kw.setdefault("transform", transform)
-        return orig(job, writer, pool, segment_elems, **kw)
-
-    return enc
-
-
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return {
@@ -259,7 +241,7 @@ def _check_plane0(
     """The first chunk of the storage of ``name`` is plane 0 of the *plain* split (FORMAT.md 4.5b)."""
     s = next(s for s in m["storages"] if s["path"] == name)
     assert s["transform"] == "planes"
-    w, seg = _w(dtype), s["segment_elems"]
+    w, seg = plane_width(dtype), s["segment_elems"]
     cid, off, length, _h = s["chunks"][0]
     n0 = min(seg, raw.numel() // w)
     got = np.frombuffer(get_codec(cid).decode(blob[off : off + length], n0), np.uint8)
@@ -270,7 +252,7 @@ def _check_plane0(
 
 @pytest.mark.parametrize("deflate", [False, True])
 def test_container_roundtrip_plain(rc: Any, monkeypatch: pytest.MonkeyPatch, deflate: bool) -> None:
-    monkeypatch.setattr(engine, "encode_storage_cpu", _force("planes"))
+    monkeypatch.setattr(engine, "encode_storage_cpu", cpu_writer_with("planes"))
     monkeypatch.setattr(engine, "SEGMENT_ELEMS", 1 << 17)  # several segments for fp32
     obj = _state()
     buf = io.BytesIO()
@@ -314,7 +296,7 @@ def test_sign_plane_costs_less_for_non_negative() -> None:
 @pytest.mark.parametrize("op", ["xor", "sub"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_container_delta_plain(rc: Any, monkeypatch: pytest.MonkeyPatch, op: str, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(engine, "encode_storage_cpu", _force("planes"))
+    monkeypatch.setattr(engine, "encode_storage_cpu", cpu_writer_with("planes"))
     monkeypatch.setattr(engine, "SEGMENT_ELEMS", 4093)
     monkeypatch.setattr(engine, "choose_delta_op", lambda job, transform, ops=None: op)
     g = torch.Generator().manual_seed(9)
