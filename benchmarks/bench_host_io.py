@@ -9,17 +9,23 @@ Pinned allocation of a training state's storage sizes, then one device-to-host c
   * ``slab-register-thp``: the same on an anonymous mmap advised ``MADV_HUGEPAGE``
   * ``s4w pinned_buffers``: the library's allocator (an anonymous mmap, pages touched by 8
     threads, one ``cudaHostRegister``; unregistered when its last view is gone)
+  * ``N slabs, ...``: ``--threads`` slabs, each mapped, faulted in and registered on a thread of
+    its own, the pages faulted in by: one thread writing zeros (as ``s4w_core``), ``MAP_POPULATE``
+    (within ``mmap``), ``MADV_POPULATE_WRITE`` (with or without ``MADV_HUGEPAGE`` first), or
+    nothing (``cudaHostRegister`` faults them in as it pins them)
 Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
   * 512 KiB preads from 8 threads in chunk order (the loader before this change)
   * 16 MiB sequential preads, 1 thread; 4 threads on interleaved 16 MiB blocks; each into
     ``bytes`` or ``readinto`` a pinned buffer
 
-Usage: python benchmarks/bench_host_io.py [--model medium] [--dir /tmp] [--file-gb 2]
+Usage: python benchmarks/bench_host_io.py [--model medium] [--dir /tmp] [--file-gb 2] [--only SUBSTR,...]
+       [--reps 2] [--no-reads]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import sys
@@ -125,6 +131,54 @@ def alloc_split_parallel(sizes: list[int], threads: int) -> list[torch.Tensor]:
         return [b for bufs in ex.map(one, parts) for b in bufs]
 
 
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): fault a range in, writable, from one call
+_MADV_POPULATE_WRITE = 23
+
+
+def _slab_mm(nbytes: int, populate: str, thp: bool) -> mmap.mmap:
+    """An anonymous mapping of ``nbytes``, its pages faulted in by ``populate``: ``touch`` (threads
+    write zeros: the kernel zeroes each page on its fault, then the thread writes it again),
+    ``map`` (``MAP_POPULATE``: the kernel faults the whole mapping in within ``mmap``), ``madvise``
+    (``MADV_POPULATE_WRITE`` after the mapping is made, so ``MADV_HUGEPAGE`` can apply first) or
+    ``none`` (``cudaHostRegister`` faults them in as it pins them)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate == "map":
+        flags |= mmap.MAP_POPULATE
+        if thp:
+            raise ValueError("MAP_POPULATE faults the pages in before MADV_HUGEPAGE can be given")
+    mm = mmap.mmap(-1, nbytes, flags=flags)
+    if thp:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    if populate == "madvise":
+        mm.madvise(_MADV_POPULATE_WRITE)
+    return mm
+
+
+def alloc_slabs(sizes: list[int], slabs: int, populate: str, thp: bool = False) -> list[torch.Tensor]:
+    """``slabs`` slabs of about equal bytes, each mapped, faulted in by ``populate`` (see
+    :func:`_slab_mm`; ``touch`` with one thread per slab) and registered on its own thread."""
+    per = -(-len(sizes) // slabs)
+    parts = [sizes[i : i + per] for i in range(0, len(sizes), per)]
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def one(part: list[int]) -> list[torch.Tensor]:
+        offs, pos = [], 0
+        for n in part:
+            offs.append(pos)
+            pos += -(-n // 512) * 512
+        with torch.cuda.device(dev):
+            mm = _slab_mm(pos, populate, thp)
+            slab = torch.frombuffer(mm, dtype=torch.uint8)
+            slab._keep = mm  # type: ignore[attr-defined]
+            if populate == "touch":
+                slab.fill_(0)
+            _register(slab)
+        return [slab[o : o + n] for o, n in zip(offs, part)]
+
+    with ThreadPoolExecutor(len(parts)) as ex:
+        return [b for bufs in ex.map(one, parts) for b in bufs]
+
+
 def _free(bufs: list[torch.Tensor], registered: bool) -> None:
     if not registered:
         return
@@ -136,7 +190,7 @@ def _free(bufs: list[torch.Tensor], registered: bool) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def pinned(sizes: list[int], threads: int) -> list[dict[str, Any]]:
+def pinned(sizes: list[int], threads: int, only: list[str] | None = None, reps: int = 2) -> list[dict[str, Any]]:
     srcs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
     rows = []
     methods: list[tuple[str, Callable[[], list[torch.Tensor]], bool]] = [
@@ -146,9 +200,17 @@ def pinned(sizes: list[int], threads: int) -> list[dict[str, Any]]:
         ("s4w pinned_buffers (mmap slab)", lambda: pinned_buffers(sizes, torch.device("cuda"))[0], False),
         ("slab-register, phases timed", lambda: alloc_slab_timed(sizes, threads), True),
         (f"{threads} slabs registered in parallel", lambda: alloc_split_parallel(sizes, threads), True),
+        (f"{threads} slabs, MAP_POPULATE", lambda: alloc_slabs(sizes, threads, "map"), True),
+        (f"{threads} slabs, MADV_POPULATE_WRITE", lambda: alloc_slabs(sizes, threads, "madvise"), True),
+        (f"{threads} slabs, MADV_HUGEPAGE + MADV_POPULATE_WRITE", lambda: alloc_slabs(sizes, threads, "madvise", thp=True), True),
+        (f"{threads} slabs, MADV_HUGEPAGE + touched", lambda: alloc_slabs(sizes, threads, "touch", thp=True), True),
+        (f"{threads} slabs, not faulted in before cudaHostRegister", lambda: alloc_slabs(sizes, threads, "none"), True),
+        (f"{threads} slabs, touched (as s4w_core)", lambda: alloc_slabs(sizes, threads, "touch"), True),
     ]
+    if only:
+        methods = [m for m in methods if any(o in m[0] for o in only)]
     for name, fn, reg in methods:
-        for rep in range(2):
+        for rep in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             try:
@@ -228,13 +290,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--file-gb", type=float, default=2.0)
+    ap.add_argument("--only", default="", help="comma-separated substrings: only the pinned methods named so")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--no-reads", action="store_true", help="the pinned allocations only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a GPU")
         return 2
     sizes = _sizes(args.model)
     print(f"{torch.cuda.get_device_name()}: {len(sizes)} storages, {sum(sizes) / 1e9:.3f} GB", flush=True)
-    pinned(sizes, args.threads)
+    for f in ("enabled", "defrag"):
+        with contextlib.suppress(OSError), open(f"/sys/kernel/mm/transparent_hugepage/{f}") as fh:
+            print(f"transparent_hugepage/{f}: {fh.read().strip()}")
+    pinned(sizes, args.threads, [o for o in args.only.split(",") if o], args.reps)
+    if args.no_reads:
+        return 0
     size = int(args.file_gb * 1e9) // (16 << 20) * (16 << 20)
     fd, path = tempfile.mkstemp(dir=args.dir)
     try:

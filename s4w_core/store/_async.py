@@ -454,6 +454,23 @@ def _release(mm: mmap.mmap, ptr: int, on_free: Callable[[int], None] | None) -> 
     del mm
 
 
+def _huge_pages(mm: mmap.mmap) -> bool:
+    """Advise ``mm`` ``MADV_HUGEPAGE`` (unless ``S4W_PINNED_THP=0``, or the platform lacks it);
+    returns whether it was advised.  Where the kernel's transparent huge pages are in its
+    ``madvise`` mode (the usual default), a slab then faults in as 2 MiB pages: 512x fewer faults
+    and fewer pages for ``cudaHostRegister`` to pin.  1.82 GB as eight slabs on an H100 host:
+    0.10 s against 0.17 s, and the device-to-host copy into it 0.036 s against 0.046 s
+    (``benchmarks/results/gpu_2026-11-23c/host_io_populate.log``)."""
+    adv = getattr(mmap, "MADV_HUGEPAGE", None)
+    if adv is None or os.environ.get("S4W_PINNED_THP", "1") == "0":
+        return False
+    try:
+        mm.madvise(adv)
+    except (OSError, ValueError):  # a kernel without THP: small pages, as before
+        return False
+    return True
+
+
 def _fault_in(slab: torch.Tensor, threads: int) -> None:
     """Touch every page of ``slab`` (``threads`` threads on disjoint page ranges)."""
     n = slab.numel()
@@ -477,8 +494,8 @@ def pinned_slab(
     """``nbytes`` of page-locked host memory as one uint8 tensor, and whether it is a registered
     slab (False: torch's pinned allocator gave it, after registration failed).
 
-    A slab is an anonymous mapping whose pages ``threads`` threads fault in, registered with CUDA
-    in one ``cudaHostRegister`` call.  It is unregistered, then unmapped, when the last tensor on
+    A slab is an anonymous mapping, advised to use huge pages (:func:`_huge_pages`), whose pages
+    ``threads`` threads fault in, registered with CUDA in one ``cudaHostRegister`` call.  It is unregistered, then unmapped, when the last tensor on
     its storage is gone (views, detached ones included: the storage holds the memoryview the
     finalizer watches); ``on_free(address)`` is called then.  ``device``: the CUDA device whose
     context registers the memory (a background thread must not create a context on device 0 of a
@@ -486,6 +503,7 @@ def pinned_slab(
     nbytes = max(nbytes, 1)
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         mm = mmap.mmap(-1, nbytes)
+        _huge_pages(mm)  # before the pages are faulted in
         mv = memoryview(mm)
         slab = torch.frombuffer(mv, dtype=torch.uint8)  # the storage holds ``mv``, ``mv`` the mapping
         _fault_in(slab, threads)

@@ -428,6 +428,59 @@ def _cuda_state(n: int = 3 << 20) -> dict[str, torch.Tensor]:
     }
 
 
+def _vmflags(addr: int) -> set[str] | None:
+    """The ``VmFlags`` of the mapping of this process that holds ``addr`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    return None
+
+
+class _Cudart:
+    """Stands in for ``torch.cuda.cudart()`` on a machine without CUDA: records registrations."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.registered.append((ptr, n))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("thp", ["1", "0"])
+def test_pinned_slab_asks_for_huge_pages_before_faulting_in(monkeypatch: pytest.MonkeyPatch, thp: str) -> None:
+    """A slab's mapping is advised MADV_HUGEPAGE (VmFlags ``hg``) unless S4W_PINNED_THP=0, and it
+    is faulted in whole and registered once.  CUDA's registration is stood in for: the GPU test
+    below checks the same on a real slab."""
+    from s4w_core.store import _async
+
+    fake = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setenv("S4W_PINNED_THP", thp)
+    slab, registered = _async.pinned_slab(8 << 20, threads=2)
+    assert registered and fake.registered == [(slab.data_ptr(), 8 << 20)]
+    flags = _vmflags(slab.data_ptr())
+    assert flags is not None
+    assert ("hg" in flags) == (thp == "1" and hasattr(__import__("mmap"), "MADV_HUGEPAGE"))
+    assert int(slab.sum()) == 0  # faulted in as zeros
+    ptr = slab.data_ptr()
+    del slab
+    gc.collect()
+    assert ptr in fake.unregistered
+
+
 @pytest.mark.gpu
 def test_pinned_slab_is_pinned_and_unregistered_when_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
     from s4w_core.store import _async
@@ -440,6 +493,7 @@ def test_pinned_slab_is_pinned_and_unregistered_when_dropped(monkeypatch: pytest
     monkeypatch.setattr(_async, "_unregister", lambda p: (gone.append(p), real(p)))
     big, registered = _async.pinned_slab(64 << 20, on_free=freed.append)
     assert registered and big.is_pinned() and big.numel() == 64 << 20
+    assert "hg" in (_vmflags(big.data_ptr()) or set())  # advised huge pages (S4W_PINNED_THP unset)
     src = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
     view = big[4096 : 4096 + src.numel()].detach().view(-1)  # a detached view: no ._base link
     view.copy_(src, non_blocking=True)
