@@ -454,21 +454,34 @@ def _release(mm: mmap.mmap, ptr: int, on_free: Callable[[int], None] | None) -> 
     del mm
 
 
-def _huge_pages(mm: mmap.mmap) -> bool:
-    """Advise ``mm`` ``MADV_HUGEPAGE`` (unless ``S4W_PINNED_THP=0``, or the platform lacks it);
-    returns whether it was advised.  Where the kernel's transparent huge pages are in its
-    ``madvise`` mode (the usual default), a slab then faults in as 2 MiB pages: 512x fewer faults
-    and fewer pages for ``cudaHostRegister`` to pin.  1.82 GB as eight slabs on an H100 host:
-    0.10 s against 0.17 s, and the device-to-host copy into it 0.036 s against 0.046 s
-    (``benchmarks/results/gpu_2026-11-23c/host_io_populate.log``)."""
-    adv = getattr(mmap, "MADV_HUGEPAGE", None)
-    if adv is None or os.environ.get("S4W_PINNED_THP", "1") == "0":
-        return False
-    try:
-        mm.madvise(adv)
-    except (OSError, ValueError):  # a kernel without THP: small pages, as before
-        return False
-    return True
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes`` for a pinned slab, advised before any page is
+    faulted in:
+
+    * ``MADV_DONTFORK``: a child forked later (a DataLoader worker) does not inherit it.  Pages
+      pinned for DMA must not become copy-on-write: after a fork, the parent's first write would
+      move it to a copy while the device went on writing the old page.
+    * ``MADV_HUGEPAGE`` (unless ``S4W_PINNED_THP=0``): where the kernel's transparent huge pages
+      are in its ``madvise`` mode (the usual default), the slab faults in as 2 MiB pages: 512x
+      fewer faults, fewer pages for ``cudaHostRegister`` to pin.  Private, because THP does not
+      apply to shared anonymous memory (shmem) by default.  1.82 GB as eight slabs on an H100
+      host: 0.10 s against 0.17 s, and the device-to-host copy into it 0.036 s against 0.046 s
+      (``benchmarks/results/gpu_2026-11-23c/host_io_populate.log``).
+
+    Platforms without these flags get the default mapping, unadvised."""
+    flags = getattr(mmap, "MAP_PRIVATE", None)
+    anon = getattr(mmap, "MAP_ANONYMOUS", None)
+    if flags is None or anon is None:
+        return mmap.mmap(-1, nbytes)
+    mm = mmap.mmap(-1, nbytes, flags=flags | anon)
+    advice = [getattr(mmap, "MADV_DONTFORK", None)]
+    if os.environ.get("S4W_PINNED_THP", "1") != "0":
+        advice.append(getattr(mmap, "MADV_HUGEPAGE", None))
+    for a in advice:
+        if a is not None:
+            with contextlib.suppress(OSError, ValueError):  # e.g. a kernel without THP: small pages
+                mm.madvise(a)
+    return mm
 
 
 def _fault_in(slab: torch.Tensor, threads: int) -> None:
@@ -494,16 +507,16 @@ def pinned_slab(
     """``nbytes`` of page-locked host memory as one uint8 tensor, and whether it is a registered
     slab (False: torch's pinned allocator gave it, after registration failed).
 
-    A slab is an anonymous mapping, advised to use huge pages (:func:`_huge_pages`), whose pages
-    ``threads`` threads fault in, registered with CUDA in one ``cudaHostRegister`` call.  It is unregistered, then unmapped, when the last tensor on
-    its storage is gone (views, detached ones included: the storage holds the memoryview the
+    A slab is a private anonymous mapping (:func:`_anonymous`: not inherited by forks, huge
+    pages) whose pages ``threads`` threads fault in, registered with CUDA in one
+    ``cudaHostRegister`` call.  It is unregistered, then unmapped, when the last tensor on its
+    storage is gone (views, detached ones included: the storage holds the memoryview the
     finalizer watches); ``on_free(address)`` is called then.  ``device``: the CUDA device whose
     context registers the memory (a background thread must not create a context on device 0 of a
     multi-GPU node)."""
     nbytes = max(nbytes, 1)
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-        mm = mmap.mmap(-1, nbytes)
-        _huge_pages(mm)  # before the pages are faulted in
+        mm = _anonymous(nbytes)
         mv = memoryview(mm)
         slab = torch.frombuffer(mv, dtype=torch.uint8)  # the storage holds ``mv``, ``mv`` the mapping
         _fault_in(slab, threads)

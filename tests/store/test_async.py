@@ -461,8 +461,8 @@ class _Cudart:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
 @pytest.mark.parametrize("thp", ["1", "0"])
 def test_pinned_slab_asks_for_huge_pages_before_faulting_in(monkeypatch: pytest.MonkeyPatch, thp: str) -> None:
-    """A slab's mapping is advised MADV_HUGEPAGE (VmFlags ``hg``) unless S4W_PINNED_THP=0, and it
-    is faulted in whole and registered once.  CUDA's registration is stood in for: the GPU test
+    """A slab's mapping is private, not inherited by a fork (VmFlags ``dc``) and advised
+    MADV_HUGEPAGE (``hg``) unless S4W_PINNED_THP=0; it is faulted in whole and registered once.  CUDA's registration is stood in for: the GPU test
     below checks the same on a real slab."""
     from s4w_core.store import _async
 
@@ -473,7 +473,9 @@ def test_pinned_slab_asks_for_huge_pages_before_faulting_in(monkeypatch: pytest.
     assert registered and fake.registered == [(slab.data_ptr(), 8 << 20)]
     flags = _vmflags(slab.data_ptr())
     assert flags is not None
-    assert ("hg" in flags) == (thp == "1" and hasattr(__import__("mmap"), "MADV_HUGEPAGE"))
+    assert ("hg" in flags) == (thp == "1")  # MADV_HUGEPAGE
+    assert "dc" in flags  # MADV_DONTFORK: a fork does not copy it
+    assert "sh" not in flags  # private: THP does not apply to shared anonymous memory by default
     assert int(slab.sum()) == 0  # faulted in as zeros
     ptr = slab.data_ptr()
     del slab
@@ -493,7 +495,7 @@ def test_pinned_slab_is_pinned_and_unregistered_when_dropped(monkeypatch: pytest
     monkeypatch.setattr(_async, "_unregister", lambda p: (gone.append(p), real(p)))
     big, registered = _async.pinned_slab(64 << 20, on_free=freed.append)
     assert registered and big.is_pinned() and big.numel() == 64 << 20
-    assert "hg" in (_vmflags(big.data_ptr()) or set())  # advised huge pages (S4W_PINNED_THP unset)
+    assert {"hg", "dc"} <= (_vmflags(big.data_ptr()) or set())  # huge pages, not inherited by a fork
     src = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
     view = big[4096 : 4096 + src.numel()].detach().view(-1)  # a detached view: no ._base link
     view.copy_(src, non_blocking=True)
