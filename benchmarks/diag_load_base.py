@@ -12,7 +12,11 @@ four times (keyframe + three deltas; the newest gets its keyframe copy) and once
   the store did before ``HostFill``);
 * ``ahead1`` / ``ahead3``: ``S4W_STAGE_AHEAD=1`` / ``3`` (batches read ahead of the decode; 2 as shipped);
 * ``slabs1`` / ``slabs2``: the background allocation as 1 or 2 slabs instead of 8;
-* ``thp``: the slabs' mappings advised ``MADV_HUGEPAGE`` before their pages are touched;
+* ``no-thp``: ``S4W_PINNED_THP=0``: the slabs without huge pages (the library advises
+  ``MADV_HUGEPAGE`` since 4f78952; the ``thp`` variant this replaced advised a shared mapping,
+  where transparent huge pages do not apply by default, so it measured nothing);
+* ``batch96`` / ``batch192``: ``S4W_GPU_BATCH_BYTES`` of 96 / 192 MiB (48 MiB as shipped): fewer,
+  larger batches and reads;
 * ``prealloc``: the pinned buffers allocated before the load (untimed): what allocating them
   while the step loads costs it;
 * ``populate`` / ``touch``: the pinned slabs' pages faulted in by ``madvise(MADV_POPULATE_WRITE)``
@@ -86,6 +90,12 @@ def _touch(slab: torch.Tensor, threads: int) -> None:
 
 
 _FAULT_IN = {"default": _async._fault_in, "populate": _populate, "touch": _touch}  # noqa: SLF001
+#: variants that are the shipped code under environment settings
+_ENV = {
+    "no-thp": {"S4W_PINNED_THP": "0"},
+    "batch96": {"S4W_GPU_BATCH_BYTES": str(96 << 20)},
+    "batch192": {"S4W_GPU_BATCH_BYTES": str(192 << 20)},
+}
 
 
 def _alloc_times(dev: torch.device, sizes: list[int], repeats: int) -> None:
@@ -105,21 +115,17 @@ def _alloc_times(dev: torch.device, sizes: list[int], repeats: int) -> None:
 
 def _load(root: str, variant: str, dev: torch.device, events: list[obs.OpEvent]) -> tuple[float, dict[str, float]]:
     fill, reserve, take = _async.HostFill.__call__, _async.PinnedPool.reserve, _async.PinnedPool.take
-    slabs, mmap_new = _async._SLABS, _async.mmap.mmap  # noqa: SLF001
+    slabs = _async._SLABS  # noqa: SLF001
     opts: dict[str, Any] = {}
+    saved: dict[str, str | None] = {}
     ahead = os.environ.get("S4W_STAGE_AHEAD")
     if variant.startswith("ahead"):
         os.environ["S4W_STAGE_AHEAD"] = variant[len("ahead"):]
     elif variant in ("slabs1", "slabs2"):
         _async._SLABS = int(variant[-1])  # noqa: SLF001
-    elif variant == "thp":
-
-        def advised(*a: Any, **k: Any) -> Any:
-            mm = mmap_new(*a, **k)
-            mm.madvise(mmap.MADV_HUGEPAGE)
-            return mm
-
-        _async.mmap.mmap = advised  # type: ignore[misc]
+    elif variant in _ENV:
+        saved = {k: os.environ.get(k) for k in _ENV[variant]}
+        os.environ.update(_ENV[variant])
     elif variant in ("populate", "touch"):
         _async._fault_in = _FAULT_IN[variant]  # noqa: SLF001
     elif variant == "no-fill":
@@ -171,12 +177,13 @@ def _load(root: str, variant: str, dev: torch.device, events: list[obs.OpEvent])
     finally:
         _async.HostFill.__call__ = fill  # type: ignore[method-assign]
         _async.PinnedPool.reserve, _async.PinnedPool.take = reserve, take  # type: ignore[method-assign]
-        _async._SLABS, _async.mmap.mmap = slabs, mmap_new  # type: ignore[misc]  # noqa: SLF001
+        _async._SLABS = slabs  # noqa: SLF001
         _async._fault_in = _FAULT_IN["default"]  # noqa: SLF001
-        if ahead is None:
-            os.environ.pop("S4W_STAGE_AHEAD", None)
-        else:
-            os.environ["S4W_STAGE_AHEAD"] = ahead
+        for k, v in {**saved, "S4W_STAGE_AHEAD": ahead}.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     ev = [e for e in events if e.op == "load"]
     return t, ({k: round(v, 4) for k, v in ev[-1].stages.items()} if ev else {})
 
@@ -187,7 +194,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--variants", default="default,no-fill,slabs1,slabs2,thp,prealloc,pageable,no-base,torch.load")
+    ap.add_argument("--variants", default="default,no-fill,slabs1,slabs2,no-thp,prealloc,pageable,no-base,torch.load")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
