@@ -480,8 +480,10 @@ def decode_storage_cpu(
     name: str,
 ) -> torch.Tensor:
     """Decode one (validated) storage entry to a 1-D uint8 CPU tensor, verifying every checksum:
-    each chunk's xxh3 before it is decoded, the storage's raw checksum at the end (for a large plane
-    storage with an xxh3 checksum, computed block by block as the planes are merged).
+    each coded chunk's xxh3 before it is decoded, the storage's raw checksum at the end (for a
+    large plane storage with an xxh3 checksum, computed block by block as the planes are merged).
+    Raw chunks, which no decoder reads, are covered by the storage's checksum; when it fails, they
+    are hashed to name the corrupt one.
 
     Per chunk and per storage this does only what the bytes need (a load of a training state is
     mostly small tensors, where Python around the codecs cost as much as they did): no per-chunk
@@ -502,14 +504,20 @@ def decode_storage_cpu(
     read_chunk = reader.read_chunk
     decoders: dict[str, Callable[[Any, int], Any]] = {}
 
+    def corrupt(i: int) -> ChecksumMismatchError:
+        _c, off, length, _h = chunks[i]
+        return ChecksumMismatchError(
+            f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: "
+            "checksum mismatch"
+        )
+
     def fetch_decode(i: int) -> Any:
         codec_id, off, length, h = chunks[i]
         data = read_chunk(off, length)
-        if xxh3_hexdigest(data) != h:
-            raise ChecksumMismatchError(
-                f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: "
-                "checksum mismatch"
-            )
+        # a raw chunk goes to no decoder, and the storage's checksum below covers its bytes: it is
+        # hashed only if that check fails (to name it)
+        if codec_id != "raw" and xxh3_hexdigest(data) != h:
+            raise corrupt(i)
         dec = decoders.get(codec_id)
         if dec is None:
             dec = decoders[codec_id] = get_codec(codec_id).decode
@@ -562,6 +570,9 @@ def decode_storage_cpu(
     else:
         ok = ck.verify_tensor_checksum(expected, out)
     if not ok:
+        for i, c in enumerate(chunks):  # name the corrupt chunk if it is a raw one (not checked above)
+            if c[0] == "raw" and xxh3_hexdigest(read_chunk(c[1], c[2])) != c[3]:
+                raise corrupt(i)
         raise ChecksumMismatchError(
             f"{name}: tensor {entry['path']!r} decoded to bytes that do not match its recorded "
             f"checksum {expected}" + (" (is the delta base the right one?)" if base is not None else "")

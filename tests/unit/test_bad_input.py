@@ -124,6 +124,46 @@ def test_flip_in_every_chunk_names_tensor_and_chunk(small_blob: bytes) -> None:
     assert k >= 10
 
 
+def test_raw_chunks_are_hashed_only_when_their_storage_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A raw chunk goes to no decoder, so the CPU reader leaves its hash to the storage's checksum
+    (an fp32 state is ~2/3 raw chunks); a flip in one is still named by chunk once that fails,
+    also in a delta storage, whose residual would otherwise blame the base."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(20_000, generator=g)  # fp32: the low mantissa planes are stored raw
+    blob = encode({"w": w})
+    _p, _t, m = split(blob)
+    raw = [(i, c) for i, c in enumerate(m["storages"][0]["chunks"]) if c[0] == "raw" and c[2]]
+    assert raw, "expected raw mantissa chunks"
+    hashed: list[int] = []
+    real = engine.xxh3_hexdigest
+    monkeypatch.setattr(engine, "xxh3_hexdigest", lambda d: (hashed.append(len(d)), real(d))[1])
+    assert torch.equal(s4w_core.load(blob, threads=1)["w"].view(torch.int32), w.view(torch.int32))
+    assert len(hashed) == len(m["storages"][0]["chunks"]) - len(raw)  # the coded chunks only
+    for i, (_codec, off, length, _h) in raw:
+        err = load_err(_flip(blob, off + length // 2, 0x04))
+        assert isinstance(err, ChecksumMismatchError) and f"chunk {i} of tensor" in str(err), err
+
+
+def test_corrupt_raw_residual_of_a_delta_is_named(tmp_path: Any) -> None:
+    st = s4w_core.CheckpointStore(tmp_path / "s", profile="portable", keyframe_every=4, keyframe_copy=False)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(20_000, generator=g)
+    st.save({"w": w}, step=0)
+    st.save({"w": w + 1e-3 * torch.randn(20_000, generator=g)}, step=1)
+    rec = st.info(1)
+    assert rec.kind == "delta", rec
+    path = tmp_path / "s" / rec.object
+    blob = path.read_bytes()
+    _p, _t, m = split(blob)
+    raw = [(i, c) for i, c in enumerate(m["storages"][0]["chunks"]) if c[0] == "raw" and c[2]]
+    assert raw and m["storages"][0]["delta"], m["storages"][0]
+    i, (_codec, off, length, _h) = raw[0]
+    path.write_bytes(_flip(blob, off + length // 2, 0x04))
+    st.close()
+    with pytest.raises(ChecksumMismatchError, match=rf"chunk {i} of tensor 'w'.* is corrupt"):
+        s4w_core.CheckpointStore(tmp_path / "s").load(step=1, threads=1)
+
+
 def test_flip_of_every_byte_is_detected(small_blob: bytes) -> None:
     """No byte of the file is unprotected: header, every chunk, the manifest and the trailer."""
     for pos in range(len(small_blob)):
