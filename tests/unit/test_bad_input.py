@@ -354,7 +354,9 @@ def test_expansion_bound(small_blob: bytes) -> None:
 
 
 def test_bombs_stay_within_memory_and_time(tmp_path) -> None:
-    """Forged files load under a 3 GiB address-space limit and finish quickly (run in a child)."""
+    """Forged files load with at most 3 GiB more address space than the child had after its
+    imports, and finish quickly (run in a child; relative, because a CUDA build of torch maps
+    most of 3 GiB at import)."""
     blob = encode({"z": torch.randint(0, 16, (1 << 12,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))})
 
     def huge(m: dict[str, Any]) -> None:
@@ -373,7 +375,9 @@ def test_bombs_stay_within_memory_and_time(tmp_path) -> None:
         f"""
         import resource, glob, time
         import s4w_core
-        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 30), vm + (3 << 30)))
         for p in sorted(glob.glob({str(tmp_path)!r} + "/b*.s4w")):
             t = time.time()
             try:
