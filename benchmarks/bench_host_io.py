@@ -10,7 +10,8 @@ Pinned allocation of a training state's storage sizes, then one device-to-host c
   * ``s4w pinned_buffers``: the library's allocator (an anonymous mmap, pages touched by 8
     threads, one ``cudaHostRegister``; unregistered when its last view is gone)
   * ``N slabs, ...``: ``--threads`` slabs, each mapped, faulted in and registered on a thread of
-    its own, the pages faulted in by: one thread writing zeros (as ``s4w_core``), ``MAP_POPULATE``
+    its own, the pages faulted in by: one thread writing zeros (as ``s4w_core``, whose slabs are
+    also advised ``MADV_HUGEPAGE`` since 4f78952), ``MAP_POPULATE``
     (within ``mmap``), ``MADV_POPULATE_WRITE`` (with or without ``MADV_HUGEPAGE`` first), or
     nothing (``cudaHostRegister`` faults them in as it pins them)
 Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
@@ -43,6 +44,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from _train_gpt import MODELS, Trainer  # noqa: E402
 from bench_peers import evict  # noqa: E402
 
+from s4w_core import engine  # noqa: E402
 from s4w_core.store._async import pinned_buffers  # noqa: E402
 
 
@@ -74,15 +76,21 @@ def _register(t: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister: {rc}")
 
 
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Each buffer's offset in a slab (512-byte aligned), and the slab's bytes."""
+    offs, pos = [], 0
+    for n in sizes:
+        offs.append(pos)
+        pos += -(-n // 512) * 512
+    return offs, pos
+
+
 def alloc_torch(sizes: list[int], threads: int) -> list[torch.Tensor]:
     return [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
 
 
 def alloc_slab(sizes: list[int], threads: int, thp: bool = False) -> list[torch.Tensor]:
-    offs, pos = [], 0
-    for n in sizes:
-        offs.append(pos)
-        pos += -(-n // 512) * 512
+    offs, pos = _layout(sizes)
     if thp:
         mm = mmap.mmap(-1, pos)
         mm.madvise(mmap.MADV_HUGEPAGE)
@@ -100,10 +108,7 @@ BREAKDOWN: dict[str, float] = {}
 
 def alloc_slab_timed(sizes: list[int], threads: int) -> list[torch.Tensor]:
     """The library's recipe with its two phases timed apart (page faults, then registration)."""
-    offs, pos = [], 0
-    for n in sizes:
-        offs.append(pos)
-        pos += -(-n // 512) * 512
+    offs, pos = _layout(sizes)
     t0 = time.perf_counter()
     mm = mmap.mmap(-1, pos)
     slab = torch.frombuffer(mm, dtype=torch.uint8)
@@ -131,10 +136,6 @@ def alloc_split_parallel(sizes: list[int], threads: int) -> list[torch.Tensor]:
         return [b for bufs in ex.map(one, parts) for b in bufs]
 
 
-#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): fault a range in, writable, from one call
-_MADV_POPULATE_WRITE = 23
-
-
 def _slab_mm(nbytes: int, populate: str, thp: bool) -> mmap.mmap:
     """An anonymous mapping of ``nbytes``, its pages faulted in by ``populate``: ``touch`` (threads
     write zeros: the kernel zeroes each page on its fault, then the thread writes it again),
@@ -150,7 +151,7 @@ def _slab_mm(nbytes: int, populate: str, thp: bool) -> mmap.mmap:
     if thp:
         mm.madvise(mmap.MADV_HUGEPAGE)
     if populate == "madvise":
-        mm.madvise(_MADV_POPULATE_WRITE)
+        mm.madvise(engine._MADV_POPULATE_WRITE)  # noqa: SLF001
     return mm
 
 
@@ -162,10 +163,7 @@ def alloc_slabs(sizes: list[int], slabs: int, populate: str, thp: bool = False) 
     dev = torch.device("cuda", torch.cuda.current_device())
 
     def one(part: list[int]) -> list[torch.Tensor]:
-        offs, pos = [], 0
-        for n in part:
-            offs.append(pos)
-            pos += -(-n // 512) * 512
+        offs, pos = _layout(part)
         with torch.cuda.device(dev):
             mm = _slab_mm(pos, populate, thp)
             slab = torch.frombuffer(mm, dtype=torch.uint8)
@@ -205,7 +203,7 @@ def pinned(sizes: list[int], threads: int, only: list[str] | None = None, reps: 
         (f"{threads} slabs, MADV_HUGEPAGE + MADV_POPULATE_WRITE", lambda: alloc_slabs(sizes, threads, "madvise", thp=True), True),
         (f"{threads} slabs, MADV_HUGEPAGE + touched", lambda: alloc_slabs(sizes, threads, "touch", thp=True), True),
         (f"{threads} slabs, not faulted in before cudaHostRegister", lambda: alloc_slabs(sizes, threads, "none"), True),
-        (f"{threads} slabs, touched (as s4w_core)", lambda: alloc_slabs(sizes, threads, "touch"), True),
+        (f"{threads} slabs, touched (s4w_core before 4f78952 touched shared ones)", lambda: alloc_slabs(sizes, threads, "touch"), True),
     ]
     if only:
         methods = [m for m in methods if any(o in m[0] for o in only)]
