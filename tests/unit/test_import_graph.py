@@ -1,8 +1,8 @@
 """The house stays tidy: no new import cycle, no new private name reached across modules.
 
 Reads the source of the project's packages with ``ast`` (nothing is imported) and builds the graph of
-imports between their modules. Imports inside functions count: a cycle hidden behind a function-level
-import is still a cycle. Two kinds of finding:
+imports between their modules. Imports inside functions and under ``if TYPE_CHECKING:`` count: a cycle
+hidden behind either is still a cycle. Two kinds of finding:
 
 - an import cycle: a strongly connected group of modules (edges from a package ``__init__`` to its own
   submodules, and from a module to the ``__init__`` of a package holding it, are re-exports, not cycles);
