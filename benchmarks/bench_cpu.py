@@ -5,7 +5,7 @@ machine, against torch.save and zstd-3 over the raw bytes.
 Inputs: (1) the checkpoint of examples/train_tiny.py after --steps steps (model + AdamW + scheduler),
 in fp32 and in bf16; (2) synthetic N(0, 0.02) weights, 8 Mi elements, bf16 and fp32.
 
-    python benchmarks/bench_cpu.py                    # writes benchmarks/results/cpu_<date>.{md,json}
+    python benchmarks/bench_cpu.py                    # writes benchmarks/results/cpu.{md,json}
     python benchmarks/bench_cpu.py --steps 50 --repeat 3
 
 Speeds are medians of --repeat runs, wall clock, files in a temporary directory (page cache warm).
@@ -119,7 +119,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--tag", default="", help="suffix of the result files' names")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names (cpu<TAG>.md, .json)")
     args = ap.parse_args()
     from s4w_core.planes import _jit
 
@@ -156,7 +156,7 @@ def main() -> int:
         "command": "python benchmarks/bench_cpu.py " + " ".join(sys.argv[1:]),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"cpu_{meta['date']}{args.tag}"
+    stem = args.out / f"cpu{args.tag}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [
         f"# CPU benchmark, {meta['date']}",

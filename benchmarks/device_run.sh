@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU checks and benchmarks on a lent GPU machine (the `run` tool of this workplace).
 # Usage: bash benchmarks/device_run.sh WHEELDIR MODE [bench args...]
-#   MODE tests : nvidia-smi, nvCOMP probe, pytest tests/parity (the @gpu tests)
+#   MODE tests : nvidia-smi, pytest tests/parity (the @gpu tests)
 #   MODE bench : benchmarks/bench_codec.py with the remaining arguments
 # Logs go to $OUT (or ./device_out when OUT is unset).
 set -u
@@ -13,7 +13,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 if [ "$MODE" = tests ]; then
-  timeout 120 python3 benchmarks/probe_nvcomp.py "$OUT/probe_nvcomp.json" 2>&1 | tail -20
   timeout 420 python3 -m pytest --maxfail=15 -q -p no:cacheprovider tests/parity -m gpu -k "not interpreted" \
      --durations=15 -rs 2>&1 | tee "$OUT/pytest_gpu.log" | tail -60
 else
