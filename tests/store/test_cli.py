@@ -44,7 +44,7 @@ def test_info_with_step(filled, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["info", url, "--step", "20", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["step"]["step"] == 20 and d["container"]["delta_storages"] > 0
-    assert main(["info", url, "--step", "21"]) == 2
+    assert main(["info", url, "--step", "21"]) == 1
     assert "no committed step 21" in capsys.readouterr().err
 
 
@@ -68,7 +68,7 @@ def test_restore_torch_safetensors_s4w(filled, tmp_path) -> None:  # type: ignor
 
     got = load_file(st_out)
     assert torch.equal(got["a"], torch.ones(3)) and got["b"].dtype == torch.bfloat16
-    assert main(["restore", url, "--step", "20", "--out", str(tmp_path / "bad.safetensors"), "--quiet"]) == 2
+    assert main(["restore", url, "--step", "20", "--out", str(tmp_path / "bad.safetensors"), "--quiet"]) == 1
     s4 = str(tmp_path / "r.s4w")
     assert main(["restore", url, "--step", "10", "--out", s4, "--quiet"]) == 0
     import s4w_core
