@@ -149,14 +149,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if not want_progress(args):
         obj = load(args.src, map_location=args.map_location)
         rep = save(obj, args.dst, profile=args.profile)
-        print(rep)
+        _print_report(rep)
         return 0
     with progress_bar(args, f"read {args.src}") as bar, counted_reader(args.src, bar) as reader:
         obj = load(reader, map_location=args.map_location)  # type: ignore[arg-type]
     with progress_bar(args, f"write {args.dst}") as bar, atomic_write(args.dst) as f:
         rep = save(obj, CountingFile(f, bar, args.dst), profile=args.profile)  # type: ignore[arg-type]
     rep.path = args.dst
-    print(rep)
+    _print_report(rep)
     return 0
 
 
@@ -195,8 +195,14 @@ def _read_foreign(src: str, map_location: str) -> Any:
 def _cmd_import(args: argparse.Namespace) -> int:
     obj = _read_foreign(args.src, args.map_location)
     rep = save(obj, args.dst, profile=args.profile)
-    print(rep)
+    _print_report(rep)
     return 0
+
+
+def _print_report(rep: Any) -> None:
+    """A SaveReport, with the names it lists (from the input file) unable to drive the terminal."""
+    for line in str(rep).splitlines():
+        print(printable(line))
 
 
 class _Parser(argparse.ArgumentParser):

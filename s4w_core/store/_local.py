@@ -54,7 +54,7 @@ class LocalBackend(Backend):
         self.url = self.root
         self.create = create
         if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise StoreError(f"{self.root} is a file, not a checkpoint store directory")
+            raise StoreError(f"{self.root} is a file, not a directory: not a checkpoint store")
 
     def _path(self, key: str) -> str:
         if key.startswith("/") or ".." in key.split("/"):

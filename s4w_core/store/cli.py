@@ -294,11 +294,18 @@ def _kind_of(k: str) -> str:
     return k if k in _KINDS else "other"
 
 
+def _has_matplotlib() -> bool:
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 _PLOT_HINT = "--plot needs matplotlib: pip install 's4weights[plot]' (or pip install matplotlib)"
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
+    if args.plot and not _has_matplotlib():
         raise BackendUnavailableError(_PLOT_HINT)  # before any output, not after the table
     st = _store(args)
     with _records_progress(st, args, "read commit records"):
