@@ -12,8 +12,8 @@ Configuration, first match wins:
 
 Failure policy: before its first request a backend checks, within a deadline (``deadline=``,
 ``client_options={"deadline": s}`` or ``S4W_S3_DEADLINE``; default 15 s), that the endpoint
-accepts a TCP connection and answers one listing of the prefix; listings, HEADs and deletes keep
-that deadline afterwards.  So a dead or silent endpoint, missing credentials, a missing bucket and
+accepts a TCP connection and answers an HTTP request, then lists one key of the prefix; listings,
+HEADs and deletes keep that deadline afterwards.  So a dead or silent endpoint, missing credentials, a missing bucket and
 denied access each fail fast with their own :class:`~s4w_core.errors.StoreError` message, instead
 of after the client's retries (43 s for a refused connection with the default 10 attempts).
 Transfers (uploads and downloads of data) have no deadline: the client retries transient errors
@@ -34,6 +34,7 @@ import contextlib
 import mmap
 import os
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -258,7 +259,6 @@ class S3Backend(Backend):
         self._lock = threading.Lock()
         self._checked = False
         self._check_lock = threading.Lock()
-        self._spent = 0.0  # seconds the connection probe took
 
     # ------------------------------------------------------------------ helpers
     def _key(self, key: str) -> str:
@@ -307,51 +307,66 @@ class S3Backend(Backend):
         return f"s3.{self.region}.amazonaws.com", 443
 
     def _probe(self) -> None:
-        """A TCP connection to the endpoint within the deadline, else a StoreError saying why."""
+        """Within the deadline: a TCP connection to the endpoint, and an answer (any HTTP status)
+        to an unsigned ``HEAD`` of the bucket; else a StoreError saying which step failed.
+
+        Plain Python sockets, not the S3 client: a request we give up on must not stay inside the
+        client's native code (a daemon thread returning from it while the interpreter exits
+        aborts the process)."""
         host, port = self._host_port()
         where = f"the S3 endpoint {self._endpoint_name()}"
-        t0 = time.monotonic()
+        https = not self.endpoint or self.endpoint.startswith("https")
+        stage = ["connect"]
 
-        def connect() -> None:
-            with socket.create_connection((host, port), timeout=self.deadline):
-                pass
+        def probe() -> None:
+            deadline = time.monotonic() + self.deadline
+            sock = socket.create_connection((host, port), timeout=self.deadline)
+            stage[0] = "answer"
+            with contextlib.closing(sock):
+                if https:
+                    ctx = ssl.create_default_context()
+                    ctx.check_hostname = False  # only "does it answer": nothing is sent but a HEAD
+                    ctx.verify_mode = ssl.CERT_NONE
+                    sock = ctx.wrap_socket(sock, server_hostname=host)
+                path = f"/{self.bucket}" if self.endpoint else "/"
+                sock.sendall(f"HEAD {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                if not sock.recv(16):
+                    raise ConnectionResetError("the connection was closed without an answer")
 
-        done, _r, err = _with_deadline(connect, self.deadline)  # getaddrinfo has no timeout of its own
+        done, _r, err = _with_deadline(probe, self.deadline)  # getaddrinfo has no timeout of its own
         if not done or isinstance(err, (socket.timeout, TimeoutError)):
-            raise StoreError(f"cannot reach {where}: no connection to {host}:{port} within {self.deadline:g} s "
-                             "(S4W_S3_DEADLINE)")
+            if stage[0] == "connect":
+                raise StoreError(f"cannot reach {where}: no connection to {host}:{port} within {self.deadline:g} s "
+                                 "(S4W_S3_DEADLINE)")
+            raise StoreError(f"cannot reach {where}: it accepted a connection but did not answer within "
+                             f"{self.deadline:g} s (S4W_S3_DEADLINE)")
         if isinstance(err, socket.gaierror):
             raise StoreError(f"cannot reach {where}: cannot resolve {host!r} ({err.strerror or err})")
         if isinstance(err, ConnectionRefusedError):
             raise StoreError(f"cannot reach {where}: connection refused by {host}:{port} (nothing listens there?)")
+        if isinstance(err, ssl.SSLError):
+            raise StoreError(f"cannot reach {where}: TLS failed ({err}); an http:// endpoint?")
         if isinstance(err, OSError):
             raise StoreError(f"cannot reach {where}: {err.strerror or err} ({host}:{port})")
         if err is not None:
             raise StoreError(f"cannot reach {where}: {err}")
-        self._spent = time.monotonic() - t0
 
     def check(self) -> None:
-        """Once per backend, before its first request: the endpoint accepts a connection and
-        answers a one-key listing of the prefix, all within the deadline; raises the
-        :class:`StoreError` that tells which of unreachable endpoint, missing credentials,
-        missing bucket or denied access it is."""
+        """Once per backend, before its first request: the endpoint answers within the deadline
+        (:meth:`_probe`), then a one-key listing of the prefix; raises the :class:`StoreError`
+        that tells which of unreachable endpoint, missing credentials, missing bucket or denied
+        access it is."""
         if self._checked:
             return
         with self._check_lock:
             if self._checked:
                 return
             self._probe()
-            left = max(1.0, self.deadline - self._spent)
-            done, _r, err = _with_deadline(
-                lambda: next(iter(self._client.list_objects(self.bucket, self.prefix, max_keys=1)), None), left
-            )
-            if not done:
-                raise StoreError(
-                    f"cannot list {self.url}: the S3 endpoint {self._endpoint_name()} accepted a connection but "
-                    f"did not answer within {self.deadline:g} s (S4W_S3_DEADLINE)"
-                )
-            if err is not None:
-                raise self._error(err, "cannot list", None) from err
+            try:
+                next(iter(self._client.list_objects(self.bucket, self.prefix, max_keys=1)), None)
+            except Exception as e:
+                raise self._error(e, "cannot list", None) from e
             self._checked = True
 
     def _bounded(self, fn: Callable[[], Any], what: str, key: str | None) -> Any:
