@@ -318,9 +318,9 @@ class S3Backend(Backend):
         https = not self.endpoint or self.endpoint.startswith("https")
         stage = ["connect"]
 
-        def probe() -> None:
-            deadline = time.monotonic() + self.deadline
-            sock = socket.create_connection((host, port), timeout=self.deadline)
+        def attempt(deadline: float) -> None:
+            stage[0] = "connect"
+            sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
             stage[0] = "answer"
             with contextlib.closing(sock):
                 if https:
@@ -333,6 +333,25 @@ class S3Backend(Backend):
                 sock.settimeout(max(0.05, deadline - time.monotonic()))
                 if not sock.recv(16):
                     raise ConnectionResetError("the connection was closed without an answer")
+
+        def probe() -> None:
+            """Transient failures (a reset, a refused connection while a server restarts) are
+            tried again: resets until the deadline, refusals for a third of it."""
+            t0 = time.monotonic()
+            deadline = t0 + self.deadline
+            pause = 0.05
+            while True:
+                try:
+                    attempt(deadline)
+                    return
+                except ConnectionRefusedError:
+                    if time.monotonic() + pause > t0 + self.deadline / 3:
+                        raise
+                except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
+                    if time.monotonic() + pause > deadline:
+                        raise
+                time.sleep(pause)
+                pause = min(1.0, pause * 2)
 
         done, _r, err = _with_deadline(probe, self.deadline)  # getaddrinfo has no timeout of its own
         if not done or isinstance(err, (socket.timeout, TimeoutError)):
