@@ -214,7 +214,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="s4w", description="s4weights: lossless compressed PyTorch checkpoints",
-                epilog="exit status: 0 ok, 1 a failed check or bad input, 2 a usage error")
+                epilog="exit status: 0 ok, 1 a failed check or bad input, 2 a usage error, 130 interrupted. "
+                       "s3:// stores: an endpoint that does not answer, missing credentials, a missing bucket or "
+                       "denied access fail within S4W_S3_DEADLINE seconds (default 15).")
     p.add_argument("--version", action="version", version=f"s4w {__version__} (torch {torch.__version__})",
                    help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

@@ -247,14 +247,15 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         fmt = "safetensors" if args.out.endswith(".safetensors") else "s4w" if args.out.endswith(".s4w") else "torch"
     if os.path.isdir(args.out):
         raise StoreError(f"--out {args.out} is a directory; give the file to write")
-    obj = st.load(rec.step, map_location=args.map_location)
-    # Like s4w_core.save: missing folders above --out are created, the file appears whole or not
-    # at all (a temporary beside it, renamed), with the mode open() gives (0644 under umask 022).
+    # Like s4w_core.save: missing folders above --out are created (before the step is read, so a
+    # bad --out fails at once), the file appears whole or not at all (a temporary beside it,
+    # renamed), with the mode open() gives (0644 under umask 022).
     parent = os.path.dirname(os.path.abspath(args.out))
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
         raise StoreError(f"cannot create the folder {parent} for --out: {e.strerror or e}") from e
+    obj = st.load(rec.step, map_location=args.map_location)
     if fmt == "safetensors":
         flat = _flat_tensors(obj)
         if flat is None:
