@@ -7,8 +7,9 @@ the environment to every worker)::
 
 (this script sets those two variables itself when they are unset). A byte-level MLP on Python
 standard-library source trains 200 steps, ``save_state()`` every 50 (automatic naming,
-total_limit=2, raw files dropped); a fresh Accelerator then ``load_state()``s the step-100
-checkpoint, rebuilt from the store, trains on, and is compared with the run that never stopped.
+total_limit=2, raw files dropped); a fresh Accelerator then ``load_state()``s the step-150
+checkpoint (``checkpoints/checkpoint_2``), rebuilt from the store, trains on to 200, and is compared
+with the run that never stopped.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def main() -> None:
     acc.load_state(os.path.join(out, "checkpoints", "checkpoint_2"))
     train(acc, model, opt, sched, x, y, range(150, a.steps))
     same = all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+    print(f"resumed from checkpoint_2 (step 150, restored from the store) to step {a.steps}")
     print(
         json.dumps(
             {"bit_exact_vs_uninterrupted": same, "ratio": round(sz["raw_bytes"] / max(sz["physical_bytes"], 1), 3)}

@@ -3,9 +3,11 @@ checkpoints, resume.
 
 The text is the source of a few Python standard-library modules (it ships with every Python).
 Trains 300 steps on the CPU with ``Trainer(plugins=[S4CheckpointIO()])`` and a ModelCheckpoint
-every 50 steps (top-3 + last); then a new Trainer resumes from the step-150 checkpoint (an epoch
-boundary, so a plain DataLoader replays exactly), trains to 300, and the result is compared bit for
-bit with the run that never stopped. Prints what the store holds and the savings.
+every 50 steps (top-3 by loss + last); then a new Trainer resumes from the middle checkpoint if
+top-3 kept it, else from the oldest one it kept: in the default run that is the step-200 checkpoint
+(an epoch boundary, so a plain DataLoader replays exactly). It trains to 300, and the result is
+compared bit for bit with the run that never stopped. Prints its run folder first (a new
+``/tmp/s4w-lightning-*`` unless ``--out``), then what the store holds and the savings.
 
     PYTHONPATH=.:integrations python examples/lightning_char_lm.py [--out DIR] [--steps 300]
 """
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     a = ap.parse_args()
     out = a.out or tempfile.mkdtemp(prefix="s4w-lightning-")
+    print(f"run folder: {out}")
     full = run(os.path.join(out, "full"), a.steps)
     ckpts = os.path.join(out, "full", "ckpts")
     print("checkpoint files:", sorted(n for n in os.listdir(ckpts) if n.endswith(".ckpt")))

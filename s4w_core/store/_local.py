@@ -1,4 +1,10 @@
-"""Local-directory backend: temp file + fsync + rename for every object; pread/preadv for ranges."""
+"""Local-directory backend: temp file + fsync + rename for every object; pread/preadv for ranges.
+
+The store's directory is created by its first write, not when the backend is opened: opening a
+mistyped path to read from it (``load_checkpoint("runs/typo")``) leaves nothing behind.  Object
+files get the mode ``open()`` would give (0666 less the umask: 0644 under umask 022), as files
+written by :func:`s4w_core.save` do.
+"""
 
 from __future__ import annotations
 
@@ -20,19 +26,35 @@ __all__ = ["LocalBackend"]
 _TMP_PREFIX = ".s4w-tmp-"
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux tells it (``/proc``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (once, at import)
+    os.umask(mask)
+    return mask
+
+
+#: the mode of every object file: what ``open(path, "wb")`` would give
+FILE_MODE = 0o666 & ~_umask()
+
+
 class LocalBackend(Backend):
     """Objects are files under ``root``; keys map to relative paths."""
 
     def __init__(self, root: str, *, create: bool = True) -> None:
+        """``create``: whether writes may create the directory (and the folders above it); it is
+        created by the first write either way, never by opening."""
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
+        self.create = create
         if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise StoreError(f"{self.root} exists and is not a directory: not a checkpoint store")
-        if create:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-            except OSError as e:
-                raise StoreError(f"cannot create checkpoint store directory {self.root}: {e}") from e
+            raise StoreError(f"{self.root} is a file, not a directory: not a checkpoint store")
 
     def _path(self, key: str) -> str:
         if key.startswith("/") or ".." in key.split("/"):
@@ -43,10 +65,19 @@ class LocalBackend(Backend):
     def _tmp(self, key: str) -> Iterator[tuple[IO[bytes], str, str]]:
         path = self._path(key)
         d = os.path.dirname(path)
+        if not self.create and not os.path.isdir(self.root):
+            raise StoreError(f"cannot write {path}: the store directory {self.root} does not exist")
         try:
             os.makedirs(d, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=d)
         except OSError as e:
+            raise StoreError(f"cannot write {path}: {e}") from e
+        try:
+            os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             raise StoreError(f"cannot write {path}: {e}") from e
         try:
             with os.fdopen(fd, "wb") as f:

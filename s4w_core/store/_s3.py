@@ -8,7 +8,16 @@ Configuration, first match wins:
 * credentials: whatever the CRT client finds (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
   ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` or ``profile=``, instance metadata), or ``unsigned=True``.
 * ``client_options``: any other :class:`s3torchconnector.S3ClientConfig` field
-  (``throughput_target_gbps``, ``part_size``, ``max_attempts``).
+  (``throughput_target_gbps``, ``part_size``, ``max_attempts``), plus ``deadline`` (below).
+
+Failure policy: before its first request a backend checks, within a deadline (``deadline=``,
+``client_options={"deadline": s}`` or ``S4W_S3_DEADLINE``; default 15 s), that the endpoint
+accepts a TCP connection and answers an HTTP request, then lists one key of the prefix; listings,
+HEADs and deletes keep that deadline afterwards.  So a dead or silent endpoint, missing credentials, a missing bucket and
+denied access each fail fast with their own :class:`~s4w_core.errors.StoreError` message, instead
+of after the client's retries (43 s for a refused connection with the default 10 attempts).
+Transfers (uploads and downloads of data) have no deadline: the client retries transient errors
+(503 Slow Down, connection resets) as before.
 
 Atomicity: an S3 object appears only when its (multipart) upload completes.  A failed write is
 *aborted*: s3torchconnector's ``S3Writer`` does not close on an exception, but an unclosed
@@ -24,15 +33,57 @@ import bisect
 import contextlib
 import mmap
 import os
+import socket
+import ssl
 import threading
+import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, StoreError
+from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, S4WError, StoreError
 from s4w_core.format.container import copy_bytes, copy_into
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
 
-__all__ = ["S3Backend", "parse_s3_url"]
+__all__ = ["S3Backend", "parse_s3_url", "DEFAULT_DEADLINE_S", "deadline_from_env"]
+
+#: seconds a dead, silent or misconfigured endpoint may take to fail (``S4W_S3_DEADLINE``)
+DEFAULT_DEADLINE_S = 15.0
+
+
+def deadline_from_env() -> float:
+    """``S4W_S3_DEADLINE`` (seconds, > 0), else :data:`DEFAULT_DEADLINE_S`."""
+    v = os.environ.get("S4W_S3_DEADLINE")
+    if not v:
+        return DEFAULT_DEADLINE_S
+    try:
+        d = float(v)
+    except ValueError:
+        d = -1.0
+    if not d > 0:
+        raise StoreError(f"S4W_S3_DEADLINE must be a number of seconds > 0, got {v!r}")
+    return d
+
+
+def _with_deadline(fn: Callable[[], Any], seconds: float) -> tuple[bool, Any, BaseException | None]:
+    """Run ``fn`` on a daemon thread; ``(finished, result, error)`` after at most ``seconds``.
+
+    A daemon thread, not a pool: a call stuck in the client's retries must not hold up the
+    interpreter's exit once we have given up on it."""
+    box: list[Any] = [None, None]
+
+    def run() -> None:
+        try:
+            box[0] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box[1] = e
+
+    t = threading.Thread(target=run, name="s4w-s3-deadline", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        return False, None, None
+    return True, box[0], box[1]
 
 
 #: bytes of the first and of the last part of a download: the container header, and the trailer
@@ -176,6 +227,7 @@ class S3Backend(Backend):
         unsigned: bool = False,
         profile: str | None = None,
         client_options: Mapping[str, Any] | None = None,
+        deadline: float | None = None,
     ) -> None:
         s3tc = _import()
         from s3torchconnector._s3client import S3Client
@@ -187,6 +239,13 @@ class S3Backend(Backend):
         if force_path_style is None:
             force_path_style = self.endpoint is not None
         opts = dict(client_options or {})
+        if deadline is None:
+            deadline = opts.pop("deadline", None)
+        else:
+            opts.pop("deadline", None)
+        self.deadline = deadline_from_env() if deadline is None else float(deadline)
+        if not self.deadline > 0:
+            raise ValueError(f"deadline must be a number of seconds > 0, got {deadline!r}")
         opts.setdefault("force_path_style", force_path_style)
         opts.setdefault("unsigned", unsigned)
         if profile is not None:
@@ -198,6 +257,8 @@ class S3Backend(Backend):
         self._client = S3Client(self.region, endpoint=self.endpoint, s3client_config=cfg)
         self._ranged = s3tc.S3ReaderConstructor.range_based(buffer_size=0)
         self._lock = threading.Lock()
+        self._checked = False
+        self._check_lock = threading.Lock()
 
     # ------------------------------------------------------------------ helpers
     def _key(self, key: str) -> str:
@@ -215,18 +276,136 @@ class S3Backend(Backend):
             return StoreError(f"{what} {obj}: the {self._where()} does not exist")
         if "key does not exist" in low or "nosuchkey" in low or "not found" in low and key is not None:
             return CheckpointNotFoundError(f"{what} {obj}: no such object")
-        if any(s in low for s in ("forbidden", "accessdenied", "access denied", "signature", "invalidaccesskeyid", "credential")):
+        if "no signing credentials" in low or "no credentials" in low or "credentials provider" in low:
+            return StoreError(
+                f"{what} {obj}: no AWS credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "or AWS_PROFILE, or open a public bucket with unsigned=True"
+            )
+        if any(s in low for s in ("forbidden", "accessdenied", "access denied", "signature", "invalidaccesskeyid",
+                                  "access key id", "credential")):
             return StoreError(
                 f"{what} {obj}: access denied by the {self._where()} ({msg}); check AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the bucket policy"
             )
         if any(s in low for s in ("connection_refused", "connection refused", "socket", "dns", "timed out", "timeout", "host")):
-            return StoreError(f"{what} {obj}: cannot reach the S3 endpoint {self.endpoint or self.region} ({msg})")
+            return StoreError(f"{what} {obj}: cannot reach the S3 endpoint {self._endpoint_name()} ({msg})")
         return StoreError(f"{what} {obj}: {msg}")
+
+    def _endpoint_name(self) -> str:
+        return self.endpoint or f"of region {self.region}"
+
+    def _host_port(self) -> tuple[str, int]:
+        if self.endpoint:
+            u = urllib.parse.urlsplit(self.endpoint if "://" in self.endpoint else "https://" + self.endpoint)
+            try:
+                port = u.port
+            except ValueError as e:
+                raise StoreError(f"bad S3 endpoint URL {self.endpoint!r}: {e}") from None
+            if not u.hostname:
+                raise StoreError(f"bad S3 endpoint URL {self.endpoint!r}: no host")
+            return u.hostname, port or (80 if u.scheme == "http" else 443)
+        return f"s3.{self.region}.amazonaws.com", 443
+
+    def _probe(self) -> None:
+        """Within the deadline: a TCP connection to the endpoint, and an answer (any HTTP status)
+        to an unsigned ``HEAD`` of the bucket; else a StoreError saying which step failed.
+
+        Plain Python sockets, not the S3 client: a request we give up on must not stay inside the
+        client's native code (a daemon thread returning from it while the interpreter exits
+        aborts the process)."""
+        host, port = self._host_port()
+        where = f"the S3 endpoint {self._endpoint_name()}"
+        https = not self.endpoint or self.endpoint.startswith("https")
+        stage = ["connect"]
+
+        def attempt(deadline: float) -> None:
+            stage[0] = "connect"
+            sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
+            stage[0] = "answer"
+            with contextlib.closing(sock):
+                if https:
+                    ctx = ssl.create_default_context()
+                    ctx.check_hostname = False  # only "does it answer": nothing is sent but a HEAD
+                    ctx.verify_mode = ssl.CERT_NONE
+                    sock = ctx.wrap_socket(sock, server_hostname=host)
+                path = f"/{self.bucket}" if self.endpoint else "/"
+                sock.sendall(f"HEAD {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                if not sock.recv(16):
+                    raise ConnectionResetError("the connection was closed without an answer")
+
+        def probe() -> None:
+            """Transient failures (a reset, a refused connection while a server restarts) are
+            tried again: resets until the deadline, refusals for a third of it."""
+            t0 = time.monotonic()
+            deadline = t0 + self.deadline
+            pause = 0.05
+            while True:
+                try:
+                    attempt(deadline)
+                    return
+                except ConnectionRefusedError:
+                    if time.monotonic() + pause > t0 + self.deadline / 3:
+                        raise
+                except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
+                    if time.monotonic() + pause > deadline:
+                        raise
+                time.sleep(pause)
+                pause = min(1.0, pause * 2)
+
+        done, _r, err = _with_deadline(probe, self.deadline)  # getaddrinfo has no timeout of its own
+        if not done or isinstance(err, (socket.timeout, TimeoutError)):
+            if stage[0] == "connect":
+                raise StoreError(f"cannot reach {where}: no connection to {host}:{port} within {self.deadline:g} s "
+                                 "(S4W_S3_DEADLINE)")
+            raise StoreError(f"cannot reach {where}: it accepted a connection but did not answer within "
+                             f"{self.deadline:g} s (S4W_S3_DEADLINE)")
+        if isinstance(err, socket.gaierror):
+            raise StoreError(f"cannot reach {where}: cannot resolve {host!r} ({err.strerror or err})")
+        if isinstance(err, ConnectionRefusedError):
+            raise StoreError(f"cannot reach {where}: connection refused by {host}:{port} (nothing listens there?)")
+        if isinstance(err, ssl.SSLError):
+            raise StoreError(f"cannot reach {where}: TLS failed ({err}); an http:// endpoint?")
+        if isinstance(err, OSError):
+            raise StoreError(f"cannot reach {where}: {err.strerror or err} ({host}:{port})")
+        if err is not None:
+            raise StoreError(f"cannot reach {where}: {err}")
+
+    def check(self) -> None:
+        """Once per backend, before its first request: the endpoint answers within the deadline
+        (:meth:`_probe`), then a one-key listing of the prefix; raises the :class:`StoreError`
+        that tells which of unreachable endpoint, missing credentials, missing bucket or denied
+        access it is."""
+        if self._checked:
+            return
+        with self._check_lock:
+            if self._checked:
+                return
+            self._probe()
+            try:
+                next(iter(self._client.list_objects(self.bucket, self.prefix, max_keys=1)), None)
+            except Exception as e:
+                raise self._error(e, "cannot list", None) from e
+            self._checked = True
+
+    def _bounded(self, fn: Callable[[], Any], what: str, key: str | None) -> Any:
+        """A metadata request (list, HEAD, delete) that fails within the deadline."""
+        self.check()
+        done, r, err = _with_deadline(fn, self.deadline)
+        if not done:
+            obj = f"s3://{self.bucket}/{self._key(key)}" if key is not None else self.url
+            raise StoreError(f"{what} {obj}: no answer from the S3 endpoint {self._endpoint_name()} within "
+                             f"{self.deadline:g} s (S4W_S3_DEADLINE)")
+        if err is not None:
+            if isinstance(err, S4WError):
+                raise err
+            raise self._error(err, what, key) from err
+        return r
 
     # ------------------------------------------------------------------ verbs
     @contextlib.contextmanager
     def writer(self, key: str) -> Iterator[IO[bytes]]:
+        self.check()
         try:
             w = self._client.put_object(self.bucket, self._key(key))
         except Exception as e:
@@ -261,10 +440,7 @@ class S3Backend(Backend):
             w.write(bytes(data))
 
     def _head(self, key: str) -> Any:
-        try:
-            return self._client.head_object(self.bucket, self._key(key))
-        except Exception as e:
-            raise self._error(e, "cannot read", key) from e
+        return self._bounded(lambda: self._client.head_object(self.bucket, self._key(key)), "cannot read", key)
 
     def _exists(self, key: str) -> bool:
         try:
@@ -274,6 +450,7 @@ class S3Backend(Backend):
         return True
 
     def get(self, key: str) -> bytes:
+        self.check()
         try:
             r = self._client.get_object(self.bucket, self._key(key))
             return bytes(r.read())
@@ -348,23 +525,20 @@ class S3Backend(Backend):
         return RangeReader(dl.read, dl.size, name, close=dl.close, readinto=dl.readinto)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        out: list[ObjectInfo] = []
-        try:
+        def listing() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
             for page in self._client.list_objects(self.bucket, self._key(prefix)):
                 for o in page.object_info:
                     k = o.key[len(self.prefix) :]
                     out.append(
                         ObjectInfo(k, int(o.size), float(o.last_modified) if o.last_modified else None, o.etag)
                     )
-        except Exception as e:
-            raise self._error(e, "cannot list", prefix) from e
-        return out
+            return out
+
+        return self._bounded(listing, "cannot list", prefix)  # type: ignore[no-any-return]
 
     def delete(self, key: str) -> None:
         try:
-            self._client.delete_object(self.bucket, self._key(key))
-        except Exception as e:
-            err = self._error(e, "cannot delete", key)
-            if isinstance(err, CheckpointNotFoundError):
-                return
-            raise err from e
+            self._bounded(lambda: self._client.delete_object(self.bucket, self._key(key)), "cannot delete", key)
+        except CheckpointNotFoundError:
+            return

@@ -57,11 +57,11 @@ def test_verify_ok_and_corrupt(ckpt: Path, capsys: pytest.CaptureFixture[str]) -
     assert "TruncatedError" in capsys.readouterr().err
 
 
-def test_errors_exit_2_with_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["info", str(tmp_path / "nope.s4w")]) == 2
+def test_errors_exit_1_with_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info", str(tmp_path / "nope.s4w")]) == 1
     assert "CheckpointNotFoundError" in capsys.readouterr().err
     (tmp_path / "x.bin").write_bytes(b"hello world" * 10)
-    assert cli.main(["info", str(tmp_path / "x.bin")]) == 2
+    assert cli.main(["info", str(tmp_path / "x.bin")]) == 1
     assert "BadMagicError" in capsys.readouterr().err
 
 

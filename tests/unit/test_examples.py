@@ -149,12 +149,4 @@ def test_train_tiny_runs_saves_and_resumes(tmp_path: Path, mode: str) -> None:
     assert "resumed from step 6" in r.stdout and "reloaded step 9: bit-exact" in r.stdout
 
 
-def test_readme_python_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ```python block of README.md runs as written (in a scratch directory)."""
-    import re
-
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert blocks, "README.md has no python examples"
-    monkeypatch.chdir(tmp_path)
-    for code in blocks:
-        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+# README's and docs' python blocks run in tests/unit/test_docs_snippets.py (each in a fresh interpreter).
