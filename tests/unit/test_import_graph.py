@@ -33,7 +33,6 @@ PACKAGES: tuple[tuple[Path, str], ...] = (
 # TODO(#29): the redesign removes each of these; never add one.
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
     {
-        frozenset({"s4w_core.cli", "s4w_core.store.cli"}),
         frozenset({"s4w_core.store.store", "s4w_core.store._async", "s4w_core.store._tiered"}),
     }
 )
@@ -42,7 +41,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
 KNOWN_PRIVATE: frozenset[tuple[str, str]] = frozenset(
     {
         ("s4w_core.api", "s4w_core.engine._executor"),
-        ("s4w_core.cli", "s4w_core.api._h"),
         ("s4w_core.dcp", "s4w_core.api._gpu"),
         ("s4w_core.dcp", "s4w_core.store._async"),  # PinnedPool
         ("s4w_core.gpu._decode", "s4w_core.gpu._encode._mark"),
@@ -55,8 +53,6 @@ KNOWN_PRIVATE: frozenset[tuple[str, str]] = frozenset(
         ("s4w_core.store._async", "s4w_core.api._resolve_profile"),
         ("s4w_core.store._tiered", "s4w_core.store.store._DATA"),
         ("s4w_core.store._tiered", "s4w_core.store.store._commit_key"),
-        ("s4w_core.store.cli", "s4w_core.api._h"),
-        ("s4w_core.store.cli", "s4w_core.store.store._COMMITS"),
         ("s4w_core.store.store", "s4w_core.api._build_tensors"),
         ("s4w_core.store.store", "s4w_core.api._decode_storages"),
         ("s4w_core.store.store", "s4w_core.api._encode"),
