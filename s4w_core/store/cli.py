@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
+from s4w_core import pointer
 from s4w_core.cli import add_progress_args, progress_bar, want_progress
 
 __all__ = ["register", "is_store_url"]
@@ -189,11 +190,29 @@ def _cmd_store_verify(args: argparse.Namespace) -> int:
 
 def _wrap(orig: Callable[[argparse.Namespace], int], store_fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def dispatch(args: argparse.Namespace) -> int:
+        ptr = pointer.read(args.path) if os.path.isfile(args.path) else None  # a framework's .ckpt
+        if ptr is not None:
+            return _follow(args, ptr, store_fn)
         if getattr(args, "step", None) is not None or is_store_url(args.path):
             return store_fn(args)
         return orig(args)
 
     return dispatch
+
+
+def _follow(args: argparse.Namespace, ptr: pointer.Pointer, store_fn: Callable[[argparse.Namespace], int]) -> int:
+    """info / verify on a pointer file: the step it names (verify: exit 1 when anything is missing)."""
+    if store_fn is _cmd_store_verify:
+        rep = pointer.verify(args.path)
+        if rep.ok:
+            print(f"OK {rep.path}: {rep.storages} storages, {rep.raw_bytes} bytes decoded, every checksum matches")
+            return 0
+        for p in rep.problems:
+            print(f"FAIL {rep.path}: {p}", file=sys.stderr)
+        return 1
+    args.path = pointer.open_store(ptr).url
+    args.step = ptr.step
+    return store_fn(args)
 
 
 # ----------------------------------------------------------------------------- restore
@@ -208,9 +227,15 @@ def _flat_tensors(obj: Any) -> dict[str, Any] | None:
 def _cmd_restore(args: argparse.Namespace) -> int:
     import torch
 
-    st = _store(args)  # the store's byte bar while the step (and its chain) is read
-    rec = st.info(args.step)
-    obj = st.load(rec.step, map_location=args.map_location)
+    ptr = pointer.read(args.url) if os.path.isfile(args.url) else None  # a framework's .ckpt
+    if ptr is not None:
+        st = pointer.open_store(ptr)
+        rec = st.info(ptr.step)
+        obj = pointer.load(ptr, map_location=args.map_location)
+    else:
+        st = _store(args)  # the store's byte bar while the step (and its chain) is read
+        rec = st.info(args.step)
+        obj = st.load(rec.step, map_location=args.map_location)
     fmt = args.format
     if fmt == "auto":
         fmt = "safetensors" if args.out.endswith(".safetensors") else "s4w" if args.out.endswith(".s4w") else "torch"
