@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import io
 import os
 import threading
@@ -212,6 +213,12 @@ def _auto_location(orig: str) -> str:
     return orig
 
 
+#: store settings of this plugin unless ``store_options`` says otherwise: no keyframe copy behind
+#: each save (Lightning saves often and resumes rarely; the copy doubles the bytes written) where
+#: the store has one
+_STORE_DEFAULTS = {"keyframe_copy": False} if "keyframe_copy" in inspect.signature(CheckpointStore).parameters else {}
+
+
 # ----------------------------------------------------------------------------- a second name for a step
 _Path = tuple[Any, ...]
 
@@ -333,7 +340,8 @@ class _S4CheckpointIOImpl:
         with self._lock:
             st = self._stores.get(url)
             if st is None:
-                opts = {"profile": self.profile, "keyframe_every": self.keyframe_every, **self.store_options}
+                opts = {"profile": self.profile, "keyframe_every": self.keyframe_every, **_STORE_DEFAULTS}
+                opts.update(self.store_options)
                 st = self._stores[url] = CheckpointStore(url, **opts)
             return st
 
