@@ -215,8 +215,9 @@ def _auto_location(orig: str) -> str:
 
 #: store settings of this plugin unless ``store_options`` says otherwise: no keyframe copy behind
 #: each save (Lightning saves often and resumes rarely; the copy doubles the bytes written) where
-#: the store has one
-_STORE_DEFAULTS = {"keyframe_copy": False} if "keyframe_copy" in inspect.signature(CheckpointStore).parameters else {}
+#: the store writes one by default (a store whose newest step is always whole has none)
+_COPY = inspect.signature(CheckpointStore).parameters.get("keyframe_copy")
+_STORE_DEFAULTS = {"keyframe_copy": False} if _COPY is not None and _COPY.default is True else {}
 
 
 # ----------------------------------------------------------------------------- a second name for a step

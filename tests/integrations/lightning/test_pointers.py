@@ -62,29 +62,46 @@ def _files(d) -> dict[str, tuple[int, int, int]]:
 
 
 class Audit(S4CheckpointIO):
-    """Records every dict Lightning hands over, and checks what each call does to the store."""
+    """Records every dict Lightning hands over, and the store calls each of its calls makes."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.saved: dict[str, dict] = {}
-        self.calls: list[tuple[str, int | None, dict, dict]] = []  # (what, step, before, after)
-
-    def _around(self, what, path, step, fn):
-        st = self.store_for(path)
-        st.wait()  # background work of the previous save (the keyframe copy) lands first
-        before = _files(st.url)
-        fn()
-        st.wait()
-        self.calls.append((what, step, before, _files(st.url)))
+        self.calls: list[tuple[str, str, int | None, list]] = []  # (what, path, global step, store calls)
+        self.log: list[tuple] = []
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         import copy
 
         self.saved[os.fspath(path)] = copy.deepcopy(checkpoint)
-        self._around("save", path, checkpoint["global_step"], lambda: super(Audit, self).save_checkpoint(checkpoint, path))
+        del self.log[:]
+        super().save_checkpoint(checkpoint, path)
+        self.calls.append(("save", os.fspath(path), checkpoint["global_step"], list(self.log)))
 
     def remove_checkpoint(self, path):
-        self._around("remove", path, None, lambda: super(Audit, self).remove_checkpoint(path))
+        del self.log[:]
+        super().remove_checkpoint(path)
+        self.calls.append(("remove", os.fspath(path), None, list(self.log)))
+
+
+@pytest.fixture
+def store_calls(monkeypatch):
+    """Route every CheckpointStore save/save_async/delete through a recorder (the real ones run)."""
+    sinks: list[list] = []
+
+    def spy(name):
+        real = getattr(CheckpointStore, name)
+
+        def call(self, *a, **kw):
+            for sink in sinks:
+                sink.append((name, a[1] if name != "delete" else a[0], kw))
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(CheckpointStore, name, call)
+
+    for name in ("save", "save_async", "delete"):
+        spy(name)
+    return sinks
 
 
 def _fit(root, steps, plugin, ckpt_path=None, precision="32-true", width=32, **ck):
@@ -105,34 +122,60 @@ def _fit(root, steps, plugin, ckpt_path=None, precision="32-true", width=32, **c
     return trainer, model
 
 
-def test_second_names_and_removals_write_no_store_data(tmp_path):
+def test_second_names_and_removals_write_no_store_data(tmp_path, store_calls):
+    """A save of a global step already stored (last.ckpt after the top-k file) only writes a
+    pointer; overwriting last.ckpt and top-k removal never re-save or re-code stored steps: a step
+    is deleted (without rebase) once no file names it."""
     io_ = Audit()
+    store_calls.append(io_.log)
     _fit(tmp_path, 10, io_)
     ck = tmp_path / "ck"
-    saves = [c for c in io_.calls if c[0] == "save"]
-    seen: set[int] = set()
-    second = 0
-    for what, step, before, after in io_.calls:
-        changed = {k for k, v in after.items() if before.get(k) != v}
-        if what == "remove" or step in seen:  # nothing stored is written or re-written
-            assert not changed, (what, step, changed)
-            second += what == "save"
+    stored: set[int] = set()
+    second = removes = 0
+    for what, path, step, calls in io_.calls:
+        writes = [c[:2] for c in calls if c[0] != "delete"]  # deletes: the step an overwritten name named
+        if what == "save" and step in stored:
+            assert writes == [], (path, step, calls)  # a pointer, nothing else
+            second += 1
+        elif what == "save":
+            assert writes == [("save", step)], (path, step, calls)
+            stored.add(step)
         else:
-            assert changed, (what, step)  # a new step: its data and commit record
-            # (a new step may update older steps' commit records, e.g. to drop a keyframe copy)
-            rewritten = {k for k in before if k in after and before[k] != after[k] and not k.startswith("commits/")}
-            assert not rewritten, (step, "re-wrote stored data", rewritten)
-        if what == "save":
-            seen.add(step)
-    assert second >= 5 and any(c[0] == "remove" for c in io_.calls), [(c[0], c[1]) for c in saves]
+            assert writes == [], (path, calls)
+            removes += 1
+        for name, _s, kw in calls:
+            assert name != "delete" or not kw.get("rebase"), calls  # never re-codes kept steps
+    deleted = {s for *_, calls in io_.calls for name, s, _ in calls if name == "delete"}
+    assert second >= 5 and removes >= 3 and deleted, io_.calls
     # store steps are the global steps the kept files name, and nothing else
     kept = sorted(n for n in os.listdir(ck) if n.endswith(".ckpt"))
     assert len(kept) == 3 and "last.ckpt" in kept
     named = {pointer.read(ck / n).step for n in kept}
-    assert set(CheckpointStore(str(ck / ".s4w")).steps()) == named
+    assert set(CheckpointStore(str(ck / ".s4w")).steps()) == named == stored - deleted
     for n in kept:  # each name loads back to exactly the dict Lightning handed over for it
         assert not diff(S4CheckpointIO().load_checkpoint(ck / n), io_.saved[str(ck / n)]), n
     assert s4w_lightning.last_checkpoint(ck) == str(ck / "last.ckpt")
+
+
+def test_second_name_and_remove_touch_no_stored_file(tmp_path):
+    """The same at the file level: the second name of a step and a remove whose step another
+    file still names leave every file of the store as it was."""
+    io_ = S4CheckpointIO()
+    w = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ck = {"state_dict": {"w": w}, "global_step": 7, "epoch": 0, "callbacks": {"best": "a"}}
+    io_.save_checkpoint(ck, tmp_path / "epoch=0-step=7.ckpt")
+    st = io_.store_for(tmp_path / "last.ckpt")
+    st.wait()
+    before = _files(st.url)
+    io_.save_checkpoint({**ck, "callbacks": {"best": "b"}}, tmp_path / "last.ckpt")
+    io_.remove_checkpoint(tmp_path / "epoch=0-step=7.ckpt")
+    st.wait()
+    assert _files(st.url) == before and st.steps() == [7]
+    got = io_.load_checkpoint(tmp_path / "last.ckpt")
+    assert got["callbacks"] == {"best": "b"} and torch.equal(got["state_dict"]["w"].view(torch.int16), w.view(torch.int16))
+    assert len((tmp_path / "last.ckpt").read_bytes()) < 4096  # a pointer, not the tensor
+    io_.remove_checkpoint(tmp_path / "last.ckpt")  # the last name: the step goes
+    assert st.steps() == [] and not (tmp_path / "last.ckpt").exists()
 
 
 def _wchar() -> int:
@@ -206,9 +249,9 @@ def test_cli_restore_info_verify_follow_the_pointer(tmp_path, capsys):
     assert s4w_main(["verify", str(last)]) == 1
     err = capsys.readouterr().err
     assert "FAIL" in err and "last.ckpt" in err
-    # the step itself goes: still exit 1, saying the step's data was deleted
-    st.delete(6)
-    assert s4w_main(["verify", str(last)]) == 1
+    # a pointer to a step the store does not hold: exit 1, saying the step's data was deleted
+    _evil(ck / "gone.ckpt", ".s4w", 999)
+    assert s4w_main(["verify", str(ck / "gone.ckpt")]) == 1
     assert "does not hold it" in capsys.readouterr().err
 
 
