@@ -236,6 +236,13 @@ def _tensors(obj: Any, path: _Path = ()) -> Any:
             yield from _tensors(v, (*path, i))
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor has no version counter
+        return 0
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
@@ -249,8 +256,12 @@ class _Saved:
 
     def __init__(self, step: int, checkpoint: Any) -> None:
         self.step = step
-        # a tensor's version counter moves with every in-place write (optimizer steps included)
-        self.tensors = {p: (t, t._version) for p, t in _tensors(checkpoint)}
+        # A tensor's version counter moves with every in-place write (optimizer steps included).
+        # Only tensors written in place since they were made are kept: views of live parameters
+        # and optimizer state, which cost nothing to hold.  A fresh tensor (version 0), such as
+        # the clones Lightning's AsyncCheckpointIO hands over, is not held (holding it would keep
+        # a copy of the state alive until the next save); a later name then stores it itself.
+        self.tensors = {p: (t, v) for p, t in _tensors(checkpoint) if (v := _version(t)) > 0}
 
     def same(self, path: _Path, t: torch.Tensor) -> bool:
         rec = self.tensors.get(path)
@@ -262,7 +273,7 @@ class _Saved:
         if t.numel() == 0:
             return True
         if t.data_ptr() == old.data_ptr() and t.stride() == old.stride():
-            return t._version == version  # the same memory: unchanged unless written in place since
+            return _version(t) == version  # the same memory: unchanged unless written in place since
         return _bits_equal(t, old)  # another copy (AsyncCheckpointIO clones): compare the bits
 
     def skeleton(self, obj: Any, path: _Path = ()) -> Any:

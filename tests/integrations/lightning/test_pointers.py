@@ -162,6 +162,7 @@ def test_second_name_and_remove_touch_no_stored_file(tmp_path):
     file still names leave every file of the store as it was."""
     io_ = S4CheckpointIO()
     w = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w.mul_(0.5)  # trained: written in place, like parameters and optimizer state
     ck = {"state_dict": {"w": w}, "global_step": 7, "epoch": 0, "callbacks": {"best": "a"}}
     io_.save_checkpoint(ck, tmp_path / "epoch=0-step=7.ckpt")
     st = io_.store_for(tmp_path / "last.ckpt")
@@ -174,7 +175,20 @@ def test_second_name_and_remove_touch_no_stored_file(tmp_path):
     got = io_.load_checkpoint(tmp_path / "last.ckpt")
     assert got["callbacks"] == {"best": "b"} and torch.equal(got["state_dict"]["w"].view(torch.int16), w.view(torch.int16))
     assert len((tmp_path / "last.ckpt").read_bytes()) < 4096  # a pointer, not the tensor
-    io_.remove_checkpoint(tmp_path / "last.ckpt")  # the last name: the step goes
+    # a copy of a kept tensor: compared bit for bit, shared
+    io_.save_checkpoint({**ck, "state_dict": {"w": w.clone()}}, tmp_path / "a.ckpt")
+    assert len((tmp_path / "a.ckpt").read_bytes()) < 4096
+    for n in ("a.ckpt", "last.ckpt"):  # the last name goes: the step goes
+        assert st.steps() == [7]
+        io_.remove_checkpoint(tmp_path / n)
+    # fresh copies (what AsyncCheckpointIO hands over) are not held between saves: a further name
+    # of their step stores them itself, and still loads bit for bit
+    io_.save_checkpoint({**ck, "global_step": 8, "state_dict": {"w": w.clone()}}, tmp_path / "c.ckpt")
+    io_.save_checkpoint({**ck, "global_step": 8, "state_dict": {"w": w.clone()}}, tmp_path / "d.ckpt")
+    assert len((tmp_path / "d.ckpt").read_bytes()) > 4096 and st.steps() == [8]
+    assert torch.equal(io_.load_checkpoint(tmp_path / "d.ckpt")["state_dict"]["w"].view(torch.int16), w.view(torch.int16))
+    io_.remove_checkpoint(tmp_path / "c.ckpt")
+    io_.remove_checkpoint(tmp_path / "d.ckpt")
     assert st.steps() == [] and not (tmp_path / "last.ckpt").exists()
 
 
@@ -350,3 +364,15 @@ def test_resume_from_a_second_name_is_bit_exact_at_an_epoch_boundary(tmp_path):
     for (t1, m1), (t2, m2) in [(ref, b)]:
         assert not diff(m1.state_dict(), m2.state_dict())
         assert not diff(t1.optimizers[0].state_dict(), t2.optimizers[0].state_dict())
+
+
+def test_pointers_written_before_pointer_files_still_load(tmp_path):
+    """A run checkpointed before pointer files: its .ckpt is a container {s4w_lightning_pointer:
+    {store, step}}; it loads, and the same confinement applies."""
+    st = CheckpointStore(str(tmp_path / ".s4w"))
+    st.save({"state_dict": {"w": torch.arange(6.0)}, "global_step": 3}, 11)
+    s4w_core.save({"s4w_lightning_pointer": {"version": 1, "store": ".s4w", "step": 11}}, str(tmp_path / "old.ckpt"))
+    assert S4CheckpointIO().load_checkpoint(tmp_path / "old.ckpt")["state_dict"]["w"].tolist() == list(range(6))
+    s4w_core.save({"s4w_lightning_pointer": {"version": 1, "store": "../x/.s4w", "step": 11}}, str(tmp_path / "bad.ckpt"))
+    with pytest.raises(pointer.PointerError):
+        S4CheckpointIO().load_checkpoint(tmp_path / "bad.ckpt")
