@@ -228,14 +228,9 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     import torch
 
     ptr = pointer.read(args.url) if os.path.isfile(args.url) else None  # a framework's .ckpt
-    if ptr is not None:
-        st = pointer.open_store(ptr)
-        rec = st.info(ptr.step)
-        obj = pointer.load(ptr, map_location=args.map_location)
-    else:
-        st = _store(args)  # the store's byte bar while the step (and its chain) is read
-        rec = st.info(args.step)
-        obj = st.load(rec.step, map_location=args.map_location)
+    st = _store(args) if ptr is None else pointer.open_store(ptr)  # the store's byte bar while the step (and its chain) is read
+    rec = st.info(args.step if ptr is None else ptr.step)
+    obj = st.load(rec.step, map_location=args.map_location) if ptr is None else pointer.load(ptr, args.map_location)
     fmt = args.format
     if fmt == "auto":
         fmt = "safetensors" if args.out.endswith(".safetensors") else "s4w" if args.out.endswith(".s4w") else "torch"
