@@ -334,6 +334,7 @@ class _S4CheckpointIOImpl:
         self.store_options = dict(store_options or {})
         self._stores: dict[str, CheckpointStore] = {}
         self._saved: dict[str, _Saved] = {}  # per store: the step last written, for its second names
+        self._folders: dict[str, set[str]] = {}  # per store: the folders this plugin wrote pointers into
         self._backends: dict[str, Any] = {}
         self._lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
@@ -514,12 +515,13 @@ class _S4CheckpointIOImpl:
         name = _split(path)[1]
         data = pointer.encode(ref, step, meta=meta, payload=payload, hint=_hint(name), name=name)
         self._write_bytes(path, data)
+        with self._lock:
+            self._folders.setdefault(url, set()).add(_split(path)[0])
         if old is not None and old.step != step and self._own_store(path, old) == url:
             self._forget(url, old.step, path)
 
     def _files_in(self, d: str) -> list[str]:
-        """The files directly in folder ``d`` small enough to be pointers without a payload of
-        their own tensors (local or S3)."""
+        """The files directly in folder ``d`` (local or S3)."""
         if _is_s3(d):
             try:
                 objs = self._backend(d).list("")
@@ -532,8 +534,11 @@ class _S4CheckpointIOImpl:
             return []
 
     def _forget(self, url: str, step: int, removed_path: str) -> None:
-        """Delete store ``step`` unless another pointer beside ``removed_path`` still names it."""
-        for p in self._files_in(_split(removed_path)[0]):
+        """Delete store ``step`` unless another pointer still names it: beside ``removed_path``, or
+        in another folder this plugin wrote pointers into the same store from (``store=``)."""
+        with self._lock:
+            folders = {_split(removed_path)[0], *self._folders.get(url, ())}
+        for p in (p for d in sorted(folders) for p in self._files_in(d)):
             if p == removed_path:
                 continue
             ptr = self._pointer_at(p)

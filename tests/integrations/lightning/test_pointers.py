@@ -376,3 +376,19 @@ def test_pointers_written_before_pointer_files_still_load(tmp_path):
     s4w_core.save({"s4w_lightning_pointer": {"version": 1, "store": "../x/.s4w", "step": 11}}, str(tmp_path / "bad.ckpt"))
     with pytest.raises(pointer.PointerError):
         S4CheckpointIO().load_checkpoint(tmp_path / "bad.ckpt")
+
+
+def test_shared_store_keeps_a_step_another_folder_still_names(tmp_path):
+    """Two ModelCheckpoint folders, one configured store: removing one folder's file keeps the step
+    the other folder's file names."""
+    io_ = S4CheckpointIO(store=str(tmp_path / "store"))
+    w = torch.arange(64, dtype=torch.float32)
+    w.add_(1)
+    ck = {"state_dict": {"w": w}, "global_step": 5, "epoch": 0}
+    io_.save_checkpoint(ck, tmp_path / "a" / "x.ckpt")
+    io_.save_checkpoint(ck, tmp_path / "b" / "y.ckpt")
+    io_.remove_checkpoint(tmp_path / "a" / "x.ckpt")
+    assert CheckpointStore(str(tmp_path / "store")).steps() == [5]
+    assert torch.equal(io_.load_checkpoint(tmp_path / "b" / "y.ckpt")["state_dict"]["w"], w)
+    io_.remove_checkpoint(tmp_path / "b" / "y.ckpt")
+    assert CheckpointStore(str(tmp_path / "store")).steps() == []
