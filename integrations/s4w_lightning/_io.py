@@ -435,6 +435,8 @@ class _S4CheckpointIOImpl:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4w-lightning")
 
         def run() -> None:
+            if self._error is not None:  # after a failure nothing queued behind it runs (a pointer
+                return  # to a step that never committed, a delete) until the caller has seen it
             try:
                 fn(*args)
             except BaseException as e:  # re-raised on the training thread by the next call
@@ -477,10 +479,10 @@ class _S4CheckpointIOImpl:
         meta = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
         with self._lock:
             step = _global_step(checkpoint)
-            if step is None:  # not a Trainer's checkpoint: the next free step
-                last = st.latest()
-                step = 0 if last is None else last + 1
             saved = self._saved.get(url)
+            if step is None:  # not a Trainer's checkpoint: the next free step (after one in flight too)
+                known = [s for s in (st.latest(), None if saved is None else saved.step) if s is not None]
+                step = max(known) + 1 if known else 0
             if saved is not None and saved.step == step:
                 # a second name for a step already stored: a pointer with what differs
                 buf = io.BytesIO()
