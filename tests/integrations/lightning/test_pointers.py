@@ -392,3 +392,40 @@ def test_shared_store_keeps_a_step_another_folder_still_names(tmp_path):
     assert torch.equal(io_.load_checkpoint(tmp_path / "b" / "y.ckpt")["state_dict"]["w"], w)
     io_.remove_checkpoint(tmp_path / "b" / "y.ckpt")
     assert CheckpointStore(str(tmp_path / "store")).steps() == []
+
+
+@pytest.mark.gpu
+def test_second_names_on_the_gpu(tmp_path):
+    """On a GPU: last.ckpt after the top-k file of the same step is a small pointer; both load to
+    exactly the dicts Lightning handed over; resume from last.ckpt is bit-exact."""
+    io_ = Audit()
+    pl.seed_everything(0)
+
+    def trainer(root, steps, plugin):
+        return pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=steps,
+            precision="bf16-true",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            plugins=[plugin],
+            callbacks=[pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=BATCHES,
+                                                     save_top_k=-1, save_last=True)],
+        )
+
+    trainer(tmp_path / "a", 2 * BATCHES, io_).fit(Tiny(hidden=512, width=256), _data(width=256))
+    ck = tmp_path / "a" / "ck"
+    last = pointer.read(ck / "last.ckpt")
+    assert last.step == 2 * BATCHES and last.payload is not None and len(last.payload) < 64 << 10
+    for n in ("last.ckpt", f"epoch=1-step={2 * BATCHES}.ckpt"):
+        assert not diff(S4CheckpointIO().load_checkpoint(ck / n), io_.saved[str(ck / n)]), n
+    pl.seed_everything(0)
+    ref_t, ref_m = trainer(tmp_path / "r", 3 * BATCHES, S4CheckpointIO()), Tiny(hidden=512, width=256)
+    ref_t.fit(ref_m, _data(width=256))
+    pl.seed_everything(0)
+    t, m = trainer(tmp_path / "b", 3 * BATCHES, S4CheckpointIO()), Tiny(hidden=512, width=256)
+    t.fit(m, _data(width=256), ckpt_path=str(ck / "last.ckpt"))
+    assert not diff(m.state_dict(), ref_m.state_dict())
+    assert not diff(t.optimizers[0].state_dict(), ref_t.optimizers[0].state_dict())
