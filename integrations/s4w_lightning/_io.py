@@ -224,11 +224,17 @@ _STORE_DEFAULTS = {"keyframe_copy": False} if _COPY is not None and _COPY.defaul
 _Path = tuple[Any, ...]
 
 
+def _structural_dict(obj: Any) -> bool:
+    """A dict :func:`_pack` keeps as a dict (not one of the objects it serialises whole)."""
+    return isinstance(obj, dict) and _registered_dict(obj) and all(_plain(k) for k in obj)
+
+
 def _tensors(obj: Any, path: _Path = ()) -> Any:
-    """``(path, tensor)`` for every tensor reachable through dicts, lists and tuples."""
+    """``(path, tensor)`` for every tensor reachable through the dicts, lists and tuples
+    :func:`_pack` keeps as such."""
     if isinstance(obj, torch.Tensor):
         yield path, obj
-    elif isinstance(obj, dict):
+    elif _structural_dict(obj):
         for k, v in obj.items():
             yield from _tensors(v, (*path, k))
     elif type(obj) in (list, tuple):
@@ -281,8 +287,8 @@ class _Saved:
         :data:`s4w_core.pointer.REF_KEY` placeholder."""
         if isinstance(obj, torch.Tensor):
             return {pointer.REF_KEY: True} if self.same(path, obj) else obj
-        if isinstance(obj, dict):
-            out = type(obj)() if _registered_dict(obj) else {}
+        if _structural_dict(obj):
+            out = type(obj)()
             out.update((k, self.skeleton(v, (*path, k))) for k, v in obj.items())
             return out
         if type(obj) is list:

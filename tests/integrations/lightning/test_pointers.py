@@ -429,3 +429,17 @@ def test_second_names_on_the_gpu(tmp_path):
     t.fit(m, _data(width=256), ckpt_path=str(ck / "last.ckpt"))
     assert not diff(m.state_dict(), ref_m.state_dict())
     assert not diff(t.optimizers[0].state_dict(), ref_t.optimizers[0].state_dict())
+
+
+def test_second_name_keeps_containers_it_cannot_share_from(tmp_path):
+    """Tensors inside values the plugin serialises whole (here a dict with tuple keys) are stored
+    with the pointer, and the container comes back as it was."""
+    io_ = S4CheckpointIO()
+    w = torch.arange(8.0)
+    w.add_(1)
+    ck = {"state_dict": {"w": w}, "global_step": 3, "extra": {(1, 2): w}}
+    io_.save_checkpoint(ck, tmp_path / "a.ckpt")
+    io_.save_checkpoint(ck, tmp_path / "last.ckpt")
+    got = io_.load_checkpoint(tmp_path / "last.ckpt")
+    assert list(got["extra"]) == [(1, 2)] and torch.equal(got["extra"][(1, 2)], w)
+    assert torch.equal(got["state_dict"]["w"], w)
