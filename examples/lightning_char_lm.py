@@ -4,12 +4,14 @@ checkpoints, resume.
 The text is the source of a few Python standard-library modules (it ships with every Python).
 Trains 300 steps (``--steps``) on the CPU in bf16 (``precision="bf16-true"``) with
 ``Trainer(plugins=[S4CheckpointIO()])`` and a ``ModelCheckpoint`` every 50 steps (one epoch), top-3
-by loss + ``last.ckpt``. The store's steps are the trainer's global steps; ``last.ckpt`` and the
-newest top-3 file name the same step, stored once. Then a new Trainer resumes from the oldest
-checkpoint top-3 kept (an epoch boundary, so a plain DataLoader replays exactly; the script prints
-which), trains to the end, and the result is compared bit for bit with the run that never stopped.
-Prints the store's steps, the bytes on disk (store and pointer files) against what Lightning's own
-``torch.save`` files for the same checkpoints take, and ``{"bit_exact_vs_uninterrupted": ...}``.
+by loss + ``last.ckpt``. The store's steps are the trainer's global steps; when a save enters the
+top 3, ``last.ckpt`` names the same store step (stored once, ``last.ckpt`` is then a small pointer).
+Then a new Trainer resumes from the oldest checkpoint top-3 kept (an epoch boundary, so a plain
+DataLoader replays exactly; the script prints which), trains to the end, and the result is
+compared bit for bit with the run that never stopped. Writes under ``--out`` (default: a new
+temporary folder, printed first). Prints the store's steps, the bytes on disk (store and pointer
+files) against what Lightning's own ``torch.save`` files for the same checkpoints take, and
+``{"bit_exact_vs_uninterrupted": ...}``.
 
     PYTHONPATH=.:integrations python examples/lightning_char_lm.py [--out DIR] [--steps 300]
 """
@@ -103,6 +105,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     a = ap.parse_args()
     out = a.out or tempfile.mkdtemp(prefix="s4w-lightning-")
+    print(f"writing under {out} (full/ and resumed/ runs; --out DIR to choose)")
     full = run(os.path.join(out, "full"), a.steps)
     ckpts = os.path.join(out, "full", "ckpts")
     names = sorted(n for n in os.listdir(ckpts) if n.endswith(".ckpt"))

@@ -46,6 +46,7 @@ __all__ = [
     "Pointer",
     "PointerError",
     "REF_KEY",
+    "default_hint",
     "encode",
     "parse",
     "is_pointer",
@@ -98,6 +99,7 @@ def _one_line(s: str) -> str:
 
 
 def default_hint(name: str) -> str:
+    """The message :func:`encode` writes when given none (``name``: the file's name)."""
     name = _one_line(name)
     return (
         f"{name} is an s4weights pointer into the checkpoint store beside it, not a torch file: "
