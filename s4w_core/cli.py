@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from s4w_core import pointer
 from s4w_core._fsutil import atomic_write
 from s4w_core._version import __version__
 from s4w_core.api import info, load, save, verify
@@ -167,6 +168,10 @@ def _read_foreign(src: str, map_location: str) -> Any:
     kind = file_kind(src)
     if kind == "s4w":
         return load(src, map_location=map_location)
+    if kind == "pointer":  # a framework's .ckpt naming a store step: that step
+        ptr = pointer.read(src)
+        if ptr is not None:
+            return pointer.load(ptr, map_location)
     if kind == "safetensors":
         try:
             from safetensors import SafetensorError

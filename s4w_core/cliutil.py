@@ -20,6 +20,7 @@ import torch
 from s4w_core.api import open_reader
 from s4w_core.errors import BadMagicError, CheckpointNotFoundError
 from s4w_core.format.container import MAGIC, ContainerReader
+from s4w_core.pointer import is_pointer
 
 __all__ = [
     "add_progress_args",
@@ -180,7 +181,8 @@ _TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
 def file_kind(path: str) -> str | None:
-    """What the regular file at ``path`` is, from its first bytes: ``"s4w"``, ``"torch"``
+    """What the regular file at ``path`` is, from its first bytes: ``"s4w"``, ``"pointer"`` (an
+    s4weights pointer file, e.g. a Lightning ``.ckpt`` naming a store step), ``"torch"``
     (a torch.save file, zip or legacy format), ``"safetensors"``, or None (something else, or not a
     regular readable file)."""
     try:
@@ -193,6 +195,8 @@ def file_kind(path: str) -> str | None:
         return None
     if head.startswith(MAGIC):
         return "s4w"
+    if is_pointer(head):
+        return "pointer"
     if head.startswith(b"PK\x03\x04"):
         return "torch"
     if head[:2] == b"\x80\x02" and head[2:3] == b"\x8a":  # protocol 2, then a LONG1: the legacy magic
@@ -210,6 +214,11 @@ def check_is_container(path: str) -> None:
     """Raise :class:`BadMagicError` saying what ``path`` is when it is a torch.save or safetensors
     file rather than an s4weights container (and how to import it); do nothing otherwise."""
     kind = file_kind(path)
+    if kind == "pointer":
+        raise BadMagicError(
+            f"{path} is an s4weights pointer file (it names a step of a store): "
+            f"`s4w restore {path} --out plain.ckpt` writes that step as a plain file"
+        )
     if kind in ("torch", "safetensors"):
         what = "a PyTorch file (torch.save)" if kind == "torch" else "a safetensors file"
         raise BadMagicError(

@@ -2,14 +2,16 @@
 
 What lands where (default, ``S4CheckpointIO()``) for ``ModelCheckpoint(dirpath="ckpts")``::
 
-    ckpts/epoch=0-step=100.ckpt   a small s4weights container: a pointer {store, step} to ...
-    ckpts/last.ckpt               ... another pointer
-    ckpts/.s4w/                   a CheckpointStore holding the checkpoints as base -> delta chains
+    ckpts/epoch=0-step=100.ckpt   a pointer file (s4w_core.pointer): {store ".s4w", step 100}
+    ckpts/last.ckpt               another pointer, to the same step when saved at the same time
+    ckpts/.s4w/                   a CheckpointStore whose steps are the trainer's global steps
 
-Every ``save_checkpoint`` call becomes one new step of the store (a counter, not the global step:
-Lightning saves the same global step under several names, e.g. a top-k file and ``last.ckpt``; the
-second one is then a near-empty delta).  ``remove_checkpoint`` deletes the pointer and the store
-step; the store keeps the data of a removed step for as long as a kept step is a delta on it.
+Lightning saves the same global step under several names (a top-k file, ``last.ckpt``): the
+first name stores the step, a further name is only a pointer (holding what differs, e.g. a
+callback's state, with every tensor the step holds bit for bit left as a reference).  Overwriting
+``last.ckpt`` or removing a top-k file never rewrites stored data: a store step is deleted once no
+pointer beside it names it any more.  A pointer names only the store beside it (or the ``store=``
+this plugin was configured with); ``torch.load`` on one fails with one line saying how to load it.
 ``S4CheckpointIO(delta=False)`` writes one self-contained container at each path instead.
 
 Values s4weights cannot store without pickle (e.g. arbitrary objects in ``hyper_parameters``) are
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import io
 import os
 import threading
@@ -32,14 +35,14 @@ from typing import Any, Callable
 import torch
 
 import s4w_core
-from s4w_core import CheckpointNotFoundError, FormatError, UnsupportedTypeError
+from s4w_core import CheckpointNotFoundError, FormatError, UnsupportedTypeError, pointer
 from s4w_core.store import CheckpointStore, open_backend
 
 __all__ = ["S4CheckpointIO", "last_checkpoint", "load_checkpoint", "load_from_checkpoint", "STORE_DIRNAME"]
 
 #: the store folder created beside the checkpoints when no ``store=`` is given.
 STORE_DIRNAME = ".s4w"
-_POINTER = "s4w_lightning_pointer"
+_LEGACY_POINTER = "s4w_lightning_pointer"  # the pointer inside a container, before pointer files
 _OBJECTS = "__s4w_torch_objects__"
 _OBJ_TAG = "__s4w_torch_object__"
 
@@ -210,6 +213,105 @@ def _auto_location(orig: str) -> str:
     return orig
 
 
+#: store settings of this plugin unless ``store_options`` says otherwise: no keyframe copy behind
+#: each save (Lightning saves often and resumes rarely; the copy doubles the bytes written) where
+#: the store writes one by default (a store whose newest step is always whole has none)
+_COPY = inspect.signature(CheckpointStore).parameters.get("keyframe_copy")
+_STORE_DEFAULTS = {"keyframe_copy": False} if _COPY is not None and _COPY.default is True else {}
+
+
+# ----------------------------------------------------------------------------- a second name for a step
+_Path = tuple[Any, ...]
+
+
+def _structural_dict(obj: Any) -> bool:
+    """A dict :func:`_pack` keeps as a dict (not one of the objects it serialises whole)."""
+    return isinstance(obj, dict) and _registered_dict(obj) and all(_plain(k) for k in obj)
+
+
+def _tensors(obj: Any, path: _Path = ()) -> Any:
+    """``(path, tensor)`` for every tensor reachable through the dicts, lists and tuples
+    :func:`_pack` keeps as such."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif _structural_dict(obj):
+        for k, v in obj.items():
+            yield from _tensors(v, (*path, k))
+    elif type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, (*path, i))
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor has no version counter
+        return 0
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    except (RuntimeError, TypeError):  # a dtype without a byte view (quantized...): not shared
+        return False
+
+
+class _Saved:
+    """The tensors of the step this plugin last wrote to a store, to recognise a later save of the
+    same global step (Lightning's top-k file, then ``last.ckpt``) and store only a pointer."""
+
+    def __init__(self, step: int, checkpoint: Any) -> None:
+        self.step = step
+        # A tensor's version counter moves with every in-place write (optimizer steps included).
+        # Only tensors written in place since they were made are kept: views of live parameters
+        # and optimizer state, which cost nothing to hold.  A fresh tensor (version 0), such as
+        # the clones Lightning's AsyncCheckpointIO hands over, is not held (holding it would keep
+        # a copy of the state alive until the next save); a later name then stores it itself.
+        self.tensors = {p: (t, v) for p, t in _tensors(checkpoint) if (v := _version(t)) > 0}
+
+    def same(self, path: _Path, t: torch.Tensor) -> bool:
+        rec = self.tensors.get(path)
+        if rec is None:
+            return False
+        old, version = rec
+        if t.dtype != old.dtype or t.shape != old.shape or t.device != old.device or t.is_sparse or old.is_sparse:
+            return False
+        if t.numel() == 0:
+            return True
+        if t.data_ptr() == old.data_ptr() and t.stride() == old.stride():
+            return _version(t) == version  # the same memory: unchanged unless written in place since
+        return _bits_equal(t, old)  # another copy (AsyncCheckpointIO clones): compare the bits
+
+    def skeleton(self, obj: Any, path: _Path = ()) -> Any:
+        """``obj`` with each tensor the step holds bit for bit at the same place replaced by a
+        :data:`s4w_core.pointer.REF_KEY` placeholder."""
+        if isinstance(obj, torch.Tensor):
+            return {pointer.REF_KEY: True} if self.same(path, obj) else obj
+        if _structural_dict(obj):
+            out = type(obj)()
+            out.update((k, self.skeleton(v, (*path, k))) for k, v in obj.items())
+            return out
+        if type(obj) is list:
+            return [self.skeleton(v, (*path, i)) for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return tuple(self.skeleton(v, (*path, i)) for i, v in enumerate(obj))
+        return obj
+
+
+def _global_step(checkpoint: Any) -> int | None:
+    gs = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+    return gs if type(gs) is int and gs >= 0 else None
+
+
+def _hint(name: str) -> str:
+    """The one line ``torch.load`` / ``LightningModule.load_from_checkpoint`` show for a pointer."""
+    return (
+        f"{name} is an s4weights checkpoint (a pointer into the .s4w/ store beside it): load it with "
+        f's4w_lightning.load_from_checkpoint(MyModule, "{name}"), or convert it to a plain Lightning file with '
+        f"`s4w restore {name} --out plain.ckpt`"
+    )
+
+
 # ----------------------------------------------------------------------------- the plugin
 class _S4CheckpointIOImpl:
     def __init__(
@@ -221,7 +323,7 @@ class _S4CheckpointIOImpl:
         keyframe_every: int = 10,
         async_save: bool = False,
         map_location: Any = "auto",
-        rebase_on_delete: bool = True,
+        rebase_on_delete: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
         if profile not in s4w_core.PROFILES:
@@ -237,21 +339,28 @@ class _S4CheckpointIOImpl:
         self.rebase_on_delete = rebase_on_delete
         self.store_options = dict(store_options or {})
         self._stores: dict[str, CheckpointStore] = {}
-        self._last_step: dict[str, int] = {}  # last step number handed out per store (async saves)
+        self._saved: dict[str, _Saved] = {}  # per store: the step last written, for its second names
+        self._folders: dict[str, set[str]] = {}  # per store: the folders this plugin wrote pointers into
         self._backends: dict[str, Any] = {}
         self._lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future[Any]] = []
         self._error: BaseException | None = None
-        #: the :class:`~s4w_core.store.StepInfo` of the last save (ratio, kind, bytes), for logging.
+        #: the :class:`~s4w_core.store.StepInfo` of the last save that wrote data (ratio, kind,
+        #: bytes), for logging.
         self.last_info: Any = None
 
     # ---- where things live
+    def store_for(self, path: Any) -> CheckpointStore:
+        """The :class:`CheckpointStore` the checkpoints saved at ``path`` go to."""
+        return self._store(self._store_for(_norm(path))[0])
+
     def _store(self, url: str) -> CheckpointStore:
         with self._lock:
             st = self._stores.get(url)
             if st is None:
-                opts = {"profile": self.profile, "keyframe_every": self.keyframe_every, **self.store_options}
+                opts = {"profile": self.profile, "keyframe_every": self.keyframe_every, **_STORE_DEFAULTS}
+                opts.update(self.store_options)
                 st = self._stores[url] = CheckpointStore(url, **opts)
             return st
 
@@ -263,16 +372,15 @@ class _S4CheckpointIOImpl:
         d, _ = _split(path)
         return _join(d, STORE_DIRNAME), STORE_DIRNAME
 
+    def _s3_options(self) -> dict[str, Any]:
+        keys = ("region", "endpoint", "force_path_style", "unsigned", "client_options")
+        return {k: v for k, v in self.store_options.items() if k in keys}
+
     def _backend(self, d: str) -> Any:
         with self._lock:
             b = self._backends.get(d)
             if b is None:
-                opts = {
-                    k: v
-                    for k, v in self.store_options.items()
-                    if k in ("region", "endpoint", "force_path_style", "unsigned", "client_options")
-                }
-                b = self._backends[d] = open_backend(d, **opts)
+                b = self._backends[d] = open_backend(d, **self._s3_options())
             return b
 
     def _write_file(self, path: str, obj: Any, profile: str) -> Any:
@@ -282,29 +390,46 @@ class _S4CheckpointIOImpl:
                 return s4w_core.save(obj, fp, profile=profile)
         return s4w_core.save(obj, path, profile=profile)
 
-    def _read_file(self, path: str, map_location: Any) -> Any:
+    def _write_bytes(self, path: str, data: bytes) -> None:
+        if _is_s3(path):
+            d, name = _split(path)
+            self._backend(d).put(name, data)
+        else:
+            pointer.write(path, data)
+
+    def _read_bytes(self, path: str) -> bytes:
         if _is_s3(path):
             d, name = _split(path)
             try:
-                data = self._backend(d).get(name)
+                return bytes(self._backend(d).get(name))
             except CheckpointNotFoundError:
                 raise CheckpointNotFoundError(f"Checkpoint file not found: {path}") from None
-            return s4w_core.load(data, map_location=map_location)
-        if not os.path.isfile(path):
-            raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
-        return s4w_core.load(path, map_location=map_location)
-
-    def _pointer_at(self, path: str) -> dict[str, Any] | None:
         try:
-            obj = self._read_file(path, "cpu")
+            with open(path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {path}") from None
+
+    def _pointer_at(self, path: str) -> pointer.Pointer | None:
+        """The pointer at ``path``, or None (no file, another kind of file, a malformed pointer)."""
+        try:
+            if _is_s3(path):
+                data = self._read_bytes(path)
+                return pointer.parse(data, path) if pointer.is_pointer(data) else None
+            return pointer.read(path)
         except (CheckpointNotFoundError, FormatError):
             return None
-        return obj.get(_POINTER) if isinstance(obj, dict) and isinstance(obj.get(_POINTER), dict) else None
 
-    def _resolve_store(self, path: str, ref: str) -> str:
-        if _is_s3(ref) or os.path.isabs(ref):
-            return ref
-        return _join(_split(path)[0], ref)
+    def _own_store(self, path: str, ptr: pointer.Pointer) -> str | None:
+        """The store ``ptr`` names if it is the one this plugin writes for ``path`` (the only store
+        a remove may touch), else None."""
+        url, _ = self._store_for(path)
+        try:
+            got = pointer.resolve_store(path, ptr.store, expected_store=self.store_url)
+        except FormatError:
+            return None
+        same = got == url if _is_s3(url) else os.path.abspath(got) == os.path.abspath(url)
+        return url if same else None
 
     # ---- background queue (async_save=True): saves and removes run in call order
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -316,6 +441,8 @@ class _S4CheckpointIOImpl:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4w-lightning")
 
         def run() -> None:
+            if self._error is not None:  # after a failure nothing queued behind it runs (a pointer
+                return  # to a step that never committed, a delete) until the caller has seen it
             try:
                 fn(*args)
             except BaseException as e:  # re-raised on the training thread by the next call
@@ -348,73 +475,91 @@ class _S4CheckpointIOImpl:
                 "S4CheckpointIO.save_checkpoint does not take storage_options; configure S4CheckpointIO(...) instead"
             )
         path = _norm(path)
-        if self.async_save and self.delta:
-            # the store's non-blocking save makes the state safe (GPU: one copy to reused pinned
-            # host buffers; CPU: a snapshot) and codes, writes and commits it on its own worker;
-            # the pointer file follows on this plugin's queue, in call order with removes
-            self._raise_pending()
-            url, ref = self._store_for(path)
-            st = self._store(url)
-            gs, ep = checkpoint.get("global_step"), checkpoint.get("epoch")
-            with self._lock:
-                last = self._last_step.get(url)
-                if last is None:
-                    latest = st.latest()
-                    last = -1 if latest is None else latest
-                step = last + 1
-                self._last_step[url] = step
-                extra = {"path": path, "global_step": gs, "epoch": ep, "writer": "s4w_lightning"}
-                handle = st.save_async(_pack(checkpoint), step, extra=extra)
-            self._submit(self._after_save, handle, path, url, ref, step, gs, ep)
-            return
-        state = _pack(_snapshot(checkpoint) if self.async_save else checkpoint)
-        self._submit(self._save_now, state, path, checkpoint.get("global_step"), checkpoint.get("epoch"))
-
-    def _after_save(self, handle: Any, path: str, url: str, ref: str, step: int, global_step: Any, epoch: Any) -> None:
-        """Background part of an ``async_save`` delta save: wait for the store's commit, then write
-        the pointer at ``path`` and drop the step the old pointer named (as :meth:`_save_now`)."""
-        old = self._pointer_at(path)
-        self.last_info = handle.result()
-        pointer = {_POINTER: {"version": 1, "store": ref, "step": step, "global_step": global_step, "epoch": epoch}}
-        self._write_file(path, pointer, "portable")
-        if old is not None and self._resolve_store(path, old["store"]) == url and old["step"] != step:
-            self._forget(url, int(old["step"]), path)
-
-    def _save_now(self, state: dict[str, Any], path: str, global_step: Any, epoch: Any) -> None:
         if not self.delta:
-            self._write_file(path, state, self.profile)
+            state = _pack(_snapshot(checkpoint) if self.async_save else checkpoint)
+            self._submit(self._write_file, path, state, self.profile)
             return
+        self._raise_pending()
         url, ref = self._store_for(path)
         st = self._store(url)
-        old = self._pointer_at(path)
+        meta = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
         with self._lock:
-            last = st.latest()
-            step = 0 if last is None else last + 1
-            self._last_step[url] = step
-            extra = {"path": path, "global_step": global_step, "epoch": epoch, "writer": "s4w_lightning"}
-            self.last_info = st.save(state, step, extra=extra)
-        pointer = {_POINTER: {"version": 1, "store": ref, "step": step, "global_step": global_step, "epoch": epoch}}
-        self._write_file(path, pointer, "portable")
-        if old is not None and self._resolve_store(path, old["store"]) == url and old["step"] != step:
-            self._forget(url, int(old["step"]), path)
+            step = _global_step(checkpoint)
+            saved = self._saved.get(url)
+            if step is None:  # not a Trainer's checkpoint: the next free step (after one in flight too)
+                known = [s for s in (st.latest(), None if saved is None else saved.step) if s is not None]
+                step = max(known) + 1 if known else 0
+            if saved is not None and saved.step == step:
+                # a second name for a step already stored: a pointer with what differs
+                buf = io.BytesIO()
+                s4w_core.save(_pack(saved.skeleton(checkpoint)), buf, profile="portable")
+                self._submit(self._point, path, url, ref, step, meta, buf.getvalue(), None)
+                return
+            extra = {"path": path, **meta, "writer": "s4w_lightning"}
+            state = _pack(checkpoint)
+            self._saved[url] = _Saved(step, checkpoint)
+            if self.async_save:
+                # the store's non-blocking save makes the state safe (GPU: one copy to reused
+                # pinned host buffers; CPU: a snapshot) and codes, writes and commits it on its own
+                # worker; the pointer follows on this plugin's queue, in call order with removes
+                handle = st.save_async(state, step, extra=extra, overwrite=True)
+                self._submit(self._point, path, url, ref, step, meta, None, handle)
+                return
+        try:
+            self.last_info = st.save(state, step, extra=extra, overwrite=True)
+        except BaseException:
+            self._saved.pop(url, None)
+            raise
+        self._point(path, url, ref, step, meta, None, None)
+
+    def _point(
+        self, path: str, url: str, ref: str, step: int, meta: dict[str, Any], payload: bytes | None, handle: Any
+    ) -> None:
+        """Write the pointer at ``path`` (after the store committed ``handle``'s step, if any) and
+        drop the step the old pointer there named when no other pointer names it."""
+        old = self._pointer_at(path)
+        if handle is not None:
+            self.last_info = handle.result()
+        name = _split(path)[1]
+        data = pointer.encode(ref, step, meta=meta, payload=payload, hint=_hint(name), name=name)
+        self._write_bytes(path, data)
+        with self._lock:
+            self._folders.setdefault(url, set()).add(_split(path)[0])
+        if old is not None and old.step != step and self._own_store(path, old) == url:
+            self._forget(url, old.step, path)
+
+    def _files_in(self, d: str) -> list[str]:
+        """The files directly in folder ``d`` (local or S3)."""
+        if _is_s3(d):
+            try:
+                objs = self._backend(d).list("")
+            except (CheckpointNotFoundError, s4w_core.StoreError):
+                return []
+            return [f"{d}/{o.key}" for o in objs if "/" not in o.key]
+        try:
+            return [e.path for e in os.scandir(d) if e.is_file()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def _forget(self, url: str, step: int, removed_path: str) -> None:
-        """Delete store ``step`` unless another pointer beside ``removed_path`` still names it."""
-        if not _is_s3(removed_path):
-            d, name = _split(removed_path)
-            try:
-                siblings = os.listdir(d)
-            except FileNotFoundError:
-                siblings = []
-            for n in siblings:
-                p = os.path.join(d, n)
-                if n == name or os.path.islink(p) or not os.path.isfile(p) or os.path.getsize(p) > (1 << 16):
-                    continue
-                ptr = self._pointer_at(p)
-                if ptr is not None and self._resolve_store(p, ptr["store"]) == url and int(ptr["step"]) == step:
-                    return
+        """Delete store ``step`` unless another pointer still names it: beside ``removed_path``, or
+        in another folder this plugin wrote pointers into the same store from (``store=``)."""
+        with self._lock:
+            folders = {_split(removed_path)[0], *self._folders.get(url, ())}
+        for p in (p for d in sorted(folders) for p in self._files_in(d)):
+            if p == removed_path:
+                continue
+            ptr = self._pointer_at(p)
+            if ptr is not None and ptr.step == step and self._own_store(p, ptr) == url:
+                return
+        with self._lock:
+            if url in self._saved and self._saved[url].step == step:
+                del self._saved[url]
         try:
-            self._store(url).delete(step, rebase=self.rebase_on_delete)
+            if self.rebase_on_delete:
+                self._store(url).delete(step, rebase=True)
+            else:
+                self._store(url).delete(step)
         except CheckpointNotFoundError:
             pass
 
@@ -429,16 +574,18 @@ class _S4CheckpointIOImpl:
         loc = map_location if map_location is not None else self.map_location
         if loc == "auto":
             loc = _auto_location
+        data = self._read_bytes(path)
+        if pointer.is_pointer(data):
+            ptr = pointer.parse(data, path)
+            return _unpack(pointer.load(ptr, loc, expected_store=self.store_url, opener=self._store))
         try:
-            obj = self._read_file(path, loc)
-        except FormatError as e:
-            if "magic" not in str(e).lower():
-                raise
+            obj = s4w_core.load(data, map_location=loc)
+        except s4w_core.BadMagicError:
             return self._torch_fallback(path, map_location, weights_only)
-        if isinstance(obj, dict) and isinstance(obj.get(_POINTER), dict):
-            ptr = obj[_POINTER]
-            url = self._resolve_store(path, ptr["store"])
-            obj = self._store(url).load(int(ptr["step"]), loc)
+        if isinstance(obj, dict) and isinstance(obj.get(_LEGACY_POINTER), dict):  # written before pointer files
+            old = obj[_LEGACY_POINTER]
+            ptr = pointer.Pointer(path, str(old.get("store")), int(old.get("step", -1)))
+            obj = pointer.load(ptr, loc, expected_store=self.store_url, opener=self._store)
         return _unpack(obj)
 
     def _torch_fallback(self, path: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
@@ -455,7 +602,7 @@ class _S4CheckpointIOImpl:
         raise FormatError(f"{path} is not an s4weights checkpoint")  # pragma: no cover
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the file at ``path`` and its store step (kept deltas on it stay loadable)."""
+        """Remove the file at ``path``; its store step goes too once no other file names it."""
         path = _norm(path)
         self._submit(self._remove_now, path)
 
@@ -470,11 +617,13 @@ class _S4CheckpointIOImpl:
             except FileNotFoundError:
                 pass
         if ptr is not None:
-            self._forget(self._resolve_store(path, ptr["store"]), int(ptr["step"]), path)
+            url = self._own_store(path, ptr)
+            if url is not None:  # never a store this plugin does not write to
+                self._forget(url, ptr.step, path)
 
     def teardown(self) -> None:
-        """Finish queued saves (``async_save=True``) and the stores' background work (the last
-        step's keyframe copy), and release store clients."""
+        """Finish queued saves (``async_save=True``) and the stores' background work, and release
+        store clients."""
         try:
             self.wait()
             for st in list(self._stores.values()):
@@ -512,10 +661,10 @@ S4CheckpointIO = type(
             Saves and removes run in call order; errors surface on the next call;
             ``load_checkpoint``/``teardown`` wait.
         map_location: default device mapping on load (``"auto"``: saved device if present, else CPU).
-        rebase_on_delete: when Lightning removes a checkpoint that a kept one is a delta on, re-code
-            the kept one (against an older kept step, or as a keyframe) so the removed data is
-            reclaimed at once (default). ``False``: cheaper removes; the base's data stays until
-            its dependents go.
+        rebase_on_delete: when a removed checkpoint's step goes, re-code the kept steps that are
+            deltas on it so its data is reclaimed at once (re-writes stored data). Default
+            ``False``: a remove deletes the step and writes nothing; the store reclaims its data
+            as its layout allows.
         store_options: more :class:`CheckpointStore` arguments (``endpoint``, ``region``, ``threads``...).
     Raises:
         UnsupportedTypeError: at save, for objects neither s4weights nor ``torch.load(weights_only=True)``
@@ -545,24 +694,26 @@ def last_checkpoint(dirpath: str | os.PathLike[str], *, store: str | None = None
     also for ``s3://`` dirpaths (where Lightning silently starts from scratch).
 
     Use it as ``trainer.fit(model, ckpt_path=s4w_lightning.last_checkpoint("s3://b/run/ckpts"))``;
-    returns ``None`` when there is none (then ``fit`` starts from scratch).
+    returns ``None`` when there is none (then ``fit`` starts from scratch).  Creates nothing.
     """
     d = _norm(dirpath)
-    url = _norm(store) if store is not None else _join(d if _is_s3(d) else os.path.abspath(d), STORE_DIRNAME)
-    io_ = S4CheckpointIO(store=url, store_options=store_options)
+    d = d.rstrip("/") if _is_s3(d) else os.path.abspath(d)
+    io_ = S4CheckpointIO(store=store, store_options=store_options)
+    url = io_._store_for(_join(d, "last.ckpt"))[0]
+    if not _is_s3(url) and not os.path.isdir(url):
+        return None
     try:
-        st = io_._store(url)
-        infos = st.list()
+        steps = set(io_._store(url).steps())
     except CheckpointNotFoundError:
         return None
-    for info in reversed(infos):
-        p = info.extra.get("path") if isinstance(info.extra, dict) else None
-        if not p:
-            continue
+    best: tuple[int, bool, str] | None = None
+    for p in io_._files_in(d):
         ptr = io_._pointer_at(p)
-        if ptr is not None and int(ptr["step"]) == info.step:
-            return str(p)
-    return None
+        if ptr is None or ptr.step not in steps or io_._own_store(p, ptr) != url:
+            continue
+        key = (ptr.step, _split(p)[1].startswith("last"), p)
+        best = key if best is None or key > best else best
+    return None if best is None else best[2]
 
 
 def load_from_checkpoint(

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from s4w_core import pointer
 from s4w_core.api import save
 from s4w_core.cliutil import add_progress_args, device_arg, human_bytes, printable, progress_bar, want_progress
 from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, StoreError, UnsupportedTypeError
@@ -199,11 +200,29 @@ def _cmd_store_verify(args: argparse.Namespace) -> int:
 
 def _wrap(orig: Callable[[argparse.Namespace], int], store_fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def dispatch(args: argparse.Namespace) -> int:
+        ptr = pointer.read(args.path) if os.path.isfile(args.path) else None  # a framework's .ckpt
+        if ptr is not None:
+            return _follow(args, ptr, store_fn)
         if getattr(args, "step", None) is not None or is_store_url(args.path):
             return store_fn(args)
         return orig(args)
 
     return dispatch
+
+
+def _follow(args: argparse.Namespace, ptr: pointer.Pointer, store_fn: Callable[[argparse.Namespace], int]) -> int:
+    """info / verify on a pointer file: the step it names (verify: exit 1 when anything is missing)."""
+    if store_fn is _cmd_store_verify:
+        rep = pointer.verify(args.path)
+        if rep.ok:
+            print(f"OK {rep.path}: {rep.storages} storages, {rep.raw_bytes} bytes decoded, every checksum matches")
+            return 0
+        for p in rep.problems:
+            print(f"FAIL {rep.path}: {p}", file=sys.stderr)
+        return 1
+    args.path = pointer.open_store(ptr).url
+    args.step = ptr.step
+    return store_fn(args)
 
 
 # ----------------------------------------------------------------------------- restore
@@ -240,8 +259,9 @@ def _safetensors_dict(flat: dict[str, torch.Tensor], step: int, budget: int) -> 
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
-    st = _store(args)  # the store's byte bar while the step (and its chain) is read
-    rec = st.info(args.step)
+    ptr = pointer.read(args.url) if os.path.isfile(args.url) else None  # a framework's .ckpt
+    st = _store(args) if ptr is None else pointer.open_store(ptr)  # the store's byte bar while the step (and its chain) is read
+    rec = st.info(args.step if ptr is None else ptr.step)
     fmt = args.format
     if fmt == "auto":
         fmt = "safetensors" if args.out.endswith(".safetensors") else "s4w" if args.out.endswith(".s4w") else "torch"
@@ -255,7 +275,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
         raise StoreError(f"cannot create the folder {parent} for --out: {e.strerror or e}") from e
-    obj = st.load(rec.step, map_location=args.map_location)
+    obj = st.load(rec.step, map_location=args.map_location) if ptr is None else pointer.load(ptr, args.map_location)
     if fmt == "safetensors":
         flat = _flat_tensors(obj)
         if flat is None:
