@@ -21,7 +21,7 @@ reads into a temporary folder, removed once training has read it (or at exit); w
 attached, ``trainer.train(resume_from_checkpoint=True)`` does that by itself.
 
 FSDP and DeepSpeed save through their own sharded writers: there the callback warns once and falls
-back to storing the folder the Trainer wrote (:func:`s4w_core.pack_folder`).
+back to storing the folder the Trainer wrote (:func:`s4w_core.filepack.pack_folder`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from transformers.training_args import ParallelMode
 
 import s4w_core
 from s4w_core import CheckpointNotFoundError, ConflictError, S4WError
+from s4w_core.filepack import pack_folder, unpack_folder
 from s4w_core.store import CheckpointStore
 
 __all__ = [
@@ -375,7 +376,7 @@ class S4Callback(TrainerCallback):
         best = state.best_global_step
         if args.load_best_model_at_end and best is not None and best in st.steps():
             tree = st.load(best, "cpu")
-            model = self._trainer.model if self._trainer is not None else kwargs["model"]
+            model: Any = self._trainer.model if self._trainer is not None else kwargs["model"]
             _check_model(f"{st.url} step {best}", tree["model"], model)
             log.info("s4weights: loading the best model from %s step %d (score: %s)", st.url, best, state.best_metric)
             model.load_state_dict(tree["model"], False)
@@ -451,7 +452,7 @@ class S4Callback(TrainerCallback):
 
     def _tree(self, args: Any, state: Any, control: Any, kw: dict[str, Any], p: _Pending, rngs: list[Any]) -> dict:
         tr = self._trainer
-        model = tr.model if tr is not None else kw["model"]
+        model: Any = tr.model if tr is not None else kw["model"]
         tree: dict[str, Any] = {"model": model.state_dict()}
         if not args.save_only_model:
             tree["optimizer"] = kw["optimizer"].state_dict()
@@ -531,7 +532,7 @@ class S4Callback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         _barrier()  # every rank has written its files
         if state.is_world_process_zero and os.path.isdir(folder):
-            tree = s4w_core.pack_folder(folder)
+            tree = pack_folder(folder)
             files = sorted(tree["files"])
             extra = {"writer": WRITER, "format": 1, "files": files, "world_size": int(args.world_size or 1)}
             self.last_info = self.store(args).save(tree, state.global_step, extra=extra, overwrite=True)
@@ -597,7 +598,7 @@ def restore_checkpoint(
         tree = st.load(info.step, "cpu")
         if "files" in info.extra:  # a packed checkpoint folder (FSDP/DeepSpeed fallback)
             os.makedirs(dest, exist_ok=True)
-            s4w_core.unpack_folder(tree, dest)
+            unpack_folder(tree, dest)
         else:
             if model is not None:
                 _check_model(where, tree["model"], model)

@@ -49,7 +49,14 @@ class Tokens(torch.utils.data.Dataset):
 def _model(n_embd=32):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=n_embd, n_layer=2, n_head=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0
+        vocab_size=64,
+        n_positions=32,
+        n_embd=n_embd,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -122,7 +129,9 @@ def no_payload_writes(monkeypatch):
     calls = []
     real_save, real_sf = torch.save, safetensors.torch.save_file
     monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (calls.append(str(f)), real_save(obj, f, *a, **k))[1])
-    monkeypatch.setattr(safetensors.torch, "save_file", lambda t, f, *a, **k: (calls.append(str(f)), real_sf(t, f, *a, **k))[1])
+    monkeypatch.setattr(
+        safetensors.torch, "save_file", lambda t, f, *a, **k: (calls.append(str(f)), real_sf(t, f, *a, **k))[1]
+    )
     return calls
 
 
