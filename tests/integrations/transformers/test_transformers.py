@@ -235,6 +235,42 @@ def test_save_only_model_and_epoch_strategy(tmp_path, no_payload_writes):
     assert no_payload_writes == []
 
 
+def test_save_strategy_best(tmp_path, no_payload_writes):
+    """save_strategy="best": the Trainer saves when the metric improves (scores 1, 3, 2: steps 3, 6)."""
+    kw = dict(eval_strategy="steps", eval_steps=3, save_strategy="best", metric_for_best_model="score")
+    probe_ref = Probe()
+    _trainer(tmp_path / "ref", 9, [probe_ref], greater_is_better=True, **kw).train()
+    no_payload_writes.clear()
+    probe = Probe()
+    tr = _trainer(tmp_path / "out", 9, [probe, S4Callback()], greater_is_better=True, **kw)
+    tr.train()
+    assert probe.saves == probe_ref.saves == [3, 6] and probe.folders == []
+    assert sorted(os.listdir(tmp_path / "ref")) == ["checkpoint-3", "checkpoint-6"]
+    assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 6]
+    assert tr.state.best_global_step == 6 and tr.state.best_metric == 3.0
+    assert no_payload_writes == []
+
+
+def test_callback_listed_after_it_is_warned_and_stored(tmp_path):
+    with pytest.warns(UserWarning, match="list S4Callback last"):
+        _trainer(tmp_path / "out", 9, [S4Callback(), StopAt(5)]).train()
+    assert "checkpoint-5" in os.listdir(tmp_path / "out")  # the Trainer's own save, as asked after us
+    assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5]
+
+
+def test_async_save_failure_surfaces(tmp_path):
+    """A background save that fails is raised at the end of training; nothing half-written shows."""
+    from s4w_core.store import open_backend
+    from tests.store.helpers import Crash, FaultyBackend
+
+    inner = open_backend(str(tmp_path / "store"))
+    bad = FaultyBackend(inner, lambda verb, key: verb == "writer" and "step_000000000006" in key)
+    cb = S4Callback(str(tmp_path / "store"), async_save=True, store_options={"_backend": bad})
+    with pytest.raises(Crash, match="injected crash"):
+        _trainer(tmp_path / "out", 9, [StopAt(6), cb]).train()
+    assert CheckpointStore(str(tmp_path / "store")).steps() == [3]
+
+
 def test_bad_input(tmp_path):
     _trainer(tmp_path / "out", 3, [S4Callback()]).train()
     store = tmp_path / "out" / ".s4w"
