@@ -61,6 +61,7 @@ STORE_DIRNAME = ".s4w"
 #: ``extra["writer"]`` of the steps this adapter commits.
 WRITER = "s4w_accelerate"
 _DIGITS = re.compile(r"(\d+)(?!.*\d)")
+_NATIVE = ("model.safetensors", "pytorch_model.bin", "optimizer.bin")  # a folder Accelerate itself wrote
 _SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 
 
@@ -335,6 +336,8 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
         return _load_sharded(self, input_dir, load_kwargs, **kw)
     if input_dir is not None:
         input_dir = os.path.expanduser(os.fspath(input_dir))
+        if os.path.isdir(input_dir) and any(f.startswith(_NATIVE) for f in os.listdir(input_dir)):
+            return _originals["load_state"](self, input_dir, load_kwargs, **kw)  # Accelerate's own folder
     if self.is_main_process:
         finish_pending()
     self.wait_for_everyone()

@@ -134,6 +134,13 @@ def test_explicit_folder_and_bad_input(tmp_path, torch_saves):
     objs = _setup(tmp_path)
     objs[0].load_state(str(tmp_path / "ckpt" / "step_3"))
     assert not diff(objs[1].state_dict(), saved["model"]) and objs[4].n == 3
+    # a folder Accelerate wrote itself (before the hook was on) still loads, through Accelerate
+    s4w_accelerate.disable()
+    objs[0].save_state(str(tmp_path / "native"))
+    s4w_accelerate.enable(store=str(tmp_path / "store"))
+    objs = _setup(tmp_path)
+    objs[0].load_state(str(tmp_path / "native"))
+    assert not diff(objs[1].state_dict(), saved["model"]) and objs[4].n == 3
     # bad input: no such checkpoint; other shapes (nothing loaded); another run's automatic step 0
     with pytest.raises(s4w_core.CheckpointNotFoundError, match="no checkpoint of a folder 'step_9'"):
         objs[0].load_state(str(tmp_path / "ckpt" / "step_9"))
