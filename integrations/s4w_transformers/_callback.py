@@ -239,16 +239,18 @@ class S4Callback(TrainerCallback):
     def _bind(self) -> None:
         """Find the Trainer calling this event (callbacks are not handed it) and wrap its ``train``
         so that ``resume_from_checkpoint=True`` resumes from the store."""
-        if self._trainer is not None:
-            return
         frame = inspect.currentframe()
         while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
             frame = frame.f_back
         if frame is None:
-            raise UnsupportedSetupError("S4Callback must be one of a transformers.Trainer's callbacks")
+            if self._trainer is None:
+                raise UnsupportedSetupError("S4Callback must be one of a transformers.Trainer's callbacks")
+            return
         trainer = frame.f_locals["self"]
         del frame
-        self._trainer = trainer
+        if trainer is self._trainer:
+            return
+        self._trainer = trainer  # the callback may be handed to another Trainer later
         train = trainer.train
 
         @functools.wraps(train)
@@ -284,6 +286,9 @@ class S4Callback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._bind()
+        self._pending = None
+        if state.is_world_process_zero:
+            self.finish_pending()  # a save of an earlier train() with this callback
         if getattr(args, "push_to_hub", False):
             raise UnsupportedSetupError(
                 "S4Callback stores checkpoints in a store, not in folders the Trainer could push: set "

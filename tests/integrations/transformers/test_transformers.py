@@ -211,6 +211,16 @@ def test_resume_true_is_bit_exact_and_cleans_up(tmp_path, reference, monkeypatch
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5, 6, 9]
 
 
+def test_one_callback_for_two_trainers(tmp_path, reference):
+    """A callback handed to a second Trainer saves that Trainer's model, not the first one's."""
+    cb = S4Callback()
+    _trainer(tmp_path / "a", 3, [cb], model=_model(n_embd=64)).train()
+    tr = _trainer(tmp_path / "b", 9, [StopAt(6), cb])
+    tr.train()
+    st = CheckpointStore(str(tmp_path / "b" / ".s4w"))
+    assert not diff(st.load(6)["model"], tr.model.state_dict())
+
+
 def test_restore_checkpoint_route(tmp_path, reference, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.makedirs(tmp_path / "tmp")
