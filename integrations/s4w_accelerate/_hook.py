@@ -343,7 +343,9 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
     self.wait_for_everyone()
     st, step, name = _find_step(self, input_dir)
     where = f"{st.url} step {step} ({name})"
-    tree = st.load(step, "cpu")
+    dev = "cpu" if kw.pop("map_location", None) == "cpu" else str(self.device)
+    # tensors saved on an accelerator decode onto this process's device; CPU ones (RNG states) stay
+    tree = st.load(step, lambda orig: "cpu" if torch.device(orig).type == "cpu" else dev)
     models, opts, scheds = self._models, self._optimizers, self._schedulers  # noqa: SLF001
     # check everything before changing anything
     _check(where, "models", tree["models"], models)

@@ -380,7 +380,8 @@ class S4Callback(TrainerCallback):
         st = self.store(args)
         best = state.best_global_step
         if args.load_best_model_at_end and best is not None and best in st.steps():
-            tree = st.load(best, "cpu")
+            dev = str(args.device)
+            tree = st.load(best, lambda orig: "cpu" if torch.device(orig).type == "cpu" else dev)
             model: Any = self._trainer.model if self._trainer is not None else kwargs["model"]
             _check_model(f"{st.url} step {best}", tree["model"], model)
             log.info("s4weights: loading the best model from %s step %d (score: %s)", st.url, best, state.best_metric)
