@@ -27,12 +27,14 @@ from s4w_transformers._callback import (
     UnsupportedSetupError,
     cleanup_restored,
     restore_checkpoint,
+    sharded_engine,
 )
 
 __all__ = [
     "S4Callback",
     "restore_checkpoint",
     "cleanup_restored",
+    "sharded_engine",
     "StateMismatchError",
     "UnsupportedSetupError",
     "STORE_DIRNAME",

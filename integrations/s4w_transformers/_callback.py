@@ -56,6 +56,7 @@ __all__ = [
     "S4Callback",
     "restore_checkpoint",
     "cleanup_restored",
+    "sharded_engine",
     "StateMismatchError",
     "UnsupportedSetupError",
     "STORE_DIRNAME",
@@ -157,6 +158,15 @@ def _rotate(steps: list[int], limit: int | None, best: int | None) -> list[int]:
             doomed.append(s)
             remaining -= 1
     return doomed
+
+
+def sharded_engine(trainer: Any) -> str | None:
+    """``"FSDP"`` or ``"DeepSpeed"`` when ``trainer`` saves through that engine's sharded writer."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "DeepSpeed"
+    return None
 
 
 @dataclasses.dataclass
@@ -294,13 +304,13 @@ class S4Callback(TrainerCallback):
                 "S4Callback stores checkpoints in a store, not in folders the Trainer could push: set "
                 "push_to_hub=False (push the final model with trainer.push_to_hub() after training)"
             )
-        tr = self._trainer
-        self._fallback = bool(getattr(tr, "is_fsdp_enabled", False) or getattr(tr, "is_deepspeed_enabled", False))
-        if self._fallback:
+        engine = sharded_engine(self._trainer)
+        self._fallback = engine is not None
+        if engine is not None:
             warnings.warn(
-                "S4Callback: FSDP/DeepSpeed save through their own sharded writers, which a callback cannot "
-                "intercept yet; the Trainer writes its checkpoint folders and S4Callback stores a packed copy of "
-                "each (no in-memory save, the folders stay)",
+                f"S4Callback: {engine} saves through its own sharded writer, which a callback cannot intercept "
+                "yet; the Trainer writes its checkpoint folders and S4Callback stores a packed copy of each (no "
+                "in-memory save, the folders stay)",
                 stacklevel=2,
             )
             return

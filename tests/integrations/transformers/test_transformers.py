@@ -22,6 +22,7 @@ import safetensors.torch  # noqa: E402
 import transformers  # noqa: E402
 
 import s4w_core  # noqa: E402
+import s4w_transformers._callback  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
 from s4w_transformers import (  # noqa: E402
     S4Callback,
@@ -279,6 +280,24 @@ def test_async_save_failure_surfaces(tmp_path):
     with pytest.raises(Crash, match="injected crash"):
         _trainer(tmp_path / "out", 9, [StopAt(6), cb]).train()
     assert CheckpointStore(str(tmp_path / "store")).steps() == [3]
+
+
+def test_sharded_engine_falls_back_to_packing_the_folder(tmp_path, reference, monkeypatch):
+    """Under FSDP/DeepSpeed (simulated: the detection says so) one warning, the Trainer's folders,
+    a packed copy of each in the store, and restore_checkpoint gives the folder back."""
+    monkeypatch.setattr(s4w_transformers._callback, "sharded_engine", lambda tr: "FSDP")
+    with pytest.warns(UserWarning, match="FSDP saves through its own sharded writer"):
+        _trainer(tmp_path / "out", 9, [StopAt(6), S4Callback()]).train()
+    assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")) == [
+        "checkpoint-3",
+        "checkpoint-6",
+    ]
+    assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 6]
+    path = restore_checkpoint(tmp_path / "out" / ".s4w", step=3, dest=tmp_path / "r3")
+    assert "model.safetensors" in os.listdir(path) and "optimizer.pt" in os.listdir(path)
+    tr = _trainer(tmp_path / "resumed", 9, save_steps=100)
+    tr.train(resume_from_checkpoint=path)
+    assert not diff(_state(tr), reference)
 
 
 def test_bad_input(tmp_path):
