@@ -35,6 +35,7 @@ from s4w_accelerate._hook import (
     enabled,
     finish_pending,
     last_info,
+    sharded_engine,
     store_for,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "config",
     "finish_pending",
     "last_info",
+    "sharded_engine",
     "store_for",
     "Config",
     "StateMismatchError",

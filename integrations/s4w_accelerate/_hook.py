@@ -50,7 +50,7 @@ from s4w_core.filepack import pack_folder, unpack_folder
 from s4w_core.store import CheckpointStore
 
 __all__ = [
-    "enable", "disable", "enabled", "enable_from_env", "config", "finish_pending", "store_for", "last_info",
+    "enable", "disable", "enabled", "enable_from_env", "config", "finish_pending", "store_for", "last_info", "sharded_engine",
     "StateMismatchError", "STORE_DIRNAME", "ENV", "WRITER",
 ]  # fmt: skip
 
@@ -221,7 +221,7 @@ def _save_state(self: Accelerator, output_dir: str | None = None, safe_serializa
     global _inflight
     if _config is None:
         return _originals["save_state"](self, output_dir, safe_serialization, **kw)
-    if self.distributed_type in _SHARDED:
+    if sharded_engine(self) is not None:
         return _save_sharded(self, output_dir, safe_serialization, **kw)
     folder, automatic = _folder_for(self, None if output_dir is None else os.fspath(output_dir))
     weights = [self.get_state_dict(m, unwrap=False) for m in self._models]  # noqa: SLF001
@@ -332,7 +332,7 @@ def _check_model(where: str, stored: dict[str, Any], own: dict[str, Any]) -> Non
 def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: dict | None = None, **kw: Any) -> Any:
     if _config is None:
         return _originals["load_state"](self, input_dir, load_kwargs, **kw)
-    if self.distributed_type in _SHARDED:
+    if sharded_engine(self) is not None:
         return _load_sharded(self, input_dir, load_kwargs, **kw)
     if input_dir is not None:
         input_dir = os.path.expanduser(os.fspath(input_dir))
@@ -393,8 +393,13 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
 
 
 # ------------------------------------------------------------------------- FSDP / DeepSpeed fallback
+def sharded_engine(acc: Accelerator) -> str | None:
+    """The engine's name when ``acc`` saves through a sharded writer (FSDP, DeepSpeed, Megatron-LM)."""
+    return str(acc.distributed_type) if acc.distributed_type in _SHARDED else None
+
+
 def _warn_sharded(acc: Accelerator) -> None:
-    kind = str(acc.distributed_type)
+    kind = str(sharded_engine(acc))
     if kind not in _warned:
         _warned.add(kind)
         warnings.warn(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import s4w_accelerate  # noqa: E402
+import s4w_accelerate._hook  # noqa: E402
 import s4w_core  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
 
@@ -156,6 +158,27 @@ def test_explicit_folder_and_bad_input(tmp_path, torch_saves):
     os.rmdir(tmp_path / "a" / "checkpoints" / "checkpoint_0")
     with pytest.raises(s4w_core.ConflictError, match="already holds step 0"):
         objs[0].save_state()
+
+
+def test_sharded_engine_falls_back_to_packing_the_folder(tmp_path, monkeypatch):
+    """Under FSDP/DeepSpeed (simulated: the detection says so) one warning, Accelerate's own folder,
+    a packed copy in the store; a folder gone is rebuilt from the store by load_state."""
+    objs = _setup(tmp_path / "ref")
+    _train(*objs, range(6))
+    reference = _state(*objs[1:])
+    monkeypatch.setattr(s4w_accelerate._hook, "sharded_engine", lambda acc: "FSDP")
+    s4w_accelerate.enable(store=str(tmp_path / "store"))
+    objs = _setup(tmp_path)
+    _train(*objs, range(3))
+    with pytest.warns(UserWarning, match="FSDP saves through its own sharded writer"):
+        objs[0].save_state(str(tmp_path / "ckpt" / "step_3"))
+    assert "model.safetensors" in os.listdir(tmp_path / "ckpt" / "step_3")
+    assert CheckpointStore(str(tmp_path / "store")).steps() == [3]
+    shutil.rmtree(tmp_path / "ckpt")
+    objs = _setup(tmp_path)
+    objs[0].load_state(str(tmp_path / "ckpt" / "step_3"))
+    _train(*objs, range(3, 6))
+    assert not diff(_state(*objs[1:]), reference)
 
 
 def test_env_flag_enables_on_import(tmp_path):
