@@ -12,8 +12,8 @@ total_limit=2), three ways:
 1. Accelerate's own ``save_state`` (the hook switched off): its folders' bytes;
 2. with the hook: the folders stay empty, the store ``<project_dir>/.s4w`` holds the checkpoints
    under the same retention; its bytes against Accelerate's;
-3. a fresh Accelerator ``load_state``s ``checkpoint_2`` (after step 150) from the store, trains on,
-   and is compared bit for bit with run 1, which never stopped.
+3. a fresh Accelerator ``load_state()``s the step-150 checkpoint (``checkpoints/checkpoint_2``) from
+   the store, trains on to 200, and is compared bit for bit with run 1, which never stopped.
 """
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ def main() -> None:
     acc.load_state(os.path.join(ck, "checkpoint_2"))
     train(acc, model, opt, sched, x, y, range(150, a.steps))
     same = all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+    print(f"resumed from checkpoint_2 (step 150, restored from the store) to step {a.steps}")
     print(
         json.dumps(
             {

@@ -6,8 +6,9 @@ A 2-layer GPT-2 (built from a config, no download) learns bytes of Python standa
 1. the Trainer's own checkpoints (``save_steps=50``, ``save_total_limit=3``): its folders' bytes;
 2. with ``callbacks=[S4Callback()]``: no folder, the store ``<output_dir>/.s4w`` under the same
    retention; its bytes against the Trainer's;
-3. resumed from the store's second-newest step with ``restore_checkpoint`` and trained to the end:
-   compared bit for bit with run 1, which never stopped.
+3. the step-150 checkpoint is restored from the store with ``restore_checkpoint`` (the store's
+   second-newest step; 150 in the default run), training resumes to the end and is compared bit for
+   bit with run 1, which never stopped.
 
     PYTHONPATH=.:integrations python examples/hf_tiny_gpt2.py [--out DIR] [--steps 200] [--dtype bf16]
 """
