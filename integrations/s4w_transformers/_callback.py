@@ -41,6 +41,7 @@ import warnings
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -576,7 +577,7 @@ def restore_checkpoint(
         model: when given, checked against the stored weights first (keys, shapes, dtypes).
         **store_options: :class:`~s4w_core.store.CheckpointStore` arguments (``endpoint``...).
     Returns:
-        The folder: ``trainer_state.json``, ``pytorch_model.bin``, ``config.json`` and, unless the
+        The folder: ``trainer_state.json``, ``model.safetensors``, ``config.json`` and, unless the
         run saved only the model, ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` (and
         ``scaler.pt``), holding exactly the stored values.
     Raises:
@@ -634,7 +635,17 @@ def _write_folder(tree: dict[str, Any], dest: str, where: str) -> None:
     if "config" in tree:
         with open(os.path.join(dest, "config.json"), "w", encoding="utf-8") as f:
             f.write(tree["config"])
-    torch.save(tree["model"], os.path.join(dest, "pytorch_model.bin"))
+    sd = tree["model"]
+    if all(isinstance(v, torch.Tensor) for v in sd.values()):
+        seen: set[int] = set()
+        flat = {}
+        for k, v in sd.items():  # safetensors refuses tensors that share memory (tied weights): copy those
+            ptr = v.untyped_storage().data_ptr() if v.numel() else -1
+            flat[k] = v.contiguous() if ptr not in seen or ptr == -1 else v.clone(memory_format=torch.contiguous_format)
+            seen.add(ptr)
+        safetensors.torch.save_file(flat, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
+    else:  # a module's extra state that is not a tensor
+        torch.save(sd, os.path.join(dest, "pytorch_model.bin"))
     if "optimizer" in tree:
         torch.save(tree["optimizer"], os.path.join(dest, "optimizer.pt"))
         torch.save(tree["scheduler"], os.path.join(dest, "scheduler.pt"))

@@ -229,7 +229,7 @@ def test_restore_checkpoint_route(tmp_path, reference, monkeypatch):
     tr = _trainer(tmp_path / "resumed", 9, save_steps=100)  # a Trainer without the callback
     path = restore_checkpoint(tmp_path / "out" / ".s4w", step=3)
     assert sorted(os.listdir(path)) == sorted(
-        ["config.json", "optimizer.pt", "pytorch_model.bin", "rng_state.pth", "scheduler.pt", "trainer_state.json"]
+        ["config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json"]
     )
     tr.train(resume_from_checkpoint=path)
     assert not diff(_state(tr), reference)
