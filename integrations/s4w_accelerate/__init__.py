@@ -1,5 +1,5 @@
-"""s4weights for Hugging Face Accelerate: ``save_state``/``load_state`` write and read compressed
-delta checkpoints when switched on.
+"""s4weights for Hugging Face Accelerate: ``save_state``/``load_state`` go from memory into a store
+when switched on.
 
 Switch it on with the environment plus one import line in the training script::
 
@@ -24,15 +24,19 @@ except ImportError as _e:
 
 from s4w_accelerate._hook import (
     ENV,
-    MARKER_NAME,
     STORE_DIRNAME,
+    WRITER,
+    Config,
+    StateMismatchError,
     config,
     disable,
     enable,
     enable_from_env,
     enabled,
     finish_pending,
-    restore,
+    last_info,
+    sharded_engine,
+    store_for,
 )
 
 __all__ = [
@@ -40,12 +44,16 @@ __all__ = [
     "disable",
     "enabled",
     "enable_from_env",
-    "restore",
-    "finish_pending",
     "config",
+    "finish_pending",
+    "last_info",
+    "sharded_engine",
+    "store_for",
+    "Config",
+    "StateMismatchError",
     "ENV",
-    "MARKER_NAME",
     "STORE_DIRNAME",
+    "WRITER",
 ]
 
 enable_from_env()

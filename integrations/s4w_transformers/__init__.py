@@ -1,8 +1,10 @@
-"""s4weights for the Hugging Face Trainer: compressed delta copies of every checkpoint folder.
+"""s4weights for the Hugging Face Trainer: checkpoints saved from memory into a store.
 
-``Trainer(..., callbacks=[S4Callback()])`` stores each ``checkpoint-N`` folder in a
-:class:`s4w_core.store.CheckpointStore` (local or S3); :func:`restore_checkpoint` gives the folder
-back, byte for byte, for ``trainer.train(resume_from_checkpoint=...)``.  See docs/INTEGRATIONS.md.
+``Trainer(..., callbacks=[S4Callback()])`` saves each checkpoint the Trainer decides on into a
+:class:`s4w_core.store.CheckpointStore` (local or S3) instead of a ``checkpoint-N`` folder;
+``trainer.train(resume_from_checkpoint=True)`` (with the callback attached) or
+``trainer.train(resume_from_checkpoint=restore_checkpoint(store))`` resumes bit-exactly.  See
+docs/INTEGRATIONS.md.
 
 Importing this package without Hugging Face Transformers installed raises ImportError with the
 install hint (``pip install 's4weights[transformers]'``).
@@ -17,6 +19,24 @@ except ImportError as _e:
         "s4w_transformers needs Hugging Face Transformers, which is not installed: pip install 's4weights[transformers]'"
     ) from _e
 
-from s4w_transformers._callback import MARKER_NAME, STORE_DIRNAME, S4Callback, restore_checkpoint
+from s4w_transformers._callback import (
+    STORE_DIRNAME,
+    WRITER,
+    S4Callback,
+    StateMismatchError,
+    UnsupportedSetupError,
+    cleanup_restored,
+    restore_checkpoint,
+    sharded_engine,
+)
 
-__all__ = ["S4Callback", "restore_checkpoint", "MARKER_NAME", "STORE_DIRNAME"]
+__all__ = [
+    "S4Callback",
+    "restore_checkpoint",
+    "cleanup_restored",
+    "sharded_engine",
+    "StateMismatchError",
+    "UnsupportedSetupError",
+    "STORE_DIRNAME",
+    "WRITER",
+]
