@@ -360,6 +360,7 @@ def open_reader(src: PathLike | IO[bytes] | bytes | bytearray | memoryview | Con
         reader = ContainerReader.from_file(f, p)
     if "_validated" not in reader.manifest:
         validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS))
+        engine.check_views(reader.manifest, reader.name)
         reader.manifest["_validated"] = True
     return reader
 

@@ -8,11 +8,12 @@ with the codec that measured best for it (never larger than raw: raw is always a
 
 from __future__ import annotations
 
+import collections
 import errno
-import functools
 import mmap
 import os
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -28,6 +29,7 @@ from s4w_core.codecs import DEFLATE, RAW, ZSTD, get_codec, zstd_encode_plane
 from s4w_core.errors import (
     BaseMismatchError,
     ChecksumMismatchError,
+    ManifestError,
     UnsupportedTypeError,
 )
 from s4w_core.format.container import ContainerReader, ContainerWriter
@@ -48,6 +50,9 @@ __all__ = [
     "choose_delta_op",
     "dtype_from_name",
     "dtype_name",
+    "DTYPES",
+    "check_views",
+    "PLAUSIBLE_RATIO",
 ]
 
 #: elements per segment written by the CPU path (1 MiB per plane chunk).
@@ -66,29 +71,46 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+#: every dtype a manifest may name, by the name :func:`dtype_name` writes: the ``torch.dtype``
+#: attributes of the ``torch`` module itself (read from its namespace: a name is never looked up
+#: with ``getattr``, which imports lazy submodules such as ``torch.onnx`` by name), less quantized
+#: ones and those without dense tensors
+DTYPES: dict[str, torch.dtype] = {}
+for _n, _v in sorted(vars(torch).items()):
+    if isinstance(_v, torch.dtype) and not _n.startswith(("_", "q")) and dtype_name(_v) == _n:
+        try:
+            with warnings.catch_warnings():  # complex32: "experimental"
+                warnings.simplefilter("ignore")
+                torch.empty((), dtype=_v)
+        except (RuntimeError, TypeError):
+            continue
+        DTYPES[_n] = _v
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype named ``name`` (as written by :func:`dtype_name`); ManifestError otherwise.
-    Cached per name (a load asks once per tensor); an unknown name raises every time."""
-    from s4w_core.errors import ManifestError
-
-    if not isinstance(name, str):
+    """The torch dtype named ``name`` (as written by :func:`dtype_name`), from the allow-list
+    :data:`DTYPES`; ManifestError otherwise."""
+    dt = DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
         raise ManifestError(f"manifest names unknown dtype {name!r}")
-    return _dtype_from_str(name)
-
-
-@functools.cache
-def _dtype_from_str(name: str) -> torch.dtype:
-    from s4w_core.errors import ManifestError
-
-    ok = not name.startswith(("_", "q"))  # no quantized dtypes (qint8, ...)
-    dt = getattr(torch, name, None) if ok else None
-    if not isinstance(dt, torch.dtype):
-        raise ManifestError(f"manifest names unknown dtype {name!r}")
-    try:
-        torch.empty((), dtype=dt)
-    except (RuntimeError, TypeError):
-        raise ManifestError(f"manifest names dtype {name!r}, which has no dense tensors") from None
     return dt
+
+
+def check_views(m: dict[str, Any], name: str) -> None:
+    """Check every tensor view of a validated manifest against its storage before anything is
+    decoded: a known dtype, and the view's last element inside the storage (docs/FORMAT.md 3.2).
+    Raises ManifestError naming the tensor."""
+    storages = m["storages"]
+    for i, t in enumerate(m["tensors"]):
+        dt = dtype_from_name(t["dtype"])
+        nbytes = storages[t["storage"]]["nbytes"]
+        if t["_extent"] * dt.itemsize > nbytes:
+            raise ManifestError(
+                f"{name}: manifest: tensor {i} ({t['path']!r}) reaches past the end of its storage "
+                f"({t['_extent']} elements of {dt} in {nbytes} bytes)"
+            )
+        if t.get("requires_grad") and not (dt.is_floating_point or dt.is_complex):
+            raise ManifestError(f"{name}: manifest: tensor {i} ({t['path']!r}) of dtype {dt} cannot require grad")
 
 
 @dataclass
@@ -458,6 +480,19 @@ def _prefault(t: torch.Tensor) -> None:
             _madvise = None
 
 
+#: a storage whose raw size is at most this many times its stored bytes (plus
+#: :data:`PLAUSIBLE_SLACK`) is allocated before its chunks are decoded; one that claims more is
+#: decoded first (real data compresses far less: a claim that large is constant data or forged)
+PLAUSIBLE_RATIO = 16
+PLAUSIBLE_SLACK = 1 << 20
+
+
+def _drain(q: "collections.deque[Any]") -> Iterator[Any]:
+    """Yield and drop the items of ``q`` in order (each decoded chunk is freed once merged)."""
+    while q:
+        yield q.popleft()
+
+
 #: plane storages of at least this many bytes with an xxh3 checksum are hashed as they are merged
 #: (:func:`~s4w_core.planes.reference.merge_hash_into`: each block while it is still in the
 #: cache) rather than in a second pass over the whole output; smaller ones are still in the cache
@@ -493,12 +528,12 @@ def decode_storage_cpu(
     w = entry["_width"]
     transform = entry["transform"]
     dtype = dtype_from_name(entry["dtype"])
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= PREFAULT_MIN_BYTES:
-        _prefault(out)
+    chunks = entry["chunks"]
+    # a storage that claims far more than its stored bytes (constant data, or a forged claim) is
+    # decoded before its output is allocated: memory follows what the chunks actually yield
+    proven = nbytes <= PLAUSIBLE_RATIO * sum(c[2] for c in chunks) + PLAUSIBLE_SLACK
     base = resolve_base_bytes(entry, resolve_base, name)
     op = (entry.get("delta") or {}).get("op", "xor")
-    chunks = entry["chunks"]
     seg = entry["segment_elems"]
     n = nbytes // w
     read_chunk = reader.read_chunk
@@ -524,7 +559,12 @@ def decode_storage_cpu(
         s0 = (i // w) * seg
         return dec(data, min(n, s0 + seg) - s0)
 
-    decoded = _ordered(pool, fetch_decode, [(i,) for i in range(len(chunks))])
+    decoded: Iterator[Any] = _ordered(pool, fetch_decode, [(i,) for i in range(len(chunks))])
+    if not proven:
+        decoded = _drain(collections.deque(decoded))
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= PREFAULT_MIN_BYTES:
+        _prefault(out)
     out_np = out.numpy()
     is_planes = transform in PLANE_TRANSFORMS
     rot = is_planes and plane_rot(transform)

@@ -101,7 +101,7 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
             raw_len = seg if (seg_i + 1) * seg <= n else n - seg_i * seg
             if codec == "raw" and length != raw_len:
                 raise ManifestError(f"manifest: {where} chunk {k}: raw chunk of {length} bytes, expected {raw_len}")
-            if raw_len > (length if length > 1 else 1) * emax.get(codec, 1 << 16) + 64:
+            if raw_len > length * emax.get(codec, 1 << 16) + 64:  # an empty chunk: 64 bytes at most
                 raise ManifestError(
                     f"manifest: {where} chunk {k} claims {raw_len} bytes from {length} stored bytes of {codec}: "
                     "beyond that codec's possible expansion"
