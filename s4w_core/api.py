@@ -13,7 +13,7 @@ from typing import IO, Any, Callable, Mapping, Union
 import torch
 
 from s4w_core import engine, obs
-from s4w_core._fsutil import atomic_write
+from s4w_core._fsutil import atomic_write, storage_errors
 from s4w_core._version import __version__
 from s4w_core.codecs import CODECS, get_codec
 from s4w_core.errors import (
@@ -235,7 +235,8 @@ def save(
     Raises:
         UnsupportedTypeError: ``obj`` holds a value that cannot be stored without pickling.
         BackendUnavailableError: ``profile="fast"`` without a usable GPU backend.
-        OSError: the file cannot be written.
+        StoreError: the file cannot be written (an ``OSError`` such as ``ENOSPC``, named; the
+            temporary file is removed, an existing file at ``path`` is left as it was).
     Example:
         >>> import torch, s4w_core, tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.s4w")
@@ -254,7 +255,7 @@ def save(
             out_path = None
         else:
             out_path = os.fspath(path)  # type: ignore[arg-type]
-            with atomic_write(out_path) as f:
+            with storage_errors(out_path, "save the checkpoint"), atomic_write(out_path) as f:
                 tw = _TimedWriter(f)
                 manifest, size, prof = _encode(obj, tw, profile, threads, _base_lookup, extra)  # type: ignore[arg-type]
                 commit_s = time.perf_counter()
@@ -357,6 +358,9 @@ def open_reader(src: PathLike | IO[bytes] | bytes | bytearray | memoryview | Con
             f = open(p, "rb")
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {p}") from None
+        except OSError as e:  # a directory, no permission, an I/O error
+            with storage_errors(p, "read the checkpoint"):
+                raise e
         reader = ContainerReader.from_file(f, p)
     if "_validated" not in reader.manifest:
         validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS))
