@@ -363,7 +363,7 @@ def open_reader(src: PathLike | IO[bytes] | bytes | bytearray | memoryview | Con
                 raise e
         reader = ContainerReader.from_file(f, p)
     if "_validated" not in reader.manifest:
-        validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS))
+        validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS), reader.name)
         engine.check_views(reader.manifest, reader.name)
         reader.manifest["_validated"] = True
     return reader
@@ -532,7 +532,7 @@ def load(
     try:
         t1 = time.perf_counter()
         raws = _decode_storages(reader, map_location, threads, _resolve_base)
-        obj = decode_tree(m["tree"], _build_tensors(m, raws))
+        obj = decode_tree(m["tree"], _build_tensors(m, raws), reader.name)
         stages["decode"] = time.perf_counter() - t1
     except BaseException as e:
         stages["read"] = io_s[0]
@@ -636,7 +636,7 @@ def verify(
     try:
         raws = _decode_storages(reader, map_location, None, _resolve_base)
         raw = sum(r.numel() for r in raws)
-        decode_tree(m["tree"], _build_tensors(m, raws))
+        decode_tree(m["tree"], _build_tensors(m, raws), reader.name)
     except S4WError as e:
         problems.append(f"{type(e).__name__}: {e}")
     finally:

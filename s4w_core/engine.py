@@ -302,6 +302,35 @@ def _ordered(pool: ThreadPoolExecutor, fn: Callable[..., Any], calls: Iterable[t
     return (fn(*args) for args in calls)
 
 
+#: calls :func:`_ordered_window` keeps in flight per worker thread
+DECODE_WINDOW_PER_THREAD = 4
+
+
+def _ordered_window(pool: ThreadPoolExecutor, fn: Callable[..., Any], n: int) -> Iterator[Any]:
+    """``fn(i)`` for ``i in range(n)``, results in order, with at most
+    :data:`DECODE_WINDOW_PER_THREAD` calls per worker submitted ahead of the one being taken (a
+    one-thread pool runs each call here). What a storage's decode holds and queues is bounded by
+    the window, never by the chunk count a file claims; when a call fails, the calls not yet
+    started are cancelled."""
+    workers = pool._max_workers  # noqa: SLF001
+    if workers <= 1:
+        for i in range(n):
+            yield fn(i)
+        return
+    window = workers * DECODE_WINDOW_PER_THREAD
+    futs: collections.deque[Any] = collections.deque()
+    nxt = 0
+    try:
+        while nxt < n or futs:
+            while nxt < n and len(futs) < window:
+                futs.append(pool.submit(fn, nxt))
+                nxt += 1
+            yield futs.popleft().result()
+    finally:
+        for f in futs:
+            f.cancel()
+
+
 # ----------------------------------------------------------------------------- CPU encode
 def encode_storage_cpu(
     job: StorageJob,
@@ -559,7 +588,7 @@ def decode_storage_cpu(
         s0 = (i // w) * seg
         return dec(data, min(n, s0 + seg) - s0)
 
-    decoded: Iterator[Any] = _ordered(pool, fetch_decode, [(i,) for i in range(len(chunks))])
+    decoded: Iterator[Any] = _ordered_window(pool, fetch_decode, len(chunks))
     if not proven:
         decoded = _drain(collections.deque(decoded))
     out = torch.empty(nbytes, dtype=torch.uint8)

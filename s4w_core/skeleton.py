@@ -199,11 +199,13 @@ def _numpy() -> Any:
         return None
 
 
-def decode_tree(node: Any, tensors: list[Any]) -> Any:
-    """Inverse of :func:`encode_tree`; ``tensors[k]`` is the loaded tensor for ``{"$t": k}``."""
+def decode_tree(node: Any, tensors: list[Any], name: str | None = None) -> Any:
+    """Inverse of :func:`encode_tree`; ``tensors[k]`` is the loaded tensor for ``{"$t": k}``.
+    ``name`` (the file) starts every error message."""
+    where = f"{name}: manifest tree" if name else "manifest tree"
 
     def bad(msg: str) -> ManifestError:
-        return ManifestError(f"manifest tree: {msg}")
+        return ManifestError(f"{where}: {msg}")
 
     def f64(v: Any) -> float:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -291,10 +293,9 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
                 except RuntimeError:
                     raise bad(f"bad device {v!r}") from None
             if tag == "$size" and isinstance(v, list) and all(type(x) is int for x in v):
-                try:
-                    return torch.Size(v)
-                except (ValueError, RuntimeError, OverflowError):
-                    raise bad(f"bad torch.Size {v!r}") from None
+                if len(v) > 64 or not all(-(1 << 63) <= x < 1 << 63 for x in v):  # torch.Size holds int64
+                    raise bad(f"bad torch.Size {v!r}")
+                return torch.Size(v)
             if tag == "$namespace" and isinstance(v, dict):
                 return argparse.Namespace(**{str(k): dec(x, d) for k, x in v.items()})
             if tag == "$ndarray":
@@ -307,7 +308,10 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
                     raise bad(f"$ndarray wraps a {t.dtype} tensor, which numpy cannot hold") from None
             if tag == "$npscalar" and isinstance(v, list) and len(v) == 2:
                 np = _numpy()
-                dt = numpy_dtype(v[0])
+                try:
+                    dt = numpy_dtype(v[0])
+                except ManifestError as e:
+                    raise bad(str(e).removeprefix("manifest tree: ")) from None
                 try:
                     if not isinstance(v[1], str):
                         raise TypeError
@@ -318,7 +322,10 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
                 except (TypeError, ValueError):
                     raise bad(f"bad numpy scalar {v!r}") from None
             if tag == "$npdtype" and isinstance(v, str):
-                return numpy_dtype(v)
+                try:
+                    return numpy_dtype(v)
+                except ManifestError as e:
+                    raise bad(str(e).removeprefix("manifest tree: ")) from None
             raise bad(f"unknown or malformed tag {tag!r}")
         return {k: dec(v, d) for k, v in n.items()}
 

@@ -49,10 +49,10 @@ class Limits:
 
     manifest_bytes: int = 256 << 20
     manifest_inflation: int = 64
-    manifest_free: int = 8 << 20
+    manifest_free: int = 4 << 20
     pickle_bytes: int = 64 << 20
     pickle_inflation: int = 100
-    pickle_ops: int = 4_000_000
+    pickle_ops: int = 2_000_000
     safetensors_header_bytes: int = 100_000_000
 
     def __post_init__(self) -> None:
