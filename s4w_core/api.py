@@ -430,7 +430,9 @@ def _decode_storages(
                 "a GPU machine, or convert it there to the portable profile: "
                 "`s4w convert IN OUT --profile portable`"
             )
-        if gpu is not None and (needs_gpu or dev.type == "cuda"):
+        # a storage claiming far more than its stored bytes goes to the CPU reader, which decodes
+        # its chunks before allocating its output, unless only a GPU can decode it
+        if gpu is not None and (needs_gpu or (dev.type == "cuda" and engine.claims_plausible(s))):
             gdev = dev if dev.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
             on_gpu[gdev].append(i)
     with engine._executor(threads) as pool:

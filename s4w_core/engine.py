@@ -53,6 +53,7 @@ __all__ = [
     "DTYPES",
     "check_views",
     "PLAUSIBLE_RATIO",
+    "claims_plausible",
 ]
 
 #: elements per segment written by the CPU path (1 MiB per plane chunk).
@@ -516,6 +517,15 @@ PLAUSIBLE_RATIO = 16
 PLAUSIBLE_SLACK = 1 << 20
 
 
+def claims_plausible(entry: dict[str, Any]) -> bool:
+    """Whether a (validated) storage entry's raw size is at most :data:`PLAUSIBLE_RATIO` times its
+    stored bytes plus :data:`PLAUSIBLE_SLACK`: then its output may be allocated before its chunks
+    are decoded. Otherwise the CPU reader decodes the chunks first, and the GPU reader leaves such
+    a storage to the CPU reader when it can (what a claim makes either allocate follows what the
+    chunks actually yield)."""
+    return bool(entry["nbytes"] <= PLAUSIBLE_RATIO * sum(c[2] for c in entry["chunks"]) + PLAUSIBLE_SLACK)
+
+
 def _drain(q: "collections.deque[Any]") -> Iterator[Any]:
     """Yield and drop the items of ``q`` in order (each decoded chunk is freed once merged)."""
     while q:
@@ -560,7 +570,7 @@ def decode_storage_cpu(
     chunks = entry["chunks"]
     # a storage that claims far more than its stored bytes (constant data, or a forged claim) is
     # decoded before its output is allocated: memory follows what the chunks actually yield
-    proven = nbytes <= PLAUSIBLE_RATIO * sum(c[2] for c in chunks) + PLAUSIBLE_SLACK
+    proven = claims_plausible(entry)
     base = resolve_base_bytes(entry, resolve_base, name)
     op = (entry.get("delta") or {}).get("op", "xor")
     seg = entry["segment_elems"]
