@@ -569,3 +569,19 @@ def test_dtype_names_never_import_torch_submodules() -> None:
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert "IMPORTED []" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+def test_constant_storages_for_a_gpu_target_decode_on_the_cpu_and_stay_exact() -> None:
+    """With a GPU target, a storage claiming far more than its stored bytes is decoded by the CPU
+    reader (chunks before output) and moved to the GPU: exact; a plausible one still goes to the GPU."""
+    x = torch.zeros(1 << 22, dtype=torch.bfloat16)
+    x[777] = 3.0
+    y = torch.randn(1 << 16).to(torch.bfloat16)
+    blob = encode({"x": x, "y": y})
+    _p, _t, m = split(blob)
+    assert [engine.claims_plausible(s) for s in m["storages"]] == [False, True]
+    out = s4w_core.load(blob, map_location="cuda")
+    assert out["x"].device.type == "cuda" and out["y"].device.type == "cuda"
+    assert torch.equal(out["x"].cpu().view(torch.int16), x.view(torch.int16))
+    assert torch.equal(out["y"].cpu().view(torch.int16), y.view(torch.int16))
