@@ -29,6 +29,7 @@ from s4w_core.codecs import DEFLATE, RAW, ZSTD, get_codec, zstd_encode_plane
 from s4w_core.errors import (
     BaseMismatchError,
     ChecksumMismatchError,
+    DecodeError,
     ManifestError,
     UnsupportedTypeError,
 )
@@ -596,7 +597,12 @@ def decode_storage_cpu(
         if dec is None:
             dec = decoders[codec_id] = get_codec(codec_id).decode
         s0 = (i // w) * seg
-        return dec(data, min(n, s0 + seg) - s0)
+        try:
+            return dec(data, min(n, s0 + seg) - s0)
+        except DecodeError as e:  # name the file, tensor and chunk (the codec knows none of them)
+            raise DecodeError(
+                f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}, {codec_id}): {e}"
+            ) from e
 
     decoded: Iterator[Any] = _ordered_window(pool, fetch_decode, len(chunks))
     if not proven:
