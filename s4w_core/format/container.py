@@ -245,10 +245,18 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not allowed in a manifest (non-finite floats are tagged)")
 
 
+def _finite(text: str) -> float:
+    v = float(text)
+    if v - v != 0.0:  # inf (an exponent past the double range: 1e999); NaN cannot be spelled as a number
+        raise ValueError(f"{text[:40]!r} is not a finite float (non-finite floats are tagged)")
+    return v
+
+
 def parse_manifest_json(text: bytes, name: str = "<container>") -> Any:
-    """The JSON value of a manifest's text: UTF-8, no ``NaN``/``Infinity``. Raises ManifestError."""
+    """The JSON value of a manifest's text: UTF-8, no ``NaN``/``Infinity`` (as literals, or as a
+    number past the double range). Raises ManifestError."""
     try:
-        return json.loads(text.decode("utf-8"), parse_constant=_no_constant)
+        return json.loads(text.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit, NaN
         raise ManifestError(f"{name}: manifest is not valid JSON: {e}") from e
 

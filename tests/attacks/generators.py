@@ -155,7 +155,7 @@ def manifest_bombs() -> Iterator[Case]:
     yield Case("plain_manifest_300MiB", "load", header, hole=300 << 20,
                tail=struct.pack("<QQQ8s", HEADER_SIZE, 300 << 20, 0, TRAILER_MAGIC))
     # NaN / Infinity literals
-    for lit in (b"NaN", b"Infinity", b"-Infinity"):
+    for lit in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-2.5e400"):
         text = b'{"format":"s4weights","version":1,"storages":[],"tensors":[],"tree":[' + lit + b"]}"
         yield Case(f"json_{lit.decode()}", "load", container(b"", None, raw_manifest=text))
     # many empty objects: the most Python objects per JSON byte, up to manifest_free
