@@ -109,19 +109,22 @@ def atomic_write(path: str | os.PathLike[str], prefix: str = ".s4w-") -> Iterato
 NOFOLLOW_AT = hasattr(os, "O_NOFOLLOW") and hasattr(os, "O_DIRECTORY") and os.open in os.supports_dir_fd
 
 
-def open_dir_nofollow(root_fd: int, parts: Sequence[str], where: str = "") -> int:
+def open_dir_nofollow(root_fd: int, parts: Sequence[str], where: str = "", *, create: bool = True) -> int:
     """A descriptor of the directory ``root_fd/parts[0]/parts[1]/...``: each component created
-    when missing and opened with ``O_NOFOLLOW``, so a symbolic link on the way (one planted to point
-    outside the target) is refused, never followed. The caller closes the descriptor.
+    when missing (if ``create``) and opened with ``O_NOFOLLOW``, so a symbolic link on the way (one
+    planted to point outside the target) is refused, never followed. The caller closes the
+    descriptor.
 
     Raises:
         UnsafePathError: a component is a symbolic link or not a directory.
+        FileNotFoundError: a component is missing and ``create`` is false.
     """
     fd = os.dup(root_fd)
     try:
         for i, p in enumerate(parts):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(p, 0o777, dir_fd=fd)
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(p, 0o777, dir_fd=fd)
             try:
                 nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except OSError as e:

@@ -33,7 +33,7 @@ from s4w_core._fsutil import NOFOLLOW_AT, atomic_write, atomic_write_at, open_di
 from s4w_core.errors import ChecksumMismatchError, ManifestError, UnsafePathError
 from s4w_core.format.limits import get_limits
 
-__all__ = ["pack_file", "unpack_file", "unpack_bytes", "pack_folder", "unpack_folder", "replace_with_marker"]
+__all__ = ["pack_file", "unpack_file", "unpack_bytes", "pack_folder", "unpack_folder", "replace_with_marker", "safe_parts"]
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -437,6 +437,19 @@ def pack_folder(folder: str | os.PathLike[str], *, exclude: Any = None) -> dict[
     return {"files": files}
 
 
+def safe_parts(rel: Any) -> list[str]:
+    """The components of a packed folder's relative path ``rel`` (``/``-separated); ManifestError
+    for a path that could leave the folder or is ambiguous: absolute, ``..``, ``.`` or empty
+    components, backslashes, NUL bytes."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if (
+        not parts or not rel or rel.startswith("/") or ".." in parts or "." in parts or "" in parts
+        or "\\" in rel or "\x00" in rel or (os.altsep and os.altsep in rel)
+    ):
+        raise ManifestError(f"packed folder names an unsafe path {rel!r}")
+    return parts
+
+
 def unpack_folder(tree: dict[str, Any], dest: str | os.PathLike[str]) -> str:
     """Write every file of a :func:`pack_folder` tree under ``dest`` (each SHA-256 checked).
 
@@ -457,15 +470,7 @@ def unpack_folder(tree: dict[str, Any], dest: str | os.PathLike[str]) -> str:
     files = tree.get("files") if isinstance(tree, dict) else None
     if not isinstance(files, dict):
         raise ManifestError("not a packed folder (no 'files')")
-    checked = []
-    for rel, ft in files.items():
-        parts = rel.split("/") if isinstance(rel, str) else []
-        if (
-            not parts or not rel or rel.startswith("/") or ".." in parts or "." in parts or "" in parts
-            or "\\" in rel or "\x00" in rel or (os.altsep and os.altsep in rel)
-        ):
-            raise ManifestError(f"packed folder names an unsafe path {rel!r}")
-        checked.append((parts, ft))
+    checked = [(safe_parts(rel), ft) for rel, ft in files.items()]
     if not NOFOLLOW_AT:  # pragma: no cover - no O_NOFOLLOW/dir_fd (Windows): resolve and check instead
         root = os.path.realpath(dest)
         for parts, ft in checked:
@@ -522,7 +527,25 @@ def replace_with_marker(
     with atomic_write(os.path.join(folder, marker)) as f:
         f.write(json.dumps(dict(record)).encode())
     spared = set(keep) | {marker}
-    for rel in files:
-        if rel not in spared:
+    doomed = [safe_parts(rel) for rel in files if rel not in spared]
+    if not NOFOLLOW_AT:  # pragma: no cover - no O_NOFOLLOW/dir_fd (Windows)
+        for parts in doomed:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, *rel.split("/")))
+                os.remove(os.path.join(folder, *parts))
+        return
+    # deleted relative to descriptors opened without following links: a directory swapped for a
+    # symbolic link since the folder was packed leads nowhere outside it
+    root_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for parts in doomed:
+            try:
+                dfd = open_dir_nofollow(root_fd, parts[:-1], folder, create=False)
+            except (UnsafePathError, FileNotFoundError):
+                continue
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(parts[-1], dir_fd=dfd)
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(root_fd)

@@ -20,7 +20,7 @@ import torch
 import s4w_core
 from s4w_core._fsutil import storage_errors
 from s4w_core.errors import ManifestError, StoreError, UnsafePathError
-from s4w_core.filepack import pack_folder, unpack_folder
+from s4w_core.filepack import pack_folder, replace_with_marker, unpack_folder
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -155,3 +155,25 @@ def test_save_past_the_file_size_limit_is_a_store_error_and_leaves_nothing(tmp_p
 def test_loading_a_directory_is_a_store_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(StoreError, match=str(tmp_path)):
         s4w_core.load(tmp_path)
+
+
+def test_replace_with_marker_never_deletes_through_a_symlink(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A directory of a packed folder swapped for a symbolic link (to a place outside) before the
+    packed files are deleted: nothing outside is deleted; unsafe names are refused."""
+    folder = tmp_path / "ckpt"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "f.bin").write_bytes(b"x")
+    (folder / "top.bin").write_bytes(b"t")
+    tree = pack_folder(folder)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f.bin").write_bytes(b"precious")
+    (folder / "sub" / "f.bin").unlink()
+    (folder / "sub").rmdir()
+    os.symlink(outside, folder / "sub")
+    replace_with_marker(folder, tree["files"], "marker.json", {"step": 1})
+    assert (outside / "f.bin").read_bytes() == b"precious"
+    assert sorted(os.listdir(folder)) == ["marker.json", "sub"]
+    with pytest.raises(ManifestError, match="unsafe path"):
+        replace_with_marker(folder, ["../outside/f.bin"], "marker.json", {"step": 1})
+    assert (outside / "f.bin").exists()
