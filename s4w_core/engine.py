@@ -308,14 +308,14 @@ def _ordered(pool: ThreadPoolExecutor, fn: Callable[..., Any], calls: Iterable[t
 DECODE_WINDOW_PER_THREAD = 4
 
 
-def _ordered_window(pool: ThreadPoolExecutor, fn: Callable[..., Any], n: int) -> Iterator[Any]:
+def _ordered_window(pool: ThreadPoolExecutor | None, fn: Callable[..., Any], n: int) -> Iterator[Any]:
     """``fn(i)`` for ``i in range(n)``, results in order, with at most
     :data:`DECODE_WINDOW_PER_THREAD` calls per worker submitted ahead of the one being taken (a
-    one-thread pool runs each call here). What a storage's decode holds and queues is bounded by
-    the window, never by the chunk count a file claims; when a call fails, the calls not yet
-    started are cancelled."""
-    workers = pool._max_workers  # noqa: SLF001
-    if workers <= 1:
+    one-thread pool, or none, runs each call here). What a storage's decode holds and queues is
+    bounded by the window, never by the chunk count a file claims; when a call fails, the calls
+    not yet started are cancelled."""
+    workers = 1 if pool is None else pool._max_workers  # noqa: SLF001
+    if pool is None or workers <= 1:
         for i in range(n):
             yield fn(i)
         return
@@ -604,7 +604,9 @@ def decode_storage_cpu(
                 f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}, {codec_id}): {e}"
             ) from e
 
-    decoded: Iterator[Any] = _ordered_window(pool, fetch_decode, len(chunks))
+    # an implausible storage is decoded on this thread: a forged frame costs one output buffer
+    # (at most a segment) at a time, not one per thread
+    decoded: Iterator[Any] = _ordered_window(pool if proven else None, fetch_decode, len(chunks))
     if not proven:
         decoded = _drain(collections.deque(decoded))
     out = torch.empty(nbytes, dtype=torch.uint8)
