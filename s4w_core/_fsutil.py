@@ -11,7 +11,7 @@ from typing import IO, Any, Iterator, Sequence
 
 from s4w_core.errors import S4WError, StoreError, UnsafePathError
 
-__all__ = ["storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
+__all__ = ["store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
 
 #: bytes written between two writeback starts (``S4W_WRITEBACK_BYTES``; 0 turns it off)
 WRITEBACK_BYTES = int(os.environ.get("S4W_WRITEBACK_BYTES", 64 << 20))
@@ -164,18 +164,24 @@ def atomic_write_at(dir_fd: int, name: str, prefix: str = ".s4w-") -> Iterator[I
         os.fsync(dir_fd)
 
 
+def store_error(path: str, e: OSError, what: str = "write") -> StoreError:
+    """A :class:`StoreError` for the ``OSError`` ``e`` met while doing ``what`` at ``path``: names
+    the path and the error (``ENOSPC`` as "no space left on device"). Raise it ``from e``."""
+    code = errno.errorcode.get(e.errno or 0, "")
+    reason = f"{code}: {e.strerror}" if code and e.strerror else str(e)
+    if e.errno == errno.ENOSPC:
+        reason = f"ENOSPC: no space left on device ({e.strerror or e})"
+    return StoreError(f"{path}: cannot {what} ({reason})")
+
+
 @contextlib.contextmanager
 def storage_errors(path: str, what: str = "write") -> Iterator[None]:
-    """Turn an ``OSError`` raised inside into a :class:`StoreError` naming ``path`` and the error
-    (``ENOSPC``: "no space left on device"); ``__cause__`` is the original. S4WErrors pass as
-    they are."""
+    """Turn an ``OSError`` raised inside into :func:`store_error` (``__cause__`` is the original).
+    S4WErrors pass as they are. Writers inside (:func:`atomic_write`) have removed their temporary
+    file by then."""
     try:
         yield
     except S4WError:
         raise
     except OSError as e:
-        code = errno.errorcode.get(e.errno or 0, "")
-        reason = f"{code}: {e.strerror}" if code and e.strerror else str(e)
-        if e.errno == errno.ENOSPC:
-            reason = f"ENOSPC: no space left on device ({e.strerror or e})"
-        raise StoreError(f"{path}: cannot {what} ({reason}); nothing was left behind") from e
+        raise store_error(path, e, what) from e

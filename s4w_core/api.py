@@ -13,7 +13,7 @@ from typing import IO, Any, Callable, Mapping, Union
 import torch
 
 from s4w_core import engine, obs
-from s4w_core._fsutil import atomic_write, storage_errors
+from s4w_core._fsutil import atomic_write, storage_errors, store_error
 from s4w_core._version import __version__
 from s4w_core.codecs import CODECS, get_codec
 from s4w_core.errors import (
@@ -359,8 +359,7 @@ def open_reader(src: PathLike | IO[bytes] | bytes | bytearray | memoryview | Con
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {p}") from None
         except OSError as e:  # a directory, no permission, an I/O error
-            with storage_errors(p, "read the checkpoint"):
-                raise e
+            raise store_error(p, e, "read the checkpoint") from e
         reader = ContainerReader.from_file(f, p)
     if "_validated" not in reader.manifest:
         validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS), reader.name)
