@@ -308,7 +308,7 @@ def framework_files() -> Iterator[Case]:
     ]):
         yield Case(f"safetensors_{i}", "pack", struct.pack("<Q", len(hdr)) + hdr + b"\0" * 16, "ok")
     yield Case("safetensors_len_2_60", "pack", struct.pack("<Q", 1 << 60) + b'{"w":{}}' + b"\0" * 16, "ok")
-    # a zip whose 100k entries all name the same storage (duplicate keys: was a quadratic rename loop)
+    # a zip whose 20,000 entries all name the same storage (duplicate keys: was a quadratic rename loop)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Duplicate name": the point
