@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
 import tempfile
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Sequence
 
-__all__ = ["atomic_write", "fsync_dir", "EarlyWriteback"]
+from s4w_core.errors import S4WError, StoreError, UnsafePathError
+
+__all__ = ["store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
 
 #: bytes written between two writeback starts (``S4W_WRITEBACK_BYTES``; 0 turns it off)
 WRITEBACK_BYTES = int(os.environ.get("S4W_WRITEBACK_BYTES", 64 << 20))
@@ -98,3 +102,86 @@ def atomic_write(path: str | os.PathLike[str], prefix: str = ".s4w-") -> Iterato
             os.unlink(tmp)
         raise
     fsync_dir(d)
+
+
+#: whether :func:`open_dir_nofollow` / :func:`atomic_write_at` work here (``O_NOFOLLOW`` and
+#: ``dir_fd`` support: Linux, macOS, the BSDs)
+NOFOLLOW_AT = hasattr(os, "O_NOFOLLOW") and hasattr(os, "O_DIRECTORY") and os.open in os.supports_dir_fd
+
+
+def open_dir_nofollow(root_fd: int, parts: Sequence[str], where: str = "", *, create: bool = True) -> int:
+    """A descriptor of the directory ``root_fd/parts[0]/parts[1]/...``: each component created
+    when missing (if ``create``) and opened with ``O_NOFOLLOW``, so a symbolic link on the way (one
+    planted to point outside the target) is refused, never followed. The caller closes the
+    descriptor.
+
+    Raises:
+        UnsafePathError: a component is a symbolic link or not a directory.
+        FileNotFoundError: a component is missing and ``create`` is false.
+    """
+    fd = os.dup(root_fd)
+    try:
+        for i, p in enumerate(parts):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(p, 0o777, dir_fd=fd)
+            try:
+                nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafePathError(
+                        f"{os.path.join(where, *parts[: i + 1])} is a symbolic link or not a directory: "
+                        "refusing to write through it"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def atomic_write_at(dir_fd: int, name: str, prefix: str = ".s4w-") -> Iterator[IO[bytes]]:
+    """:func:`atomic_write` of the file ``name`` in the directory open as ``dir_fd`` (from
+    :func:`open_dir_nofollow`): the temporary file is created there with ``O_EXCL | O_NOFOLLOW``
+    and renamed over ``name`` inside the same directory (a symbolic link at ``name`` is replaced,
+    not followed)."""
+    tmp = f"{prefix}{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield EarlyWriteback(f)  # type: ignore[misc]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    with contextlib.suppress(OSError):
+        os.fsync(dir_fd)
+
+
+def store_error(path: str, e: OSError, what: str = "write") -> StoreError:
+    """A :class:`StoreError` for the ``OSError`` ``e`` met while doing ``what`` at ``path``: names
+    the path and the error (``ENOSPC`` as "no space left on device"). Raise it ``from e``."""
+    code = errno.errorcode.get(e.errno or 0, "")
+    reason = f"{code}: {e.strerror}" if code and e.strerror else str(e)
+    if e.errno == errno.ENOSPC:
+        reason = f"ENOSPC: no space left on device ({e.strerror or e})"
+    return StoreError(f"{path}: cannot {what} ({reason})")
+
+
+@contextlib.contextmanager
+def storage_errors(path: str, what: str = "write") -> Iterator[None]:
+    """Turn an ``OSError`` raised inside into :func:`store_error` (``__cause__`` is the original).
+    S4WErrors pass as they are. Writers inside (:func:`atomic_write`) have removed their temporary
+    file by then."""
+    try:
+        yield
+    except S4WError:
+        raise
+    except OSError as e:
+        raise store_error(path, e, what) from e

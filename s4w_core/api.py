@@ -13,7 +13,7 @@ from typing import IO, Any, Callable, Mapping, Union
 import torch
 
 from s4w_core import engine, obs
-from s4w_core._fsutil import atomic_write
+from s4w_core._fsutil import atomic_write, storage_errors, store_error
 from s4w_core._version import __version__
 from s4w_core.codecs import CODECS, get_codec
 from s4w_core.errors import (
@@ -235,7 +235,8 @@ def save(
     Raises:
         UnsupportedTypeError: ``obj`` holds a value that cannot be stored without pickling.
         BackendUnavailableError: ``profile="fast"`` without a usable GPU backend.
-        OSError: the file cannot be written.
+        StoreError: the file cannot be written (an ``OSError`` such as ``ENOSPC``, named; the
+            temporary file is removed, an existing file at ``path`` is left as it was).
     Example:
         >>> import torch, s4w_core, tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.s4w")
@@ -254,7 +255,7 @@ def save(
             out_path = None
         else:
             out_path = os.fspath(path)  # type: ignore[arg-type]
-            with atomic_write(out_path) as f:
+            with storage_errors(out_path, "save the checkpoint"), atomic_write(out_path) as f:
                 tw = _TimedWriter(f)
                 manifest, size, prof = _encode(obj, tw, profile, threads, _base_lookup, extra)  # type: ignore[arg-type]
                 commit_s = time.perf_counter()
@@ -357,9 +358,12 @@ def open_reader(src: PathLike | IO[bytes] | bytes | bytearray | memoryview | Con
             f = open(p, "rb")
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {p}") from None
+        except OSError as e:  # a directory, no permission, an I/O error
+            raise store_error(p, e, "read the checkpoint") from e
         reader = ContainerReader.from_file(f, p)
     if "_validated" not in reader.manifest:
-        validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS))
+        validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS), reader.name)
+        engine.check_views(reader.manifest, reader.name)
         reader.manifest["_validated"] = True
     return reader
 
@@ -425,7 +429,9 @@ def _decode_storages(
                 "a GPU machine, or convert it there to the portable profile: "
                 "`s4w convert IN OUT --profile portable`"
             )
-        if gpu is not None and (needs_gpu or dev.type == "cuda"):
+        # a storage claiming far more than its stored bytes goes to the CPU reader, which decodes
+        # its chunks before allocating its output, unless only a GPU can decode it
+        if gpu is not None and (needs_gpu or (dev.type == "cuda" and engine.claims_plausible(s))):
             gdev = dev if dev.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
             on_gpu[gdev].append(i)
     with engine._executor(threads) as pool:
@@ -527,7 +533,7 @@ def load(
     try:
         t1 = time.perf_counter()
         raws = _decode_storages(reader, map_location, threads, _resolve_base)
-        obj = decode_tree(m["tree"], _build_tensors(m, raws))
+        obj = decode_tree(m["tree"], _build_tensors(m, raws), reader.name)
         stages["decode"] = time.perf_counter() - t1
     except BaseException as e:
         stages["read"] = io_s[0]
@@ -631,7 +637,7 @@ def verify(
     try:
         raws = _decode_storages(reader, map_location, None, _resolve_base)
         raw = sum(r.numel() for r in raws)
-        decode_tree(m["tree"], _build_tensors(m, raws))
+        decode_tree(m["tree"], _build_tensors(m, raws), reader.name)
     except S4WError as e:
         problems.append(f"{type(e).__name__}: {e}")
     finally:

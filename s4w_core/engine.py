@@ -8,11 +8,12 @@ with the codec that measured best for it (never larger than raw: raw is always a
 
 from __future__ import annotations
 
+import collections
 import errno
-import functools
 import mmap
 import os
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -28,6 +29,8 @@ from s4w_core.codecs import DEFLATE, RAW, ZSTD, get_codec, zstd_encode_plane
 from s4w_core.errors import (
     BaseMismatchError,
     ChecksumMismatchError,
+    DecodeError,
+    ManifestError,
     UnsupportedTypeError,
 )
 from s4w_core.format.container import ContainerReader, ContainerWriter
@@ -48,6 +51,10 @@ __all__ = [
     "choose_delta_op",
     "dtype_from_name",
     "dtype_name",
+    "DTYPES",
+    "check_views",
+    "PLAUSIBLE_RATIO",
+    "claims_plausible",
 ]
 
 #: elements per segment written by the CPU path (1 MiB per plane chunk).
@@ -66,29 +73,46 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+#: every dtype a manifest may name, by the name :func:`dtype_name` writes: the ``torch.dtype``
+#: attributes of the ``torch`` module itself (read from its namespace: a name is never looked up
+#: with ``getattr``, which imports lazy submodules such as ``torch.onnx`` by name), less quantized
+#: ones and those without dense tensors
+DTYPES: dict[str, torch.dtype] = {}
+for _n, _v in sorted(vars(torch).items()):
+    if isinstance(_v, torch.dtype) and not _n.startswith(("_", "q")) and dtype_name(_v) == _n:
+        try:
+            with warnings.catch_warnings():  # complex32: "experimental"
+                warnings.simplefilter("ignore")
+                torch.empty((), dtype=_v)
+        except (RuntimeError, TypeError):
+            continue
+        DTYPES[_n] = _v
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype named ``name`` (as written by :func:`dtype_name`); ManifestError otherwise.
-    Cached per name (a load asks once per tensor); an unknown name raises every time."""
-    from s4w_core.errors import ManifestError
-
-    if not isinstance(name, str):
+    """The torch dtype named ``name`` (as written by :func:`dtype_name`), from the allow-list
+    :data:`DTYPES`; ManifestError otherwise."""
+    dt = DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
         raise ManifestError(f"manifest names unknown dtype {name!r}")
-    return _dtype_from_str(name)
-
-
-@functools.cache
-def _dtype_from_str(name: str) -> torch.dtype:
-    from s4w_core.errors import ManifestError
-
-    ok = not name.startswith(("_", "q"))  # no quantized dtypes (qint8, ...)
-    dt = getattr(torch, name, None) if ok else None
-    if not isinstance(dt, torch.dtype):
-        raise ManifestError(f"manifest names unknown dtype {name!r}")
-    try:
-        torch.empty((), dtype=dt)
-    except (RuntimeError, TypeError):
-        raise ManifestError(f"manifest names dtype {name!r}, which has no dense tensors") from None
     return dt
+
+
+def check_views(m: dict[str, Any], name: str) -> None:
+    """Check every tensor view of a validated manifest against its storage before anything is
+    decoded: a known dtype, and the view's last element inside the storage (docs/FORMAT.md 3.2).
+    Raises ManifestError naming the tensor."""
+    storages = m["storages"]
+    for i, t in enumerate(m["tensors"]):
+        dt = dtype_from_name(t["dtype"])
+        nbytes = storages[t["storage"]]["nbytes"]
+        if t["_extent"] * dt.itemsize > nbytes:
+            raise ManifestError(
+                f"{name}: manifest: tensor {i} ({t['path']!r}) reaches past the end of its storage "
+                f"({t['_extent']} elements of {dt} in {nbytes} bytes)"
+            )
+        if t.get("requires_grad") and not (dt.is_floating_point or dt.is_complex):
+            raise ManifestError(f"{name}: manifest: tensor {i} ({t['path']!r}) of dtype {dt} cannot require grad")
 
 
 @dataclass
@@ -280,6 +304,35 @@ def _ordered(pool: ThreadPoolExecutor, fn: Callable[..., Any], calls: Iterable[t
     return (fn(*args) for args in calls)
 
 
+#: calls :func:`_ordered_window` keeps in flight per worker thread
+DECODE_WINDOW_PER_THREAD = 4
+
+
+def _ordered_window(pool: ThreadPoolExecutor | None, fn: Callable[..., Any], n: int) -> Iterator[Any]:
+    """``fn(i)`` for ``i in range(n)``, results in order, with at most
+    :data:`DECODE_WINDOW_PER_THREAD` calls per worker submitted ahead of the one being taken (a
+    one-thread pool, or none, runs each call here). What a storage's decode holds and queues is
+    bounded by the window, never by the chunk count a file claims; when a call fails, the calls
+    not yet started are cancelled."""
+    workers = 1 if pool is None else pool._max_workers  # noqa: SLF001
+    if pool is None or workers <= 1:
+        for i in range(n):
+            yield fn(i)
+        return
+    window = workers * DECODE_WINDOW_PER_THREAD
+    futs: collections.deque[Any] = collections.deque()
+    nxt = 0
+    try:
+        while nxt < n or futs:
+            while nxt < n and len(futs) < window:
+                futs.append(pool.submit(fn, nxt))
+                nxt += 1
+            yield futs.popleft().result()
+    finally:
+        for f in futs:
+            f.cancel()
+
+
 # ----------------------------------------------------------------------------- CPU encode
 def encode_storage_cpu(
     job: StorageJob,
@@ -458,6 +511,28 @@ def _prefault(t: torch.Tensor) -> None:
             _madvise = None
 
 
+#: a storage whose raw size is at most this many times its stored bytes (plus
+#: :data:`PLAUSIBLE_SLACK`) is allocated before its chunks are decoded; one that claims more is
+#: decoded first (real data compresses far less: a claim that large is constant data or forged)
+PLAUSIBLE_RATIO = 16
+PLAUSIBLE_SLACK = 1 << 20
+
+
+def claims_plausible(entry: dict[str, Any]) -> bool:
+    """Whether a (validated) storage entry's raw size is at most :data:`PLAUSIBLE_RATIO` times its
+    stored bytes plus :data:`PLAUSIBLE_SLACK`: then its output may be allocated before its chunks
+    are decoded. Otherwise the CPU reader decodes the chunks first, and the GPU reader leaves such
+    a storage to the CPU reader when it can (what a claim makes either allocate follows what the
+    chunks actually yield)."""
+    return bool(entry["nbytes"] <= PLAUSIBLE_RATIO * sum(c[2] for c in entry["chunks"]) + PLAUSIBLE_SLACK)
+
+
+def _drain(q: "collections.deque[Any]") -> Iterator[Any]:
+    """Yield and drop the items of ``q`` in order (each decoded chunk is freed once merged)."""
+    while q:
+        yield q.popleft()
+
+
 #: plane storages of at least this many bytes with an xxh3 checksum are hashed as they are merged
 #: (:func:`~s4w_core.planes.reference.merge_hash_into`: each block while it is still in the
 #: cache) rather than in a second pass over the whole output; smaller ones are still in the cache
@@ -493,12 +568,12 @@ def decode_storage_cpu(
     w = entry["_width"]
     transform = entry["transform"]
     dtype = dtype_from_name(entry["dtype"])
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= PREFAULT_MIN_BYTES:
-        _prefault(out)
+    chunks = entry["chunks"]
+    # a storage that claims far more than its stored bytes (constant data, or a forged claim) is
+    # decoded before its output is allocated: memory follows what the chunks actually yield
+    proven = claims_plausible(entry)
     base = resolve_base_bytes(entry, resolve_base, name)
     op = (entry.get("delta") or {}).get("op", "xor")
-    chunks = entry["chunks"]
     seg = entry["segment_elems"]
     n = nbytes // w
     read_chunk = reader.read_chunk
@@ -522,9 +597,21 @@ def decode_storage_cpu(
         if dec is None:
             dec = decoders[codec_id] = get_codec(codec_id).decode
         s0 = (i // w) * seg
-        return dec(data, min(n, s0 + seg) - s0)
+        try:
+            return dec(data, min(n, s0 + seg) - s0)
+        except DecodeError as e:  # name the file, tensor and chunk (the codec knows none of them)
+            raise DecodeError(
+                f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}, {codec_id}): {e}"
+            ) from e
 
-    decoded = _ordered(pool, fetch_decode, [(i,) for i in range(len(chunks))])
+    # an implausible storage is decoded on this thread: a forged frame costs one output buffer
+    # (at most a segment) at a time, not one per thread
+    decoded: Iterator[Any] = _ordered_window(pool if proven else None, fetch_decode, len(chunks))
+    if not proven:
+        decoded = _drain(collections.deque(decoded))
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= PREFAULT_MIN_BYTES:
+        _prefault(out)
     out_np = out.numpy()
     is_planes = transform in PLANE_TRANSFORMS
     rot = is_planes and plane_rot(transform)

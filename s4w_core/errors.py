@@ -27,6 +27,7 @@ __all__ = [
     "AsyncSaveError",
     "BackendUnavailableError",
     "DeviceUnavailableError",
+    "UnsafePathError",
 ]
 
 
@@ -103,3 +104,8 @@ class BackendUnavailableError(S4WError, ImportError):
 
 class DeviceUnavailableError(S4WError, RuntimeError):
     """A tensor's recorded device does not exist here; pass ``map_location``."""
+
+
+class UnsafePathError(S4WError, ValueError):
+    """A write or delete would leave its target directory: a path that names a place outside it,
+    or a symbolic link on the way (unpacking never follows one)."""

@@ -29,10 +29,11 @@ from typing import IO, Any, Iterable, Mapping
 
 import torch
 
-from s4w_core._fsutil import atomic_write
-from s4w_core.errors import ChecksumMismatchError, ManifestError
+from s4w_core._fsutil import NOFOLLOW_AT, atomic_write, atomic_write_at, open_dir_nofollow, storage_errors
+from s4w_core.errors import ChecksumMismatchError, ManifestError, UnsafePathError
+from s4w_core.format.limits import get_limits
 
-__all__ = ["pack_file", "unpack_file", "unpack_bytes", "pack_folder", "unpack_folder", "replace_with_marker"]
+__all__ = ["pack_file", "unpack_file", "unpack_bytes", "pack_folder", "unpack_folder", "replace_with_marker", "safe_parts"]
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -92,14 +93,15 @@ def _raw(buf: bytearray, a: int, b: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- safetensors
 def _safetensors_regions(buf: bytearray) -> list[tuple[int, int, str, torch.dtype]] | None:
+    """The tensor regions of a safetensors file, or None when it is not one we can follow."""
     if len(buf) < 8:
         return None
     (n,) = struct.unpack_from("<Q", buf, 0)
-    if n > 100_000_000 or 8 + n > len(buf):
+    if n > get_limits().safetensors_header_bytes or 8 + n > len(buf):
         return None
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]))
-    except ValueError:
+        header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
+    except (ValueError, RecursionError):
         return None
     if not isinstance(header, dict):
         return None
@@ -108,9 +110,10 @@ def _safetensors_regions(buf: bytearray) -> list[tuple[int, int, str, torch.dtyp
     for name, v in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(v, dict) or "data_offsets" not in v:
+        offs = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs)):
             return None
-        a, b = v["data_offsets"]
+        a, b = offs
         dt = _ST_DTYPES.get(str(v.get("dtype")), torch.uint8)
         if not (0 <= a <= b <= len(buf) - start):
             return None
@@ -126,53 +129,77 @@ class _Mark:
     pass
 
 
-def _scan_pickle(pkl: bytes) -> dict[str, tuple[torch.dtype, int]]:
+class _GiveUp(Exception):
+    """The pickle scan stops: the file's storages stay untyped bytes (still stored exactly)."""
+
+
+_TEXT_OPS = frozenset(
+    ("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING", "STRING")
+)
+_INT_OPS = frozenset(("BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4"))
+
+
+def _scan_pickle(pkl: bytes, max_ops: int | None = None) -> dict[str, tuple[torch.dtype, int]]:
     """Storage key -> (dtype, numel) from a torch.save pickle, by symbolic execution of its opcodes
-    (only strings, ints, globals and tuples are tracked; nothing is imported or called)."""
+    (only strings, ints, globals and tuples are tracked; nothing is imported or called).
+
+    Linear in the pickle's size: marks are kept on their own stack (as the unpickler's
+    metastack), so a ``MARK`` and the op that pops it cost O(1) and O(items) each, never a search of
+    the stack. Raises :class:`_GiveUp` after ``max_ops`` opcodes (default: the ``pickle_ops``
+    limit) or on a pickle it cannot follow."""
+    limit = get_limits().pickle_ops if max_ops is None else max_ops
     stack: list[Any] = []
+    marks: list[int] = []  # positions in ``stack`` where each open MARK's items begin
     memo: dict[int, Any] = {}
     found: dict[str, tuple[torch.dtype, int]] = {}
+    ops = 0
+
+    def pop_mark() -> int:
+        if not marks:
+            raise _GiveUp("pop of a MARK that is not there")
+        i = marks.pop()
+        return i if i <= len(stack) else len(stack)
+
     for op, arg, _pos in pickletools.genops(pkl):
+        ops += 1
+        if ops > limit:
+            raise _GiveUp(f"more than {limit} pickle opcodes")
         name = op.name
         if name == "MARK":
-            stack.append(_Mark)
-        elif name in (
-            "BINUNICODE",
-            "SHORT_BINUNICODE",
-            "BINUNICODE8",
-            "UNICODE",
-            "BINSTRING",
-            "SHORT_BINSTRING",
-            "STRING",
-        ):
-            stack.append(arg)
-        elif name in ("BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4"):
+            marks.append(len(stack))
+        elif name in _TEXT_OPS or name in _INT_OPS:
             stack.append(arg)
         elif name == "GLOBAL":
             stack.append(("$global", str(arg).replace(" ", ".")))
         elif name == "STACK_GLOBAL":
+            if len(stack) < 2:
+                raise _GiveUp("STACK_GLOBAL on a short stack")
             qual, mod = stack.pop(), stack.pop()
             stack.append(("$global", f"{mod}.{qual}"))
         elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[int(arg)] = stack[-1]  # type: ignore[arg-type]
+            if stack:
+                memo[int(arg)] = stack[-1]  # type: ignore[arg-type]
         elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1]
+            if stack:
+                memo[len(memo)] = stack[-1]
         elif name in ("BINGET", "LONG_BINGET", "GET"):
             stack.append(memo.get(int(arg), _UNKNOWN))  # type: ignore[arg-type]
         elif name == "TUPLE":
-            i = len(stack) - 1 - stack[::-1].index(_Mark)
-            items = tuple(stack[i + 1 :])
+            i = pop_mark()
+            items = tuple(stack[i:])
             del stack[i:]
             stack.append(items)
         elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
             k = int(name[-1])
+            if len(stack) < k:
+                raise _GiveUp(f"{name} on a short stack")
             items = tuple(stack[-k:])
             del stack[-k:]
             stack.append(items)
         elif name == "EMPTY_TUPLE":
             stack.append(())
         elif name == "BINPERSID":
-            pid = stack.pop()
+            pid = stack.pop() if stack else _UNKNOWN
             if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
                 g, key, numel = pid[1], pid[2], pid[4]
                 if isinstance(g, tuple) and g[0] == "$global" and isinstance(key, str) and isinstance(numel, int):
@@ -182,10 +209,8 @@ def _scan_pickle(pkl: bytes) -> dict[str, tuple[torch.dtype, int]]:
             stack.append(_UNKNOWN)
         else:
             before, after = op.stack_before, op.stack_after
-            if pickletools.markobject in before:
-                if _Mark in stack:
-                    i = len(stack) - 1 - stack[::-1].index(_Mark)
-                    del stack[i:]
+            if pickletools.markobject in before:  # pops everything down to (and with) the last MARK
+                del stack[pop_mark() :]
                 before = [b for b in before if b is not pickletools.markobject and b is not pickletools.stackslice]
             n = len(before)
             if n:
@@ -194,21 +219,52 @@ def _scan_pickle(pkl: bytes) -> dict[str, tuple[torch.dtype, int]]:
     return found
 
 
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes | None:
+    """The bytes of a zip member, or None when it is larger than the ``pickle_bytes`` limit or
+    inflates more than ``pickle_inflation`` times its stored size (a zip bomb): checked on the
+    sizes the archive declares, and again on what inflating produces (read in bounded pieces)."""
+    lim = get_limits()
+    cap = min(lim.pickle_bytes, max(1 << 20, lim.pickle_inflation * info.compress_size))
+    if info.file_size > cap:
+        return None
+    pieces: list[bytes] = []
+    total = 0
+    with zf.open(info) as f:
+        while True:
+            got = f.read(min(1 << 20, cap + 1 - total))
+            if not got:
+                break
+            total += len(got)
+            if total > cap:
+                return None
+            pieces.append(got)
+    return b"".join(pieces)
+
+
 def _zip_regions(buf: bytearray) -> list[tuple[int, int, str, torch.dtype]] | None:
+    """The storage regions of a ``torch.save`` zip, or None when it is not one we can follow.
+    Anything the zip or pickle parsers raise on a corrupt file means "not one we can follow"."""
     import io
 
     try:
-        zf = zipfile.ZipFile(io.BytesIO(buf))
-    except zipfile.BadZipFile:
+        return _zip_regions_of(zipfile.ZipFile(io.BytesIO(buf)), buf)
+    except Exception:  # noqa: BLE001 - corrupt zips raise BadZipFile, struct.error, UnicodeDecodeError,
+        # NotImplementedError, zlib.error, EOFError, RuntimeError (encrypted), ...: all mean "store it raw"
         return None
+
+
+def _zip_regions_of(zf: zipfile.ZipFile, buf: bytearray) -> list[tuple[int, int, str, torch.dtype]] | None:
     infos = zf.infolist()
-    pkl_name = next((i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
-    if pkl_name is None:
+    pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+    if pkl is None:
         return None
-    prefix = pkl_name[: -len("data.pkl")]
+    prefix = pkl.filename[: -len("data.pkl")]
+    types: dict[str, tuple[torch.dtype, int]] = {}
     try:
-        types = _scan_pickle(zf.read(pkl_name))
-    except Exception:  # a pickle we cannot follow: keep the storages as bytes
+        data = _read_member(zf, pkl)
+        if data is not None:
+            types = _scan_pickle(data)
+    except Exception:  # noqa: BLE001 - a pickle we cannot follow: keep the storages as bytes
         types = {}
     out = []
     for i in infos:
@@ -216,7 +272,7 @@ def _zip_regions(buf: bytearray) -> list[tuple[int, int, str, torch.dtype]] | No
             continue
         key = i.filename[len(prefix + "data/") :]
         h = i.header_offset
-        if buf[h : h + 4] != b"PK\x03\x04":
+        if h < 0 or buf[h : h + 4] != b"PK\x03\x04":
             return None
         n, m = struct.unpack_from("<HH", buf, h + 26)
         a = h + 30 + n + m
@@ -264,14 +320,19 @@ def pack_file(src: str | os.PathLike[str] | bytes | bytearray) -> dict[str, Any]
         fmt = "safetensors" if regions is not None else "raw"
     parts: list[list[Any]] = []
     tensors: dict[str, torch.Tensor] = {}
+    dup: dict[str, int] = {}
     pos = 0
     for a, b, key, dt in sorted(regions or [], key=lambda r: r[0]):
         if a < pos:  # overlapping regions: not a layout we understand; store those bytes raw
             continue
         if a > pos:
             parts.append(["raw", _raw(buf, pos, a)])
-        while key in tensors:
-            key += "+"
+        if key in tensors:  # a name twice (zips allow it): "key+1", "key+2", ... (linear, not a search)
+            k = dup.get(key, 0)
+            while f"{key}+{k + 1}" in tensors:
+                k += 1
+            dup[key] = k + 1
+            key = f"{key}+{k + 1}"
         tensors[key] = _typed(buf, a, b - a, dt)
         parts.append(["tensor", key])
         pos = b
@@ -295,7 +356,7 @@ def _chunks(tree: dict[str, Any]) -> Any:
             if t.dtype != torch.uint8:
                 t = t.view(torch.uint8)
             yield t.numpy().tobytes()
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise ManifestError(f"not a packed file tree ({type(e).__name__}: {e})") from e
 
 
@@ -334,10 +395,12 @@ def unpack_file(tree: dict[str, Any], dest: str | os.PathLike[str]) -> str:
         ``dest`` as a string.
     Raises:
         ChecksumMismatchError: the rebuilt bytes are not the packed file's (nothing is written).
+        StoreError: the file cannot be written (``ENOSPC`` and the like; nothing partial is left).
     """
     dest = os.fspath(dest)
-    with atomic_write(dest) as f:
-        _write(tree, f)
+    with storage_errors(dest):
+        with atomic_write(dest) as f:
+            _write(tree, f)
     return dest
 
 
@@ -374,24 +437,63 @@ def pack_folder(folder: str | os.PathLike[str], *, exclude: Any = None) -> dict[
     return {"files": files}
 
 
+def safe_parts(rel: Any) -> list[str]:
+    """The components of a packed folder's relative path ``rel`` (``/``-separated); ManifestError
+    for a path that could leave the folder or is ambiguous: absolute, ``..``, ``.`` or empty
+    components, backslashes, NUL bytes."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if (
+        not parts or not rel or rel.startswith("/") or ".." in parts or "." in parts or "" in parts
+        or "\\" in rel or "\x00" in rel or (os.altsep and os.altsep in rel)
+    ):
+        raise ManifestError(f"packed folder names an unsafe path {rel!r}")
+    return parts
+
+
 def unpack_folder(tree: dict[str, Any], dest: str | os.PathLike[str]) -> str:
     """Write every file of a :func:`pack_folder` tree under ``dest`` (each SHA-256 checked).
+
+    Nothing is written outside ``dest``: a path naming a place outside it is refused, and so is a
+    symbolic link met on the way to a file (it is never followed: directories are opened with
+    ``O_NOFOLLOW``; a symbolic link where a file goes is replaced, not written through).
 
     Returns:
         ``dest`` as a string.
     Raises:
         ChecksumMismatchError: a rebuilt file is not the packed one.
-        ManifestError: ``tree`` is not a packed folder, or names a path outside ``dest``.
+        ManifestError: ``tree`` is not a packed folder, or names an unsafe path (outside ``dest``,
+            empty components, backslashes, NUL bytes).
+        UnsafePathError: a symbolic link (or a file) stands where a directory of the tree goes.
+        StoreError: a file cannot be written (``ENOSPC`` and the like).
     """
     dest = os.fspath(dest)
     files = tree.get("files") if isinstance(tree, dict) else None
     if not isinstance(files, dict):
         raise ManifestError("not a packed folder (no 'files')")
-    for rel, ft in files.items():
-        parts = rel.split("/")
-        if not rel or rel.startswith("/") or ".." in parts or "" in parts or "\\" in rel:
-            raise ManifestError(f"packed folder names an unsafe path {rel!r}")
-        unpack_file(ft, os.path.join(dest, *parts))
+    checked = [(safe_parts(rel), ft) for rel, ft in files.items()]
+    if not NOFOLLOW_AT:  # pragma: no cover - no O_NOFOLLOW/dir_fd (Windows): resolve and check instead
+        root = os.path.realpath(dest)
+        for parts, ft in checked:
+            target = os.path.join(dest, *parts)
+            if os.path.commonpath([root, os.path.realpath(os.path.dirname(target))]) != root:
+                raise UnsafePathError(f"{target}: a symbolic link on the way leads outside {dest}")
+            unpack_file(ft, target)
+        return dest
+    with storage_errors(dest):
+        os.makedirs(dest, exist_ok=True)
+        root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for parts, ft in checked:
+            target = os.path.join(dest, *parts)
+            with storage_errors(target):
+                dfd = open_dir_nofollow(root_fd, parts[:-1], dest)
+                try:
+                    with atomic_write_at(dfd, parts[-1]) as f:
+                        _write(ft, f)
+                finally:
+                    os.close(dfd)
+    finally:
+        os.close(root_fd)
     return dest
 
 
@@ -425,7 +527,25 @@ def replace_with_marker(
     with atomic_write(os.path.join(folder, marker)) as f:
         f.write(json.dumps(dict(record)).encode())
     spared = set(keep) | {marker}
-    for rel in files:
-        if rel not in spared:
+    doomed = [safe_parts(rel) for rel in files if rel not in spared]
+    if not NOFOLLOW_AT:  # pragma: no cover - no O_NOFOLLOW/dir_fd (Windows)
+        for parts in doomed:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(folder, *rel.split("/")))
+                os.remove(os.path.join(folder, *parts))
+        return
+    # deleted relative to descriptors opened without following links: a directory swapped for a
+    # symbolic link since the folder was packed leads nowhere outside it
+    root_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for parts in doomed:
+            try:
+                dfd = open_dir_nofollow(root_fd, parts[:-1], folder, create=False)
+            except (UnsafePathError, FileNotFoundError):
+                continue
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(parts[-1], dir_fd=dfd)
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(root_fd)

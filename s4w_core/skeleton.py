@@ -12,15 +12,17 @@ import base64
 import collections
 import importlib
 import math
+import re
 import struct
 import warnings
 from typing import Any, Callable
 
 import torch
 
+from s4w_core.engine import DTYPES
 from s4w_core.errors import ManifestError, UnsupportedTypeError
 
-__all__ = ["encode_tree", "decode_tree", "register_dict_type", "MAX_DEPTH"]
+__all__ = ["encode_tree", "decode_tree", "register_dict_type", "numpy_dtype", "MAX_DEPTH"]
 
 MAX_DEPTH = 200
 
@@ -31,6 +33,31 @@ _DICT_TYPES: dict[str, str | type] = {
     "pytorch_lightning.utilities.parsing.AttributeDict": "pytorch_lightning.utilities.parsing:AttributeDict",
     "lightning.pytorch.utilities.parsing.AttributeDict": "lightning.pytorch.utilities.parsing:AttributeDict",
 }
+
+
+#: the numpy dtype strings a file may name (``dtype.str`` of every dtype a save writes: bool, ints,
+#: floats, complex, bytes/str/void of up to 9 digits, datetime/timedelta with a plain unit and an
+#: optional multiplier). Checked before numpy parses the string: numpy divides by a unit's
+#: denominator (``m8[1Y/0]`` kills the process with SIGFPE) and accepts far more than it writes.
+_NP_DTYPE = re.compile(
+    r"[<>|=]?(?:[?]|b1|[iu][1248]|f(?:2|4|8|12|16)|c(?:8|16|24|32)|[SUV][0-9]{0,9}"
+    r"|[mM]8(?:\[(?:[1-9][0-9]{0,5})?(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as|generic)\])?)"
+)
+
+
+def numpy_dtype(spec: Any) -> Any:
+    """The ``numpy.dtype`` a file names by ``spec`` (a ``dtype.str``), checked against
+    :data:`_NP_DTYPE` before numpy sees it; ManifestError for anything else (object dtypes too)."""
+    if not isinstance(spec, str) or _NP_DTYPE.fullmatch(spec) is None:
+        raise ManifestError(f"manifest tree: bad numpy dtype {spec!r}")
+    np = _numpy()
+    try:
+        dt = np.dtype(spec)
+    except (TypeError, ValueError):
+        raise ManifestError(f"manifest tree: bad numpy dtype {spec!r}") from None
+    if dt.hasobject:
+        raise ManifestError("manifest tree: numpy object dtype")
+    return dt
 
 
 def register_dict_type(cls: type) -> None:
@@ -172,11 +199,13 @@ def _numpy() -> Any:
         return None
 
 
-def decode_tree(node: Any, tensors: list[Any]) -> Any:
-    """Inverse of :func:`encode_tree`; ``tensors[k]`` is the loaded tensor for ``{"$t": k}``."""
+def decode_tree(node: Any, tensors: list[Any], name: str | None = None) -> Any:
+    """Inverse of :func:`encode_tree`; ``tensors[k]`` is the loaded tensor for ``{"$t": k}``.
+    ``name`` (the file) starts every error message."""
+    where = f"{name}: manifest tree" if name else "manifest tree"
 
     def bad(msg: str) -> ManifestError:
-        return ManifestError(f"manifest tree: {msg}")
+        return ManifestError(f"{where}: {msg}")
 
     def f64(v: Any) -> float:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -254,8 +283,8 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
             if tag == "$complex" and isinstance(v, list) and len(v) == 2:
                 return complex(f64(v[0]), f64(v[1]))
             if tag == "$dtype" and isinstance(v, str):
-                dt = getattr(torch, v, None)
-                if not isinstance(dt, torch.dtype):
+                dt = DTYPES.get(v)  # an allow-list: never getattr(torch, name) (imports submodules)
+                if dt is None:
                     raise bad(f"unknown dtype {v!r}")
                 return dt
             if tag == "$device" and isinstance(v, str):
@@ -264,6 +293,8 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
                 except RuntimeError:
                     raise bad(f"bad device {v!r}") from None
             if tag == "$size" and isinstance(v, list) and all(type(x) is int for x in v):
+                if len(v) > 64 or not all(-(1 << 63) <= x < 1 << 63 for x in v):  # torch.Size holds int64
+                    raise bad(f"bad torch.Size {v!r}")
                 return torch.Size(v)
             if tag == "$namespace" and isinstance(v, dict):
                 return argparse.Namespace(**{str(k): dec(x, d) for k, x in v.items()})
@@ -278,8 +309,11 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
             if tag == "$npscalar" and isinstance(v, list) and len(v) == 2:
                 np = _numpy()
                 try:
-                    dt = np.dtype(v[0])
-                    if dt.hasobject:
+                    dt = numpy_dtype(v[0])
+                except ManifestError as e:
+                    raise bad(str(e).removeprefix("manifest tree: ")) from None
+                try:
+                    if not isinstance(v[1], str):
                         raise TypeError
                     raw = base64.b64decode(v[1], validate=True)
                     if len(raw) != dt.itemsize:
@@ -288,14 +322,10 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
                 except (TypeError, ValueError):
                     raise bad(f"bad numpy scalar {v!r}") from None
             if tag == "$npdtype" and isinstance(v, str):
-                np = _numpy()
                 try:
-                    dt = np.dtype(v)
-                except TypeError:
-                    raise bad(f"bad numpy dtype {v!r}") from None
-                if dt.hasobject:
-                    raise bad("numpy object dtype")
-                return dt
+                    return numpy_dtype(v)
+                except ManifestError as e:
+                    raise bad(str(e).removeprefix("manifest tree: ")) from None
             raise bad(f"unknown or malformed tag {tag!r}")
         return {k: dec(v, d) for k, v in n.items()}
 

@@ -43,6 +43,7 @@ from s4w_core.errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
+from s4w_core.format.limits import ENV_VAR, get_limits
 
 __all__ = [
     "MAGIC",
@@ -221,11 +222,51 @@ class ContainerWriter:
         return self._pos
 
 
+def manifest_cap(stored_len: int, compressed: bool) -> int:
+    """The most JSON text a manifest stored in ``stored_len`` bytes may have: the format's
+    :data:`MAX_MANIFEST_BYTES` and the ``manifest_bytes`` limit (:mod:`s4w_core.format.limits`);
+    a compressed one also at most ``manifest_inflation`` times its stored size, or
+    ``manifest_free`` bytes, whichever is larger (what a zstd bomb can claim is tied to the file)."""
+    lim = get_limits()
+    cap = min(MAX_MANIFEST_BYTES, lim.manifest_bytes)
+    if compressed:
+        cap = min(cap, max(lim.manifest_free, lim.manifest_inflation * stored_len))
+    return cap
+
+
+def _cap_hint(cap: int) -> str:
+    return (
+        f"more than the {cap} a manifest may have here (docs/SECURITY.md: raise the limit with "
+        f"{ENV_VAR}=manifest_bytes=...,manifest_inflation=... if the file is trusted)"
+    )
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not allowed in a manifest (non-finite floats are tagged)")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if v - v != 0.0:  # inf (an exponent past the double range: 1e999); NaN cannot be spelled as a number
+        raise ValueError(f"{text[:40]!r} is not a finite float (non-finite floats are tagged)")
+    return v
+
+
+def parse_manifest_json(text: bytes, name: str = "<container>") -> Any:
+    """The JSON value of a manifest's text: UTF-8, no ``NaN``/``Infinity`` (as literals, or as a
+    number past the double range). Raises ManifestError."""
+    try:
+        return json.loads(text.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit, NaN
+        raise ManifestError(f"{name}: manifest is not valid JSON: {e}") from e
+
+
 def inflate_manifest(stored: bytes, name: str = "<container>") -> bytes:
     """The JSON text of a manifest stored as one zstd frame (header flag :data:`FLAG_MANIFEST_ZSTD`).
 
-    The frame must declare its content size, at most :data:`MAX_MANIFEST_BYTES`, and decode to
-    exactly that many bytes. It is decompressed a piece at a time, so what is allocated grows with
+    The frame must declare its content size, at most :func:`manifest_cap` (the format's
+    :data:`MAX_MANIFEST_BYTES`, and the limits tied to the stored size), and decode to exactly
+    that many bytes. It is decompressed a piece at a time, so what is allocated grows with
     the output actually produced, never with a declared number, and stops one piece past the
     declared size (a zip bomb, a second frame). Raises :class:`ManifestError` naming the problem:
     not a zstd frame, no or too large a declared size, corrupt, or a different length."""
@@ -237,11 +278,9 @@ def inflate_manifest(stored: bytes, name: str = "<container>") -> bytes:
         raise ManifestError(f"{name}: compressed manifest is not a zstd frame: {e}") from e
     if declared < 0:
         raise ManifestError(f"{name}: compressed manifest's zstd frame does not declare its size")
-    if declared > MAX_MANIFEST_BYTES:
-        raise ManifestError(
-            f"{name}: compressed manifest declares {declared} bytes, more than the {MAX_MANIFEST_BYTES} a "
-            "manifest may have"
-        )
+    cap = manifest_cap(len(stored), True)
+    if declared > cap:
+        raise ManifestError(f"{name}: compressed manifest of {len(stored)} bytes declares {declared} bytes, {_cap_hint(cap)}")
     pieces: list[bytes] = []
     total = 0
     try:
@@ -319,15 +358,14 @@ class ContainerReader:
                 f"{name}: trailer gives manifest offset {moff} and length {mlen}, which do not fit a "
                 f"{size}-byte file"
             )
+        if not _flags & FLAG_MANIFEST_ZSTD and mlen > manifest_cap(mlen, False):
+            raise ManifestError(f"{name}: manifest of {mlen} bytes is {_cap_hint(manifest_cap(mlen, False))}")
         body = self._exact(moff, mlen)
         if xxhash.xxh3_64_intdigest(body) != mhash:
             raise ChecksumMismatchError(f"{name}: manifest checksum mismatch: the manifest is corrupt")
         if _flags & FLAG_MANIFEST_ZSTD:
             body = inflate_manifest(body, name)
-        try:
-            manifest = json.loads(body.decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
-            raise ManifestError(f"{name}: manifest is not valid JSON: {e}") from e
+        manifest = parse_manifest_json(body, name)
         if not isinstance(manifest, dict):
             raise ManifestError(f"{name}: manifest is not a JSON object")
         self.manifest: dict[str, Any] = manifest

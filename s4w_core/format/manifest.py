@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from s4w_core.errors import ManifestError, UnsupportedVersionError
+from s4w_core.codecs import get_codec
+from s4w_core.errors import ManifestError, S4WError, UnsupportedVersionError
 from s4w_core.format.container import FORMAT_VERSION
 
 __all__ = ["validate_manifest", "MAX_EXPANSION", "MAX_SEGMENT_BYTES", "MAX_STORAGE_BYTES", "PLANE_TRANSFORMS"]
@@ -36,8 +37,20 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_codecs: set[str]) -> None:
-    """Check ``m`` in place; adds ``_width`` to each storage entry. Raises ManifestError."""
+def validate_manifest(
+    m: dict[str, Any], data_start: int, data_end: int, known_codecs: set[str], name: str | None = None
+) -> None:
+    """Check ``m`` in place; adds ``_width`` to each storage entry. Raises ManifestError (or
+    UnsupportedVersionError, UnknownCodecError) whose message starts with ``name`` (the file)."""
+    try:
+        _validate(m, data_start, data_end, known_codecs)
+    except S4WError as e:
+        if name is None:
+            raise
+        raise type(e)(f"{name}: {e}") from e.__cause__
+
+
+def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: set[str]) -> None:
     if m.get("format") != "s4weights":
         raise ManifestError("manifest: 'format' is not 's4weights'")
     if m.get("version") != FORMAT_VERSION:
@@ -90,8 +103,6 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
                 raise ManifestError(f"manifest: {where} chunk {k} is malformed")
             codec, off, length = c[0], c[1], c[2]
             if codec not in known_codecs:
-                from s4w_core.codecs import get_codec
-
                 get_codec(codec)  # raises UnknownCodecError with the install hint
             if not (type(off) is int and data_start <= off <= data_end):
                 _int(off, f"{where} chunk {k} offset", data_start, data_end)
@@ -101,7 +112,7 @@ def validate_manifest(m: dict[str, Any], data_start: int, data_end: int, known_c
             raw_len = seg if (seg_i + 1) * seg <= n else n - seg_i * seg
             if codec == "raw" and length != raw_len:
                 raise ManifestError(f"manifest: {where} chunk {k}: raw chunk of {length} bytes, expected {raw_len}")
-            if raw_len > (length if length > 1 else 1) * emax.get(codec, 1 << 16) + 64:
+            if raw_len > length * emax.get(codec, 1 << 16) + 64:  # an empty chunk: 64 bytes at most
                 raise ManifestError(
                     f"manifest: {where} chunk {k} claims {raw_len} bytes from {length} stored bytes of {codec}: "
                     "beyond that codec's possible expansion"

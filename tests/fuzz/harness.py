@@ -30,7 +30,7 @@ from s4w_core import engine
 from s4w_core.errors import S4WError
 from s4w_core.format.container import FLAG_MANIFEST_ZSTD, HEADER_SIZE, TRAILER_MAGIC, TRAILER_SIZE, inflate_manifest
 
-__all__ = ["seeds", "check_input", "mutate", "rebuild", "split"]
+__all__ = ["seeds", "check_input", "mutate", "rebuild", "split", "run_one", "run_one_outcome"]
 
 _SEEDS: list[bytes] | None = None
 
@@ -203,14 +203,18 @@ def run_one(data: bytes) -> None:
     The first byte picks the mode: 0 feeds the remaining bytes to the reader as they are; 1..3
     stacks that many structure-aware mutations of a seed, seeded by the remaining bytes.
     """
+    run_one_outcome(data)
+
+
+def run_one_outcome(data: bytes) -> str:
+    """:func:`run_one`, returning :func:`check_input`'s outcome ('ok' or the error class)."""
     if not data:
-        return
+        return "empty"
     mode = data[0] % 4
     if mode == 0:
-        check_input(bytes(data[1:]))
-        return
+        return check_input(bytes(data[1:]))
     rng = random.Random(bytes(data[1:]))
     blob = seeds()[data[0] % len(seeds())]
     for _ in range(mode):
         blob = mutate(blob, rng)
-    check_input(blob)
+    return check_input(blob)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import io
+import json
+import os
 import struct
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from s4w_core.errors import (
     UnsupportedVersionError,
 )
 from s4w_core.format.container import HEADER_SIZE, TRAILER_SIZE
+from s4w_core.format.limits import Limits, parse_limits, set_limits
 from tests.unit.helpers import chunk_ranges, deflate_plane0, encode, forge, rebuild, split
 
 _GPU = api._gpu() is not None
@@ -483,3 +486,102 @@ def test_chunks_are_back_to_back(small_blob: bytes) -> None:
         assert off == pos
         pos += length
     assert pos == struct.unpack("<Q", small_blob[-TRAILER_SIZE : -TRAILER_SIZE + 8])[0]
+
+
+# ----------------------------------------------------------------------------- limits (docs/SECURITY.md)
+def test_limits_parse_and_reject_bad_items() -> None:
+    lim = parse_limits("manifest_bytes=1G, manifest_inflation=128,pickle_ops=5")
+    assert (lim.manifest_bytes, lim.manifest_inflation, lim.pickle_ops) == (1 << 30, 128, 5)
+    assert parse_limits("") == Limits()
+    for bad in ("nope=1", "manifest_bytes", "manifest_bytes=-1", "manifest_bytes=0", "manifest_bytes=1X"):
+        with pytest.raises(ValueError):
+            parse_limits(bad)
+
+
+def test_manifest_limit_is_applied_and_can_be_raised(small_blob: bytes) -> None:
+    """The manifest cap refuses a real file whose manifest is over it, names the knob, and
+    set_limits (like S4W_LIMITS) raises it again."""
+    _p, _t, m = split(small_blob)
+    text_len = len(json.dumps(m, separators=(",", ":")))
+    old = set_limits(manifest_bytes=text_len - 1)
+    try:
+        with pytest.raises(ManifestError, match="S4W_LIMITS"):
+            s4w_core.load(small_blob)
+        set_limits(manifest_bytes=text_len + 10)
+        s4w_core.load(small_blob)
+    finally:
+        set_limits(old)
+
+
+def test_s4w_limits_environment_variable_is_read() -> None:
+    code = "from s4w_core.format.limits import get_limits; print(get_limits().manifest_free)"
+    env = dict(os.environ, S4W_LIMITS="manifest_free=12M")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == str(12 << 20), r.stderr
+
+
+def test_constant_storages_decode_first_and_stay_exact() -> None:
+    """A storage claiming far more than its stored bytes (here: real zeros, ~20,000x) takes the
+    decode-before-allocate path, and still comes back bit for bit; a forged claim of the same
+    shape fails before its output is allocated."""
+    x = torch.zeros(1 << 22, dtype=torch.float32)
+    x[12345] = 1.5
+    blob = encode({"x": x, "b": torch.zeros(3 << 20, dtype=torch.uint8)})
+    _p, _t, m = split(blob)
+    assert not any(engine.claims_plausible(s) for s in m["storages"])
+    out = s4w_core.load(blob)
+    assert torch.equal(out["x"].view(torch.int32), x.view(torch.int32)) and not out["b"].any()
+
+
+def test_views_are_checked_before_any_storage_is_decoded(small_blob: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    prefix, _t, m = split(small_blob)
+    m["tensors"][0]["offset"] = 1 << 40
+    calls = []
+    monkeypatch.setattr(engine, "decode_storage_cpu", lambda *a, **k: calls.append(a))
+    with pytest.raises(ManifestError, match="reaches past the end"):
+        s4w_core.load(rebuild(prefix, m))
+    assert calls == []
+
+
+def test_dtype_names_never_import_torch_submodules() -> None:
+    """A tensor/storage dtype or a $dtype tag naming a lazily imported torch submodule must not
+    import it (checked in a fresh process, where none of them is loaded yet)."""
+    code = textwrap.dedent(
+        """
+        import io, sys, torch, s4w_core
+        from s4w_core.errors import ManifestError
+        from tests.unit.helpers import encode, rebuild, split
+        assert "torch.onnx" not in sys.modules
+        prefix, _t, m = split(encode({"w": torch.ones(2)}))
+        for name in ("onnx", "_dynamo", "jit"):
+            m1 = dict(m, tree={"$dtype": name})
+            try:
+                s4w_core.load(rebuild(prefix, m1))
+            except ManifestError:
+                pass
+            else:
+                raise SystemExit("loaded")
+        bad = sorted(k for k in sys.modules if k.startswith(("torch.onnx", "torch._dynamo")))
+        print("IMPORTED", bad)
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert "IMPORTED []" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+def test_constant_storages_for_a_gpu_target_decode_on_the_cpu_and_stay_exact() -> None:
+    """With a GPU target, a storage claiming far more than its stored bytes is decoded by the CPU
+    reader (chunks before output) and moved to the GPU: exact; a plausible one still goes to the GPU."""
+    x = torch.zeros(1 << 22, dtype=torch.bfloat16)
+    x[777] = 3.0
+    y = torch.randn(1 << 16).to(torch.bfloat16)
+    blob = encode({"x": x, "y": y})
+    _p, _t, m = split(blob)
+    assert [engine.claims_plausible(s) for s in m["storages"]] == [False, True]
+    out = s4w_core.load(blob, map_location="cuda")
+    assert out["x"].device.type == "cuda" and out["y"].device.type == "cuda"
+    assert torch.equal(out["x"].cpu().view(torch.int16), x.view(torch.int16))
+    assert torch.equal(out["y"].cpu().view(torch.int16), y.view(torch.int16))
