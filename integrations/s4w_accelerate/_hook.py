@@ -269,6 +269,8 @@ def enable(
         None if store is None else os.fspath(store), keep_local, profile, keyframe_every, store_options, async_save
     )
     _stores.clear()
+    if profile != "portable":  # the GPU codec compiled once training has started CUDA
+        s4w_core.gpu.warm_up(when_cuda_used=True)
     if not _originals:
         _originals["save_state"] = Accelerator.save_state
         _originals["load_state"] = Accelerator.load_state
