@@ -66,6 +66,8 @@ SIZES: dict[str, dict[str, int]] = {
     "bf16": {"n_layer": 12, "n_embd": 1024, "n_head": 16, "ctx": 512, "batch": 8},
     "fp32master": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "ctx": 512, "batch": 8},
     "smoke": {"n_layer": 2, "n_embd": 64, "n_head": 2, "ctx": 64, "batch": 4},
+    # the CPU model of issue #23 (~0.5 M parameters)
+    "cpu-small": {"n_layer": 4, "n_embd": 96, "n_head": 2, "ctx": 64, "batch": 4},
 }
 
 DURABILITY = {
@@ -148,6 +150,7 @@ class Sampler(threading.Thread):
         self.incl: dict[str, collections.Counter[str]] = {"main": collections.Counter(), "other": collections.Counter()}
         self.leaf: dict[str, collections.Counter[str]] = {"main": collections.Counter(), "other": collections.Counter()}
         self.other_busy = 0  # samples with at least one non-idle background thread
+        self.peak_gpu_used = 0  # device memory in use (all allocators, the context), sampled
 
     @staticmethod
     def _key(code: Any) -> str:
@@ -168,7 +171,11 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         main_id = threading.main_thread().ident
         me = threading.get_ident()
+        torch = sys.modules.get("torch")
         while not self.stop_ev.wait(self.interval):
+            if torch is not None and torch.cuda.is_initialized():
+                free, total = torch.cuda.mem_get_info()
+                self.peak_gpu_used = max(self.peak_gpu_used, total - free)
             frames = sys._current_frames()  # noqa: SLF001 - the sampling profiler's one source
             self.samples += 1
             busy = False
@@ -214,6 +221,7 @@ class Sampler(threading.Thread):
         return {
             "interval_s": iv,
             "samples": self.samples,
+            "peak_gpu_used_bytes": self.peak_gpu_used,
             "other_threads_busy_s": round(self.other_busy * iv, 3),
             "main_save_path_s": top(self.incl["main"], 25, save_path),
             "main_s4w_s": top(self.incl["main"], 25, ours),
@@ -234,10 +242,11 @@ def gpt2(size: dict[str, int], precision: str, device: Any) -> Any:
         bos_token_id=0, eos_token_id=0,
     )
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
+    with torch.device(device):  # initialised where it trains (a 300 M model's init on the host takes seconds)
+        model = GPT2LMHeadModel(cfg)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    return model.to(device)
+    return model
 
 
 class TextDataset:
@@ -350,7 +359,7 @@ def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sav
         from pytorch_lightning.plugins.io import TorchCheckpointIO  # type: ignore[no-redef]
 
     size, precision, mode = spec["size"], spec["precision"], spec["mode"]
-    model = gpt2(size, precision, "cpu")
+    model = gpt2(size, precision, device)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -471,7 +480,7 @@ def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sa
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    model = gpt2(size, precision, "cpu")
+    model = gpt2(size, precision, device)
     run_dir = spec["run_dir"]
     t0 = time.perf_counter()
     if mode == "s4w":
@@ -589,6 +598,8 @@ def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
     import torch
 
     device = torch.device(spec["device"])
+    if spec.get("torch_threads"):
+        torch.set_num_threads(spec["torch_threads"])
     ds = TextDataset(spec["steps"] * spec["size"]["batch"], spec["size"]["ctx"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -609,10 +620,15 @@ def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
         "fsync_s": fs1 - fs0,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0,
+        "peak_gpu_used_bytes": prof["peak_gpu_used_bytes"],
+        "cancelled_write_bytes": io1.get("cancelled_write_bytes", 0) - io0.get("cancelled_write_bytes", 0),
         "state_bytes": state_bytes(r["model"], r["opt"]),
         "profile": prof,
     }
     out["disk_bytes"] = du(spec["run_dir"])
+    gpu_mod = sys.modules.get("s4w_core.gpu")
+    if gpu_mod is not None:
+        out["warm_up"] = gpu_mod.warm_up_status()
     if r["resume"] is not None:
         snap = cpu_snapshot(r["model"], r["opt"])
         scramble(r["model"], r["opt"])
@@ -667,14 +683,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("bf16", "fp32master"), default="bf16")
     ap.add_argument("--out", default="runs/frameworks")
     ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
+    ap.add_argument("--model", choices=sorted(SIZES), default=None, help="model shape (default: the precision's)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--keep", type=int, default=2, help="save_top_k / save_total_limit / total_limit")
     ap.add_argument("--work", default=None, help="where runs write their checkpoints (default: a temp dir)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="runs not started by then are reported skipped")
-    ap.add_argument("--sample-ms", type=float, default=10.0, help="profile sampling interval")
+    ap.add_argument("--sample-ms", type=float, default=20.0, help="profile sampling interval (every run, equally)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 3 saves, all runs in this process")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads in every run (default: 1 on the CPU, where more oversubscribe "
+                    "a small shared machine; torch's own default on a GPU machine)")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -683,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     if a.smoke:
         a.steps, a.every = (a.steps if a.steps != 60 else 6), (a.every if a.every != 20 else 2)
-    size = SIZES["smoke" if a.smoke else a.precision]
+    size = SIZES[a.model or ("smoke" if a.smoke else a.precision)]
     device = a.device or ("cpu" if a.smoke else "cuda")
     os.makedirs(a.out, exist_ok=True)
     work = a.work or tempfile.mkdtemp(prefix="s4w_fw_")
@@ -700,14 +720,16 @@ def main(argv: list[str] | None = None) -> int:
     fsyncs = FsyncCounter() if a.smoke else None
     results: list[dict[str, Any]] = []
     caches: dict[str, str] = {}
-    log_path = os.path.join(a.out, f"frameworks_{'smoke' if a.smoke else a.precision}.log")
+    tag = "smoke" if a.smoke else "_".join([a.precision] + ([a.model] if a.model else []) + (["cpu"] if device == "cpu" else []))
+    log_path = os.path.join(a.out, f"frameworks_{tag}.log")
     with open(log_path, "w") as log:
         for fw, mode, cache, name in plan:
             run_dir = os.path.join(work, f"{fw}_{name}")
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(run_dir)
             spec = {"framework": fw, "mode": mode, "precision": a.precision, "size": size, "steps": a.steps,
-                    "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms}
+                    "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
+                    "torch_threads": a.torch_threads or (1 if device == "cpu" else None)}
             left = a.budget_s - (time.perf_counter() - t_start)
             row: dict[str, Any] = {"framework": fw, "run": name, "mode": mode, "triton_cache": cache}
             if left < 20:
@@ -721,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
                 if tc is None:
                     tc = tempfile.mkdtemp(prefix=f"triton_{fw}_", dir=work)
                     caches[fw] = tc
+                    if cache == "warm" and not a.smoke:  # no cold run before it: fill the cache first
+                        subprocess.run([sys.executable, "-c", "import s4w_core.gpu as g; g.warm_up(wait=True)"],
+                                       env={**env, "TRITON_CACHE_DIR": tc}, timeout=max(10.0, left - 20), check=False)
                 env["TRITON_CACHE_DIR"] = tc
             print(f"[frameworks] {fw} {name} ...", file=sys.stderr, flush=True)
             log.write(f"==== {fw} {name}\n")
@@ -743,10 +768,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
-    meta = {"precision": a.precision, "smoke": a.smoke, "size": size, "steps": a.steps, "every": a.every,
+    meta = {"precision": a.precision, "smoke": a.smoke, "model": a.model, "size": size, "steps": a.steps, "every": a.every,
             "keep": a.keep, "device": device, "env": environment(device), "wall_s": time.perf_counter() - t_start}
     derive(results, a.precision)
-    tag = "smoke" if a.smoke else a.precision
     with open(os.path.join(a.out, f"frameworks_{tag}.json"), "w") as f:
         json.dump({"meta": meta, "runs": results}, f, indent=1)
     md = table(results, meta)
@@ -876,6 +900,7 @@ def targets(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     out: list[str] = []
     by = {(r["framework"], r["run"]): r for r in results if "error" not in r}
     disk_lim = 0.5 if meta["precision"] == "bf16" else 0.8
+    on_cpu = meta["device"] == "cpu"
 
     def line(ok: bool | None, text: str) -> None:
         out.append(f"- {'n/a ' if ok is None else ('PASS' if ok else 'FAIL')} {text}")
@@ -890,7 +915,8 @@ def targets(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         v = r.get("vs_default") or {}
         dflt = by.get((r["framework"], "default"))
         ov = v.get("overhead_ratio")
-        line(None if ov is None else ov <= 0.25, f"{tag}: overhead {ov if ov is None else round(ov, 2)}x the default's (<= 0.25x)")
+        lim = 2.0 if on_cpu else 0.25  # the CPU target: a small model's overhead <= 2x the default's
+        line(None if ov is None else ov <= lim, f"{tag}: overhead {ov if ov is None else round(ov, 2)}x the default's (<= {lim}x)")
         dr = v.get("disk_ratio")
         line(None if dr is None else dr <= disk_lim, f"{tag}: bytes on disk {dr if dr is None else round(dr, 2)}x the default's (<= {disk_lim}x)")
         if r["framework"] == "lightning" and meta["precision"] == "bf16":

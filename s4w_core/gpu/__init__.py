@@ -166,7 +166,7 @@ def release() -> None:
 #: ``S4W_WARM_UP=0`` turns :func:`warm_up` off (then the first save compiles what it needs).
 WARM_UP_ENV = "S4W_WARM_UP"
 #: the longest a save or load waits for a warm-up in progress before it goes on without it.
-WARM_UP_WAIT_S = 300.0
+WARM_UP_WAIT_S = 120.0
 
 _warm_lock = threading.Lock()
 _warm_threads: dict[str, threading.Thread] = {}
