@@ -285,6 +285,10 @@ def _ordered(pool: ThreadPoolExecutor, fn: Callable[..., Any], calls: Iterable[t
 
 
 # ----------------------------------------------------------------------------- CPU encode
+#: storages of at most this many bytes are coded on the calling thread: handing their few small
+#: chunks to the pool and waiting for them costs more than coding them (a training state's many
+#: biases and norms: 0.25 -> 0.1 ms per tensor, benchmarks/bench_tensor_cost.py)
+INLINE_ENCODE_BYTES = 64 << 10
 def encode_storage_cpu(
     job: StorageJob,
     writer: ContainerWriter,
@@ -329,7 +333,8 @@ def encode_storage_cpu(
             b = base[s0 * w : s1 * w] if base is not None else None
             planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
             calls.extend((transform, j, planes[j]) for j in range(planes.shape[0]))
-        for codec_id, data in _ordered(pool, _encode_chunk, calls):
+        coded = (_encode_chunk(*c) for c in calls) if nbytes <= INLINE_ENCODE_BYTES else _ordered(pool, _encode_chunk, calls)
+        for codec_id, data in coded:
             off, length, h = writer.add_chunk(data)
             entry["chunks"].append([codec_id, off, length, h])
     return entry

@@ -132,3 +132,31 @@ def test_delta_save_roundtrip_uses_batched_choice(tmp_path) -> None:
     back = st.load(2)
     for k, v in s1.items():
         assert torch.equal(back[k].view(torch.int16), v.view(torch.int16))
+
+
+def test_small_storages_are_coded_without_the_pool() -> None:
+    """A small storage's chunks are coded on the calling thread (no hand-off per chunk); a large
+    one's still go to the pool. Either way the bytes are those of the one-thread path."""
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    from s4w_core.format.container import ContainerWriter
+
+    class CountingPool(ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, *a, **k):  # type: ignore[no-untyped-def, override]
+            CountingPool.submitted += 1
+            return super().submit(*a, **k)
+
+    small = torch.randn(1000).to(torch.bfloat16).view(torch.uint8)
+    large = torch.randn(engine.INLINE_ENCODE_BYTES).view(torch.uint8)
+    for raw, pooled in ((small, False), (large, True)):
+        CountingPool.submitted = 0
+        entries = []
+        for threads in (2, 1):
+            with CountingPool(max_workers=threads) as pool:
+                w = ContainerWriter(io.BytesIO())
+                entries.append(engine.encode_storage_cpu(engine.StorageJob(raw, torch.float32 if pooled else torch.bfloat16, "t", "cpu"), w, pool))
+        assert (CountingPool.submitted > 0) == pooled
+        assert [c[3] for c in entries[0]["chunks"]] == [c[3] for c in entries[1]["chunks"]]
