@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+pytest.importorskip("triton")
+
 import s4w_core
 from s4w_core import gpu
 from s4w_core.gpu import _warmup
@@ -39,13 +41,30 @@ def test_cpu_device_is_not_warmed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gpu.warm_up("cpu") is False
 
 
-def test_warm_up_steps_round_trip_and_leave_nothing() -> None:
-    """The warm-up's own sequence (plain step, delta step, loads checked bit for bit, steps
-    deleted) on the CPU path: what the GPU runs on the device."""
-    s0, s1 = _warmup.synthetic_states(torch.device("cpu"), _warmup.DEFAULT_DTYPES)
+def test_warm_up_sequence_on_the_simulated_gpu() -> None:
+    """The warm-up's own sequence -- the GPU writer on a plain and a delta step, the GPU reader
+    decoding both, every byte compared -- under Triton's interpreter with a stand-in for nvCOMP
+    (tests/parity/_interpret_checks.simulated_gpu): what the device runs."""
+    s0, _s1 = _warmup.synthetic_states(torch.device("cpu"), _warmup.DEFAULT_DTYPES)
     assert {v.dtype for v in s0.values()} == {torch.bfloat16, torch.float32, torch.int64}
     assert any(v.numel() > 1 << 20 for v in s0.values())  # more than one GPU segment
-    _warmup.run(torch.device("cpu"))
+    code = (
+        "import torch\n"
+        "from tests.parity._interpret_checks import simulated_gpu\n"
+        "from s4w_core.gpu import _encode, _warmup\n"
+        "seen = []\n"
+        "orig = _encode.encode_storages\n"
+        "_encode.encode_storages = lambda jobs, *a, **k: seen.append([j.base is not None for j in jobs]) or orig(jobs, *a, **k)\n"
+        "_warmup._SIZES, _warmup._INT_SIZES = (3, 1000, 5000), (100, 3000)  # interpreted kernels are slow\n"
+        "with simulated_gpu(batch_bytes=1 << 14):\n"
+        "    _warmup.run(torch.device('cpu'), (torch.bfloat16,))\n"
+        "assert len(seen) == 2 and not any(seen[0]) and all(seen[1]), seen\n"
+        "print('ok warm-up')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("S4W_DISABLE_GPU", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "ok warm-up" in r.stdout, r.stderr[-4000:]
 
 
 def test_a_failed_warm_up_is_reported_and_harmless(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,6 +94,7 @@ def test_when_cuda_used_waits_for_the_process_to_start_cuda(monkeypatch: pytest.
     monkeypatch.setattr(gpu, "_CUDA_POLL_S", 0.01)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     inited = threading.Event()
     monkeypatch.setattr(torch.cuda, "is_initialized", inited.is_set)
     ran: list[torch.device] = []
