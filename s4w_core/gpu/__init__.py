@@ -179,8 +179,8 @@ def warm_up(
     """Compile the GPU codec's kernels for ``device`` in a background thread, once per device and
     process: a small synthetic state of ``dtypes`` (default bfloat16 and float32, i.e. both plane
     widths) is coded by the GPU writer as a plain and a delta step into containers in memory and
-    decoded by the GPU reader, every byte compared (:mod:`s4w_core.gpu._warmup`). Triton's on-disk cache keeps the result for later processes,
-    which then only load it.
+    decoded by the GPU reader, every byte compared (:mod:`s4w_core.gpu._warmup`). Triton's on-disk
+    cache keeps the result for later processes, which then only load it.
 
     ``device``: default ``cuda:$LOCAL_RANK`` (as torchrun, Lightning and Accelerate set it), else
     ``cuda:0``. ``when_cuda_used=True`` (what stores, the DCP writer and the adapters pass when
