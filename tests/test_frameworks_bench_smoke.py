@@ -32,7 +32,8 @@ def test_frameworks_smoke(tmp_path):
     assert set(runs) == {(fw, run) for fw in ("lightning", "hf", "accelerate", "dcp") for run in ("none", "default", "s4w-cold")}
     for (fw, run), r in runs.items():
         assert "error" not in r, (fw, run, r.get("error"), r.get("log_tail"))
-        assert r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 and r["state_bytes"] > 0
+        assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["process_s"] > 0
+        assert r["peak_rss_bytes"] > 0 and r["state_bytes"] > 0
         assert r["profile"]["samples"] > 0
         if run == "none":
             assert r["saves"] == 0 and r["disk_bytes"] == 0, (fw, r["disk_bytes"])
