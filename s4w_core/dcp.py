@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from s4w_core import api, gpu, obs
+from s4w_core import api, obs
 from s4w_core._fsutil import atomic_write
 from s4w_core.errors import CheckpointNotFoundError, ManifestError, UnsupportedTypeError
 from s4w_core.skeleton import decode_tree, encode_tree
@@ -521,8 +521,6 @@ class S4StorageWriter(StorageWriter):
             raise ValueError(f"profile must be one of {api.PROFILES}, got {profile!r}")
         if stage_to not in ("device", "cpu"):
             raise ValueError(f"stage_to must be 'device' or 'cpu', got {stage_to!r}")
-        if profile != "portable":  # the GPU codec's kernels compiled before the first save needs them
-            gpu.warm_up(when_cuda_used=True)
         self.profile = profile
         self.overwrite = overwrite
         self.threads = threads

@@ -11,9 +11,11 @@ Entry points used by :mod:`s4w_core.api`:
   decodes), all chunks of all storages batched into as few nvCOMP calls as memory allows.
 * :func:`decode_storage` / :func:`decode_storages` -- any validated storage entry to a CUDA tensor;
   every chunk's xxh3 is checked on the host before any GPU decoder sees its bytes.
-* :func:`warm_up` -- compile the codec's Triton kernels in a background thread (stores, the DCP
-  writer and the framework adapters start it when they are created), so the first save does not
-  pay the compilation; :func:`encode_storages` and :func:`decode_storages` wait for one running.
+* :func:`warm_up` -- compile the codec's Triton kernels in a background thread (a
+  ``CheckpointStore`` and the framework adapters start it when they are created, before the first
+  save), so the first save does not pay the compilation; :func:`encode_storages` and
+  :func:`decode_storages` wait for one running. (A DCP ``S4StorageWriter`` is made for each save:
+  call ``s4w_core.gpu.warm_up()`` once the model is on the GPU.)
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def warm_up(
     cache keeps the result for later processes, which then only load it.
 
     ``device``: default ``cuda:$LOCAL_RANK`` (as torchrun, Lightning and Accelerate set it), else
-    ``cuda:0``. ``when_cuda_used=True`` (what stores, the DCP writer and the adapters pass when
+    ``cuda:0``. ``when_cuda_used=True`` (what a :class:`~s4w_core.CheckpointStore` and the adapters pass when
     they are created): the thread first waits until this process has initialised CUDA itself, so
     creating one never starts CUDA in a process that does not use it (a CPU job, or the parent of
     Lightning's spawned workers, which must not have CUDA initialised).
