@@ -37,7 +37,7 @@ from s4w_core import CheckpointStore, engine  # noqa: E402
 
 
 def old_choose(job: engine.StorageJob, transform: str) -> str | None:
-    """The estimator before batching (engine.choose_delta_op at 51a250b), for the comparison."""
+    """The estimator before batching (engine.choose_delta_op one storage at a time), for the comparison."""
     w = 1 if transform == "bytes" else job.dtype.itemsize
     ranges = engine.delta_sample_ranges(job.raw.numel() // w)
     if not ranges:
