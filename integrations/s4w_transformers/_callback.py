@@ -109,8 +109,6 @@ class S4Callback(TrainerCallback):
             raise ValueError(f"profile must be one of {s4w_core.PROFILES}, got {profile!r}")
         self.store_url = None if store is None else os.fspath(store)
         self.profile = profile
-        if profile != "portable":  # the GPU codec compiled once training has started CUDA
-            s4w_core.gpu.warm_up(when_cuda_used=True)
         self.delta = delta
         self.keyframe_every = keyframe_every
         self.keep_local = keep_local
