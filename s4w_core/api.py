@@ -193,7 +193,7 @@ def _encode(
         if gpu is not None:  # fast profile, or portable with GPU storages: planes split on the GPU
             storages = gpu.encode_storages(col.jobs, writer, pool, profile=prof)
         else:
-            storages = [engine.encode_storage_cpu(job, writer, pool) for job in col.jobs]
+            storages = engine.encode_storages_cpu(col.jobs, writer, pool)
     manifest: dict[str, Any] = {
         "format": "s4weights",
         "version": FORMAT_VERSION,

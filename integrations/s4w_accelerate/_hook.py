@@ -462,6 +462,8 @@ def enable(
     finish_pending()
     _config = Config(None if store is None else os.fspath(store), profile, store_options, async_save)
     _stores.clear()
+    if profile != "portable":  # the GPU codec compiled once training has started CUDA
+        s4w_core.gpu.warm_up(when_cuda_used=True)
     if not _originals:
         _originals["save_state"] = Accelerator.save_state
         _originals["load_state"] = Accelerator.load_state

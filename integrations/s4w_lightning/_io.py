@@ -332,6 +332,8 @@ class _S4CheckpointIOImpl:
             raise ValueError("store= needs delta=True (delta=False writes self-contained files at Lightning's paths)")
         self.store_url = None if store is None else _norm(store)
         self.profile = profile
+        if profile != "portable":  # the GPU codec compiled once training has started CUDA
+            s4w_core.gpu.warm_up(when_cuda_used=True)
         self.delta = delta
         self.keyframe_every = keyframe_every
         self.async_save = async_save

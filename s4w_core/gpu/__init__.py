@@ -11,12 +11,20 @@ Entry points used by :mod:`s4w_core.api`:
   decodes), all chunks of all storages batched into as few nvCOMP calls as memory allows.
 * :func:`decode_storage` / :func:`decode_storages` -- any validated storage entry to a CUDA tensor;
   every chunk's xxh3 is checked on the host before any GPU decoder sees its bytes.
+* :func:`warm_up` -- compile the codec's Triton kernels in a background thread (a
+  ``CheckpointStore`` and the framework adapters start it when they are created, before the first
+  save), so the first save does not pay the compilation; :func:`encode_storages` and
+  :func:`decode_storages` wait for one running. (A DCP ``S4StorageWriter`` is made for each save:
+  call ``s4w_core.gpu.warm_up()`` once the model is on the GPU.)
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import TYPE_CHECKING, Any
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +43,14 @@ __all__ = [
     "decode_storage",
     "decode_storages",
     "release",
+    "warm_up",
+    "wait_warm_up",
+    "warm_up_status",
+    "WARM_UP_ENV",
+    "WARM_UP_WAIT_S",
 ]
+
+_log = logging.getLogger(__name__)
 
 _PROBE: tuple[bool, str] | None = None
 
@@ -102,6 +117,7 @@ def encode_storages(
     """
     from s4w_core.gpu import _encode
 
+    wait_warm_up()
     return _encode.encode_storages(jobs, writer, pool, profile)
 
 
@@ -136,6 +152,7 @@ def decode_storages(
     read: e.g. to start copying them elsewhere."""
     from s4w_core.gpu import _decode
 
+    wait_warm_up()
     return _decode.decode_storages(reader, entries, device, resolve_base, pool, on_batch)
 
 
@@ -145,3 +162,112 @@ def release() -> None:
         from s4w_core.gpu import _nvcomp
 
         _nvcomp.release()
+
+
+# ----------------------------------------------------------------------------- warm-up
+#: ``S4W_WARM_UP=0`` turns :func:`warm_up` off (then the first save compiles what it needs).
+WARM_UP_ENV = "S4W_WARM_UP"
+#: the longest a save or load waits for a warm-up in progress before it goes on without it.
+WARM_UP_WAIT_S = 120.0
+
+_warm_lock = threading.Lock()
+_warm_threads: dict[str, threading.Thread] = {}
+_warm_state: dict[str, str] = {}  # device -> "running" / "done" / "failed: ..."
+
+
+def warm_up(
+    device: Any = None, dtypes: Iterable[Any] | None = None, *, wait: bool = False, when_cuda_used: bool = False
+) -> bool:
+    """Compile the GPU codec's kernels for ``device`` in a background thread, once per device and
+    process: a small synthetic state of ``dtypes`` (default bfloat16 and float32, i.e. both plane
+    widths) is coded by the GPU writer as a plain and a delta step into containers in memory and
+    decoded by the GPU reader, every byte compared (:mod:`s4w_core.gpu._warmup`). Triton's on-disk
+    cache keeps the result for later processes, which then only load it.
+
+    ``device``: default ``cuda:$LOCAL_RANK`` (as torchrun, Lightning and Accelerate set it), else
+    ``cuda:0``. ``when_cuda_used=True`` (what a :class:`~s4w_core.CheckpointStore` and the adapters pass when
+    they are created): the thread first waits until this process has initialised CUDA itself, so
+    creating one never starts CUDA in a process that does not use it (a CPU job, or the parent of
+    Lightning's spawned workers, which must not have CUDA initialised).
+
+    Returns False (and does nothing) where the GPU backend is not usable (:func:`available`), or
+    with ``S4W_WARM_UP=0``; True once a warm-up is started or done. ``wait=True`` blocks until it
+    has finished. Saves and loads on the GPU wait for a warm-up in progress (at most
+    :data:`WARM_UP_WAIT_S`) instead of compiling the same kernels beside it. A failed warm-up is
+    logged and changes nothing: the first save compiles as it would have. Never changes the bytes
+    a save writes."""
+    if os.environ.get(WARM_UP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    import torch
+
+    if when_cuda_used:  # the probe (nvCOMP creates a CUDA context) runs in the thread once CUDA is in use
+        if os.environ.get("S4W_DISABLE_GPU", "") not in ("", "0") or not torch.cuda.is_available():
+            return False
+    elif not available():
+        return False
+    if device is None:
+        rank = os.environ.get("LOCAL_RANK", "")
+        idx = int(rank) if rank.isdigit() and int(rank) < torch.cuda.device_count() else 0
+        dev = torch.device("cuda", idx)
+    else:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return False
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+    key = str(dev)
+    with _warm_lock:
+        t = _warm_threads.get(key)
+        if t is None:
+            t = threading.Thread(
+                target=_warm_main, args=(dev, dtypes, when_cuda_used), name=f"s4w-warm-up-{key}", daemon=True
+            )
+            _warm_threads[key] = t
+            _warm_state[key] = "waiting for CUDA" if when_cuda_used else "running"
+            t.start()
+    if wait and t is not threading.current_thread():
+        t.join()
+    return True
+
+
+#: how often a ``when_cuda_used`` warm-up looks whether the process has initialised CUDA
+_CUDA_POLL_S = 0.25
+
+
+def _warm_main(dev: Any, dtypes: Iterable[Any] | None, when_cuda_used: bool) -> None:
+    import torch
+
+    key = str(dev)
+    while when_cuda_used and not torch.cuda.is_initialized():
+        time.sleep(_CUDA_POLL_S)
+    if not available():
+        _warm_state[key] = f"unavailable: {unavailable_reason()}"
+        return
+    _warm_state[key] = "running"
+    try:
+        from s4w_core.gpu import _warmup
+
+        _warmup.run(dev, _warmup.DEFAULT_DTYPES if dtypes is None else tuple(dtypes))
+    except Exception as e:  # the first real save compiles instead
+        _warm_state[key] = f"failed: {type(e).__name__}: {e}"
+        _log.warning("s4w_core.gpu.warm_up on %s failed (the first save compiles instead): %s", key, e)
+    else:
+        _warm_state[key] = "done"
+
+
+def warm_up_status() -> dict[str, str]:
+    """Per device warmed in this process: ``"running"``, ``"done"`` or ``"failed: ..."``."""
+    with _warm_lock:
+        return dict(_warm_state)  # "waiting for CUDA" too
+
+
+def wait_warm_up(timeout: float | None = WARM_UP_WAIT_S) -> None:
+    """Wait for the warm-ups in progress (not from a warm-up thread itself, and not for one still
+    waiting for CUDA), at most ``timeout`` s."""
+    me = threading.current_thread()
+    with _warm_lock:
+        running = [
+            t for k, t in _warm_threads.items() if t.is_alive() and t is not me and _warm_state.get(k) == "running"
+        ]
+    for t in running:
+        t.join(timeout)

@@ -389,6 +389,8 @@ def encode_storages(
         cands = [(i, (job, plan[i][0], plan[i][1])) for i, job in enumerate(jobs) if job.base is not None and not plan[i][2]]
         chosen = _choose_delta_ops([c for _, c in cands], pool, dev=dev) if cands else []
         ops: dict[int, str | None] = {i: op for (i, _), op in zip(cands, chosen)}
+        # storages coded on the CPU path: their delta ops chosen in one pass too
+        engine.choose_delta_ops([j for j, p in zip(jobs, plan) if p[2] and j.base is not None])
         batch = _Batch()
         # the transform of each storage: the layout probe chooses it with the storage's first piece;
         # its later pieces (in later batches) take the same

@@ -8,7 +8,7 @@ which left the transform as large as the entropy coding in a CPU load.
 The numpy functions in :mod:`s4w_core.planes.reference` stay the oracle: these kernels must give
 identical bytes (``tests/unit/test_planes_jit.py``), and they are used only when numba imports and
 ``S4W_NUMBA`` is not ``0``. They are loaded on a background thread once the CPU path has had
-8 MiB of work (numpy works until they are ready), compiled the first time and cached on disk (numba's cache:
+64 MiB of work (numpy works until they are ready), compiled the first time and cached on disk (numba's cache:
 beside this file, or the user's cache directory when that is read-only); they release the GIL.
 """
 
@@ -118,8 +118,12 @@ if hasattr(os, "register_at_fork"):
 
 
 #: the CPU path starts loading the kernels once it has transformed this many bytes with numpy (a
-#: process that only handles small files, a CLI call or a test, never spends the 1.5-2 s of CPU)
-START_AFTER_BYTES = 8 << 20
+#: process that only handles small files, a CLI call, a test or a small model's training run never
+#: spends the 1.5-2 s of CPU, most of it Python holding the GIL while a training thread waits:
+#: 1-3 s per run in the CPU runs of benchmarks/frameworks.py when this was 8 MiB; numba gains
+#: ~0.7 ms per MB over numpy, so a few MB per save never win it back; a large checkpoint starts it
+#: during its first save)
+START_AFTER_BYTES = 64 << 20
 _seen = 0
 
 

@@ -49,7 +49,7 @@ from typing import IO, Any, Callable, Iterable, Literal, Mapping, TypeVar, overl
 
 import torch
 
-from s4w_core import api, engine, obs
+from s4w_core import api, engine, gpu, obs
 from s4w_core import checksum as ck
 from s4w_core.codecs import get_codec
 from s4w_core.errors import (
@@ -551,6 +551,8 @@ class CheckpointStore:
             raise ValueError(f"keyframe_every must be a positive integer, got {keyframe_every!r}")
         if profile not in api.PROFILES:
             raise ValueError(f"profile must be one of {api.PROFILES}, got {profile!r}")
+        if profile != "portable":  # the GPU codec's kernels compiled before the first save needs them
+            gpu.warm_up(when_cuda_used=True)
         self.url = os.fspath(url)
         if _backend is not None:
             self.backend = _backend

@@ -260,7 +260,7 @@ def test_fork_while_loading_does_not_hang() -> None:
 
 @numba_only
 def test_small_work_does_not_load_numba() -> None:
-    """A process that only codes small tensors never imports numba; one that codes 8 MiB does."""
+    """A process that only codes small tensors never imports numba; one that codes 64 MiB does."""
     import subprocess
     import sys
     import textwrap
@@ -272,7 +272,7 @@ def test_small_work_does_not_load_numba() -> None:
         b = io.BytesIO(); s4w_core.save({"x": torch.randn(1000).to(torch.bfloat16)}, b, profile="portable")
         s4w_core.load(b.getvalue())
         assert "numba" not in sys.modules and not _jit._started, "loaded for a small file"
-        b = io.BytesIO(); s4w_core.save({"x": torch.randn(6 << 20).to(torch.bfloat16)}, b, profile="portable")
+        b = io.BytesIO(); s4w_core.save({"x": torch.zeros(33 << 20, dtype=torch.bfloat16)}, b, profile="portable")
         assert _jit._started
         assert _jit.enabled()
         """
@@ -283,7 +283,7 @@ def test_small_work_does_not_load_numba() -> None:
 
 @numba_only
 def test_exit_while_loading_is_clean(tmp_path: Path) -> None:
-    """A process that exits while the kernels load (a short script that saved 8 MiB) exits 0 and
+    """A process that exits while the kernels load (a short script that saved 64 MiB) exits 0 and
     quietly. With the loader on a daemon thread, CI once saw the interpreter abort at exit
     ("terminate called without an active exception", LLVM still compiling); the loader is now a
     non-daemon thread that exit joins. Cold numba cache, exits at several points of the load."""
@@ -294,7 +294,7 @@ def test_exit_while_loading_is_clean(tmp_path: Path) -> None:
         code = (
             "import time\n"
             "from s4w_core.planes import _jit\n"
-            "_jit._get(nbytes=_jit.START_AFTER_BYTES)  # what the CPU path does after 8 MiB of work\n"
+            "_jit._get(nbytes=_jit.START_AFTER_BYTES)  # what the CPU path does after 64 MiB of work\n"
             "assert _jit._started and not _jit._ready.is_set()\n"
             f"time.sleep({delay})\n"
         )

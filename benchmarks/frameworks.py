@@ -1,0 +1,957 @@
+#!/usr/bin/env python3
+"""Checkpointing inside real training, framework by framework: what s4weights costs a user.
+
+Trains a GPT-2-shaped model (built from a config, byte vocabulary, never downloaded) on real text
+(the Python standard library's sources, :func:`benchmarks._train_gpt.corpus`) with each framework,
+the way docs/INTEGRATIONS.md tells users to, and runs side by side -- one process per run, so a
+"cold" run really starts cold:
+
+* ``none``    -- the same training without any checkpointing (the baseline of *overhead*);
+* ``default`` -- the framework's own checkpointing: Lightning ``ModelCheckpoint(every_n_train_steps,
+  save_last=True, save_top_k)``; HF ``Trainer(save_steps, save_total_limit)``; Accelerate
+  ``save_state()`` every N steps (automatic naming, ``total_limit``); a plain loop with
+  ``dcp.async_save`` and DCP's ``FileSystemWriter``;
+* ``s4w``     -- the same plus s4weights as documented: ``Trainer(plugins=[S4CheckpointIO()])``,
+  ``Trainer(callbacks=[S4Callback()])``, ``S4W_ACCELERATE=1`` + ``import s4w_accelerate``,
+  ``dcp.async_save(state, storage_writer=S4StorageWriter(path))``; once with an empty
+  ``TRITON_CACHE_DIR`` (``cold``) and once more with the cache the cold run filled (``warm``).
+
+Per run: whole wall time (framework objects built, ``fit``/``train``/the loop, pending saves
+finished), checkpoint overhead (wall minus the ``none`` run's), time blocked in each save (inside
+the framework's save call), bytes on disk at the end (everything the run left), bytes written
+(``/proc/self/io``: ``write_bytes`` where the file system counts them, ``wchar`` always), fsync
+calls and seconds (durability: the frameworks' defaults do not fsync; s4weights' store does), peak
+host RSS and peak GPU memory (``torch.cuda.max_memory_allocated``), time to resume (the newest
+checkpoint loaded into the model and optimizer the documented way, after both were zeroed) and
+whether the resumed state is bit-identical, and for every run a sampling profile (every thread's
+Python stack every ``--sample-ms``): where the main thread's time went, and what background
+threads did, in s4weights code and overall.
+
+Writes ``OUT/frameworks_<precision>.json`` and ``OUT/frameworks_<precision>.md`` (table + the
+issue's targets as PASS/FAIL lines).  ``--smoke`` runs a tiny model on the CPU in one process
+(``tests/test_frameworks_bench_smoke.py``).
+
+Usage (GPU machine, one precision per call, within 10 minutes)::
+
+    python benchmarks/frameworks.py --precision bf16 --out runs/fw
+    python benchmarks/frameworks.py --precision fp32master --out runs/fw --only lightning,hf
+    python benchmarks/frameworks.py --smoke --out /tmp/fw_smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+FRAMEWORKS = ("lightning", "hf", "accelerate", "dcp")
+#: runs per framework, in order: (mode, triton cache)
+RUNS = (("none", ""), ("default", ""), ("s4w", "cold"), ("s4w", "warm"))
+
+#: GPT-2 shapes (byte vocabulary): bf16 ~151 M parameters, fp32master ~303 M, smoke ~0.1 M.
+SIZES: dict[str, dict[str, int]] = {
+    "bf16": {"n_layer": 12, "n_embd": 1024, "n_head": 16, "ctx": 512, "batch": 8},
+    "fp32master": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "ctx": 512, "batch": 8},
+    "smoke": {"n_layer": 2, "n_embd": 64, "n_head": 2, "ctx": 64, "batch": 4},
+    # the CPU model of issue #23 (~0.5 M parameters)
+    "cpu-small": {"n_layer": 4, "n_embd": 96, "n_head": 2, "ctx": 64, "batch": 4},
+}
+
+DURABILITY = {
+    ("lightning", "default"): "no fsync (torch.save through fsspec)",
+    ("hf", "default"): "no fsync (safetensors + torch.save)",
+    ("accelerate", "default"): "no fsync (safetensors + torch.save)",
+    ("dcp", "default"): "fsync of each file (FileSystemWriter sync_files=True)",
+    ("lightning", "s4w"): "store commit fsynced (temp file, fsync, rename)",
+    ("hf", "s4w"): "raw folder not fsynced; store commit fsynced",
+    ("accelerate", "s4w"): "raw folder not fsynced; store commit fsynced",
+    ("dcp", "s4w"): "containers and metadata fsynced",
+}
+
+
+# ============================================================================ measurement helpers
+class FsyncCounter:
+    """Counts ``os.fsync``/``os.fdatasync`` calls and their seconds (installed before any import
+    that could bind them)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        for name in ("fsync", "fdatasync"):
+            orig = getattr(os, name, None)
+            if orig is not None and not getattr(orig, "_fw_counted", False):
+                setattr(os, name, self._wrap(orig))
+
+    def _wrap(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        def counted(fd: Any) -> None:
+            t = time.perf_counter()
+            try:
+                fn(fd)
+            finally:
+                with self._lock:
+                    self.calls += 1
+                    self.seconds += time.perf_counter() - t
+
+        counted._fw_counted = True  # type: ignore[attr-defined]
+        return counted
+
+    def snapshot(self) -> tuple[int, float]:
+        with self._lock:
+            return self.calls, self.seconds
+
+
+def proc_io() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                out[k.strip()] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def du(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(root, f))
+            except OSError:
+                continue
+            total += st.st_size
+    return total
+
+
+class Sampler(threading.Thread):
+    """Every ``interval`` seconds, every thread's Python stack: inclusive and leaf counts per
+    function, split into the main thread and the others (a small py-spy without native frames)."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__(daemon=True, name="fw-sampler")
+        self.interval = interval
+        self.stop_ev = threading.Event()
+        self.samples = 0
+        self.incl: dict[str, collections.Counter[str]] = {"main": collections.Counter(), "other": collections.Counter()}
+        self.leaf: dict[str, collections.Counter[str]] = {"main": collections.Counter(), "other": collections.Counter()}
+        self.other_busy = 0  # samples with at least one non-idle background thread
+        self.peak_gpu_used = 0  # device memory in use (all allocators, the context), sampled
+
+    @staticmethod
+    def _key(code: Any) -> str:
+        fn = code.co_filename
+        for marker in ("site-packages/", "dist-packages/", "/lib/python"):
+            i = fn.rfind(marker)
+            if i >= 0:
+                fn = fn[i + len(marker) :]
+                break
+        else:
+            if fn.startswith(ROOT):
+                fn = fn[len(ROOT) + 1 :]
+        return f"{fn}:{code.co_name}"
+
+    _IDLE = ("threading.py:wait", "threading.py:_wait_for_tstate_lock", "queue.py:get", "selectors.py:select",
+             "concurrent/futures/thread.py:_worker", "threading.py:join")
+
+    def run(self) -> None:
+        main_id = threading.main_thread().ident
+        me = threading.get_ident()
+        torch = sys.modules.get("torch")
+        while not self.stop_ev.wait(self.interval):
+            if torch is not None and torch.cuda.is_initialized():
+                free, total = torch.cuda.mem_get_info()
+                self.peak_gpu_used = max(self.peak_gpu_used, total - free)
+            frames = sys._current_frames()  # noqa: SLF001 - the sampling profiler's one source
+            self.samples += 1
+            busy = False
+            for tid, frame in frames.items():
+                if tid == me:
+                    continue
+                role = "main" if tid == main_id else "other"
+                f = frame
+                leaf = self._key(f.f_code)
+                if role == "other" and leaf.endswith(self._IDLE):
+                    continue
+                if role == "other":
+                    busy = True
+                seen = set()
+                while f is not None:
+                    seen.add(self._key(f.f_code))
+                    f = f.f_back
+                self.incl[role].update(seen)
+                self.leaf[role][leaf] += 1
+            self.other_busy += busy
+
+    def stop(self) -> dict[str, Any]:
+        self.stop_ev.set()
+        self.join(5)
+        iv = self.interval
+
+        def top(c: collections.Counter[str], n: int, pred: Callable[[str], bool] = lambda k: True) -> list:
+            return [[k, round(v * iv, 3)] for k, v in c.most_common() if pred(k)][:n]
+
+        def ours(k: str) -> bool:
+            return k.startswith(("s4w_core/", "integrations/", "s4w_lightning/", "s4w_transformers/", "s4w_accelerate/"))
+
+        def save_path(k: str) -> bool:
+            return ours(k) or any(
+                s in k
+                for s in (
+                    "torch/serialization.py:save", "safetensors/torch.py:save", "checkpoint_io.py:save",
+                    "distributed/checkpoint/", "trainer.py:_save_checkpoint", "accelerator.py:save_state",
+                    "model_checkpoint.py:", "checkpoint_connector.py:", "cloud_io.py:",
+                )
+            )
+
+        return {
+            "interval_s": iv,
+            "samples": self.samples,
+            "peak_gpu_used_bytes": self.peak_gpu_used,
+            "other_threads_busy_s": round(self.other_busy * iv, 3),
+            "main_save_path_s": top(self.incl["main"], 25, save_path),
+            "main_s4w_s": top(self.incl["main"], 25, ours),
+            "main_leaf_s": top(self.leaf["main"], 15),
+            "other_s4w_s": top(self.incl["other"], 20, ours),
+            "other_leaf_s": top(self.leaf["other"], 10),
+        }
+
+
+# ============================================================================ models, data, state
+def gpt2(size: dict[str, int], precision: str, device: Any) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=256, n_positions=size["ctx"], n_embd=size["n_embd"], n_layer=size["n_layer"],
+        n_head=size["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it trains (a 300 M model's init on the host takes seconds)
+        model = GPT2LMHeadModel(cfg)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+class TextDataset:
+    """``n`` windows of ``ctx + 0`` bytes of real text, as HF-style ``{"input_ids", "labels"}``."""
+
+    def __init__(self, n: int, ctx: int, seed: int = 0) -> None:
+        import torch
+
+        sys.path.insert(0, HERE)
+        from _train_gpt import corpus
+
+        data = corpus(8 << 20)
+        g = torch.Generator().manual_seed(seed)
+        ix = torch.randint(0, data.numel() - ctx - 1, (n,), generator=g)
+        self.x = torch.stack([data[i : i + ctx] for i in ix.tolist()]).long()
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def live_state(model: Any, opt: Any) -> dict[str, Any]:
+    return {"model": model.state_dict(), "opt": opt.state_dict()["state"]}
+
+
+def tensors_of(tree: Any, prefix: str = "") -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    if isinstance(tree, torch.Tensor):
+        out[prefix] = tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(tensors_of(v, f"{prefix}/{k}"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(tensors_of(v, f"{prefix}/{i}"))
+    return out
+
+
+def cpu_snapshot(model: Any, opt: Any) -> dict[str, Any]:
+    return {k: t.detach().to("cpu", copy=True) for k, t in tensors_of(live_state(model, opt)).items()}
+
+
+def state_bytes(model: Any, opt: Any) -> int:
+    seen: set[int] = set()
+    n = 0
+    for t in tensors_of(live_state(model, opt)).values():
+        p = t.untyped_storage().data_ptr()
+        if p not in seen:
+            seen.add(p)
+            n += t.untyped_storage().nbytes()
+    return n
+
+
+def scramble(model: Any, opt: Any) -> None:
+    """Zero every parameter and optimizer tensor in place, so a resume that loads nothing fails."""
+    import torch
+
+    with torch.no_grad():
+        for t in tensors_of(live_state(model, opt)).values():
+            t.zero_()
+
+
+def compare(snap: dict[str, Any], model: Any, opt: Any) -> dict[str, Any]:
+    import torch
+
+    now = {k: t.detach().cpu() for k, t in tensors_of(live_state(model, opt)).items()}
+    bad = [k for k, t in snap.items() if k not in now or now[k].dtype != t.dtype or now[k].shape != t.shape
+           or not torch.equal(now[k].reshape(-1).view(torch.uint8) if t.numel() else now[k], t.reshape(-1).view(torch.uint8) if t.numel() else t)]
+    return {"tensors": len(snap), "mismatched": len(bad), "first_mismatches": bad[:5], "bit_identical": not bad}
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        torch.cuda.synchronize()
+
+
+# ============================================================================ one run per framework
+class SaveTimer:
+    def __init__(self) -> None:
+        self.blocked: list[float] = []
+
+    def wrap(self, fn: Callable[..., Any], when: Callable[..., bool] = lambda *a, **k: True) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if when(*a, **k):
+                    self.blocked.append(time.perf_counter() - t)
+
+        return timed
+
+
+def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer) -> dict[str, Any]:
+    import torch
+
+    try:
+        import lightning as L
+        from lightning.pytorch.callbacks import ModelCheckpoint
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+    except ImportError:  # pragma: no cover - the other flavour
+        import pytorch_lightning as L  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef]
+        from pytorch_lightning.plugins.io import TorchCheckpointIO  # type: ignore[no-redef]
+
+    size, precision, mode = spec["size"], spec["precision"], spec["mode"]
+    model = gpt2(size, precision, device)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict[str, Any], _i: int) -> Any:
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+
+    module = Module()
+    loader = torch.utils.data.DataLoader(ds, batch_size=size["batch"], shuffle=False, num_workers=0)
+    run_dir = spec["run_dir"]
+    t0 = time.perf_counter()
+    callbacks: list[Any] = []
+    plugins: list[Any] = []
+    if mode != "none":
+        ckpt = ModelCheckpoint(dirpath=os.path.join(run_dir, "ckpts"), every_n_train_steps=spec["every"],
+                               save_last=True, save_top_k=spec["keep"], monitor="step", mode="max")
+        ckpt.on_train_batch_end = timer.wrap(  # type: ignore[method-assign]
+            ckpt.on_train_batch_end, lambda trainer, *a, **k: trainer.global_step % spec["every"] == 0)
+        callbacks.append(ckpt)
+    if mode == "s4w":
+        from s4w_lightning import S4CheckpointIO
+
+        plugins.append(S4CheckpointIO())
+    trainer = L.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+        precision="bf16-true" if precision == "bf16" else "bf16-mixed", max_steps=spec["steps"],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=mode != "none",
+        callbacks=callbacks, plugins=plugins, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=run_dir,
+    )
+    trainer.fit(module, loader)
+    sync(device)
+    wall = time.perf_counter() - t0
+    opt = trainer.optimizers[0]
+
+    def resume() -> None:
+        path = os.path.join(run_dir, "ckpts", "last.ckpt")
+        io = type(plugins[0])() if plugins else TorchCheckpointIO()  # a fresh plugin, as a new process has
+        ck = io.load_checkpoint(path)
+        module.load_state_dict(ck["state_dict"])
+        opt.load_state_dict(ck["optimizer_states"][0])
+        sync(device)
+
+    return {"wall": wall, "model": module, "opt": opt, "resume": resume if mode != "none" else None}
+
+
+def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer) -> dict[str, Any]:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    size, precision, mode = spec["size"], spec["precision"], spec["mode"]
+    model = gpt2(size, precision, device)
+    run_dir = spec["run_dir"]
+    every = spec["every"]
+
+    class Gap(TrainerCallback):  # the save happens between on_step_end and the next step (or the end)
+        def __init__(self) -> None:
+            self.t: float | None = None
+            self.step = 0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t, self.step = time.perf_counter(), state.global_step
+
+        def _close(self) -> None:
+            if self.t is not None and self.step % every == 0 and mode != "none":
+                timer.blocked.append(time.perf_counter() - self.t)
+            self.t = None
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._close()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._close()
+
+    t0 = time.perf_counter()
+    callbacks: list[Any] = [Gap()]
+    if mode == "s4w":
+        from s4w_transformers import S4Callback
+
+        callbacks.append(S4Callback())
+    args = TrainingArguments(
+        output_dir=os.path.join(run_dir, "out"), max_steps=spec["steps"], per_device_train_batch_size=size["batch"],
+        learning_rate=3e-4, weight_decay=0.1, save_strategy="no" if mode == "none" else "steps", save_steps=every,
+        save_total_limit=spec["keep"], logging_strategy="no", report_to=[], dataloader_num_workers=0,
+        bf16=precision == "fp32master", use_cpu=device.type != "cuda", seed=0, disable_tqdm=True,
+        optim="adamw_torch",
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
+    trainer.train()
+    sync(device)
+    wall = time.perf_counter() - t0
+    opt = trainer.optimizer
+
+    def resume() -> None:
+        from safetensors.torch import load_file
+
+        folder = os.path.join(run_dir, "out", f"checkpoint-{spec['steps']}")
+        if mode == "s4w":
+            from s4w_transformers import restore_checkpoint
+
+            folder = restore_checkpoint(os.path.join(run_dir, "out", ".s4w"), dest=os.path.join(run_dir, "restored"))
+        sd = load_file(os.path.join(folder, "model.safetensors"), device=str(device))
+        model.load_state_dict(sd, strict=False)
+        opt.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), map_location=device, weights_only=True))
+        sync(device)
+
+    return {"wall": wall, "model": model, "opt": opt, "resume": resume if mode != "none" else None}
+
+
+def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer) -> dict[str, Any]:
+    import torch
+
+    size, precision, mode = spec["size"], spec["precision"], spec["mode"]
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    model = gpt2(size, precision, device)
+    run_dir = spec["run_dir"]
+    t0 = time.perf_counter()
+    if mode == "s4w":
+        os.environ["S4W_ACCELERATE"] = "1"
+        import s4w_accelerate
+
+        s4w_accelerate.enable_from_env()  # the import did it in a fresh process; again in --smoke's
+
+    acc = Accelerator(
+        mixed_precision="bf16" if precision == "fp32master" else "no", cpu=device.type != "cuda",
+        project_config=ProjectConfiguration(project_dir=run_dir, automatic_checkpoint_naming=True,
+                                            total_limit=spec["keep"]),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=size["batch"], shuffle=False)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    step = 0
+    for batch in loader:
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if mode != "none" and step % spec["every"] == 0:
+            timer.wrap(acc.save_state)()
+        if step >= spec["steps"]:
+            break
+    if mode == "s4w":
+        import s4w_accelerate
+
+        s4w_accelerate.finish_pending()
+    sync(device)
+    wall = time.perf_counter() - t0
+
+    def resume() -> None:
+        folder = os.path.join(run_dir, "checkpoints")
+        newest = max(os.listdir(folder), key=lambda n: int(n.rsplit("_", 1)[-1]))
+        acc.load_state(os.path.join(folder, newest))
+        sync(device)
+
+    def finish() -> None:
+        if mode == "s4w":
+            import s4w_accelerate
+
+            s4w_accelerate.disable()
+            os.environ.pop("S4W_ACCELERATE", None)
+
+    return {"wall": wall, "model": model, "opt": opt, "resume": resume if mode != "none" else None, "finish": finish}
+
+
+def run_dcp(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    size, precision, mode = spec["size"], spec["precision"], spec["mode"]
+    model = gpt2(size, precision, device)
+    run_dir = spec["run_dir"]
+    os.makedirs(run_dir, exist_ok=True)
+    if not dist.is_initialized():  # DCP's async_save coordinates through a process group: gloo, one rank
+        dist.init_process_group("gloo", store=dist.FileStore(run_dir.rstrip("/") + ".pg", 1), rank=0, world_size=1)
+    t0 = time.perf_counter()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=size["batch"], shuffle=False)
+    amp = precision == "fp32master"
+    fut = None
+    step = 0
+    if mode == "s4w":
+        from s4w_core import S4StorageWriter
+    for batch in loader:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if mode != "none" and step % spec["every"] == 0:
+            t = time.perf_counter()
+            if fut is not None:
+                fut.result()
+            path = os.path.join(run_dir, "ckpt", f"step_{step}")
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            if mode == "s4w":
+                fut = dcp.async_save(state, storage_writer=S4StorageWriter(path))
+            else:
+                fut = dcp.async_save(state, checkpoint_id=path)
+            timer.blocked.append(time.perf_counter() - t)
+        if step >= spec["steps"]:
+            break
+    if fut is not None:
+        fut.result()
+    sync(device)
+    wall = time.perf_counter() - t0
+
+    def resume() -> None:
+        path = os.path.join(run_dir, "ckpt", f"step_{spec['steps']}")
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        if mode == "s4w":
+            from s4w_core import S4StorageReader
+
+            dcp.load(state, storage_reader=S4StorageReader(path))
+        else:
+            dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        sync(device)
+
+    return {"wall": wall, "model": model, "opt": opt, "resume": resume if mode != "none" else None}
+
+
+RUNNERS = {"lightning": run_lightning, "hf": run_hf, "accelerate": run_accelerate, "dcp": run_dcp}
+
+
+def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
+    """One run; returns its measurements (JSON-able)."""
+    import torch
+
+    device = torch.device(spec["device"])
+    if spec.get("torch_threads"):
+        torch.set_num_threads(spec["torch_threads"])
+    ds = TextDataset(spec["steps"] * spec["size"]["batch"], spec["size"]["ctx"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    timer = SaveTimer()
+    io0, (f0, fs0) = proc_io(), fsyncs.snapshot()
+    sampler = Sampler(spec["sample_ms"] / 1000.0)
+    sampler.start()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    r = RUNNERS[spec["framework"]](spec, ds, device, timer)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    prof = sampler.stop()
+    io1, (f1, fs1) = proc_io(), fsyncs.snapshot()
+    out: dict[str, Any] = {
+        "wall_s": r["wall"],
+        # CPU seconds of every thread of the process (model built, training, saves): steadier than the
+        # wall time on a shared machine
+        "cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
+        "blocked_s": timer.blocked,
+        "saves": len(timer.blocked),
+        "write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
+        "wchar": io1.get("wchar", 0) - io0.get("wchar", 0),
+        "fsync_calls": f1 - f0,
+        "fsync_s": fs1 - fs0,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0,
+        "peak_gpu_used_bytes": prof["peak_gpu_used_bytes"],
+        "cancelled_write_bytes": io1.get("cancelled_write_bytes", 0) - io0.get("cancelled_write_bytes", 0),
+        "state_bytes": state_bytes(r["model"], r["opt"]),
+        "profile": prof,
+    }
+    out["disk_bytes"] = du(spec["run_dir"])
+    gpu_mod = sys.modules.get("s4w_core.gpu")
+    if gpu_mod is not None:
+        out["warm_up"] = gpu_mod.warm_up_status()
+    t_post = time.perf_counter()
+    if r["resume"] is not None:
+        snap = cpu_snapshot(r["model"], r["opt"])
+        scramble(r["model"], r["opt"])
+        sync(device)
+        t = time.perf_counter()
+        try:
+            r["resume"]()
+            out["resume_s"] = time.perf_counter() - t
+            out["resume"] = compare(snap, r["model"], r["opt"])
+        except Exception as e:  # reported, not fatal: the table says FAIL
+            out["resume_error"] = f"{type(e).__name__}: {e}"
+        del snap
+    if r.get("finish"):
+        r["finish"]()
+    out["resume_check_s"] = time.perf_counter() - t_post  # left out of the process time below
+    return out
+
+
+# ============================================================================ orchestration
+def _child_main(spec_path: str, out_path: str) -> int:
+    fsyncs = FsyncCounter()
+    with open(spec_path) as f:
+        spec = json.load(f)
+    res = child(spec, fsyncs)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+def _run_subprocess(spec: dict[str, Any], env: dict[str, str], timeout: float, log: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as td:
+        sp, op = os.path.join(td, "spec.json"), os.path.join(td, "out.json")
+        with open(sp, "w") as f:
+            json.dump(spec, f)
+        t = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", sp, op], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, text=True)
+        except subprocess.TimeoutExpired as e:
+            return {"error": f"timed out after {timeout:.0f} s", "log_tail": (e.stdout or "")[-2000:] if isinstance(e.stdout, str) else ""}
+        proc_s = time.perf_counter() - t
+        log.write(p.stdout)
+        if p.returncode != 0 or not os.path.exists(op):
+            return {"error": f"exit {p.returncode}", "log_tail": p.stdout[-3000:]}
+        with open(op) as f:
+            res = json.load(f)
+        res["process_s"] = proc_s - res.get("resume_check_s", 0.0)
+        return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precision", choices=("bf16", "fp32master"), default="bf16")
+    ap.add_argument("--out", default="runs/frameworks")
+    ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
+    ap.add_argument("--model", choices=sorted(SIZES), default=None, help="model shape (default: the precision's)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--keep", type=int, default=2, help="save_top_k / save_total_limit / total_limit")
+    ap.add_argument("--work", default=None, help="where runs write their checkpoints (default: a temp dir)")
+    ap.add_argument("--budget-s", type=float, default=560.0, help="runs not started by then are reported skipped")
+    ap.add_argument("--sample-ms", type=float, default=20.0, help="profile sampling interval (every run, equally)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 3 saves, all runs in this process")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads in every run (default: 1 on the CPU, where more oversubscribe "
+                    "a small shared machine; torch's own default on a GPU machine)")
+    ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return _child_main(*a.child)
+
+    t_start = time.perf_counter()
+    if a.smoke:
+        a.steps, a.every = (a.steps if a.steps != 60 else 6), (a.every if a.every != 20 else 2)
+    size = SIZES[a.model or ("smoke" if a.smoke else a.precision)]
+    device = a.device or ("cpu" if a.smoke else "cuda")
+    os.makedirs(a.out, exist_ok=True)
+    work = a.work or tempfile.mkdtemp(prefix="s4w_fw_")
+    only = [s for s in a.only.split(",") if s]
+    plan = []
+    for fw in FRAMEWORKS:
+        for mode, cache in RUNS:
+            name = f"{mode}-{cache}" if cache else mode
+            if a.smoke and cache == "warm":
+                continue
+            if only and not any(o == fw or o == f"{fw}:{name}" or o == name for o in only):
+                continue
+            plan.append((fw, mode, cache, name))
+    fsyncs = FsyncCounter() if a.smoke else None
+    results: list[dict[str, Any]] = []
+    caches: dict[str, str] = {}
+    tag = "smoke" if a.smoke else "_".join([a.precision] + ([a.model] if a.model else []) + (["cpu"] if device == "cpu" else []))
+    log_path = os.path.join(a.out, f"frameworks_{tag}.log")
+    with open(log_path, "w") as log:
+        for fw, mode, cache, name in plan:
+            run_dir = os.path.join(work, f"{fw}_{name}")
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os.makedirs(run_dir)
+            spec = {"framework": fw, "mode": mode, "precision": a.precision, "size": size, "steps": a.steps,
+                    "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
+                    "torch_threads": a.torch_threads or (1 if device == "cpu" else None)}
+            left = a.budget_s - (time.perf_counter() - t_start)
+            row: dict[str, Any] = {"framework": fw, "run": name, "mode": mode, "triton_cache": cache}
+            if left < 20:
+                row["error"] = "skipped: over --budget-s"
+                results.append(row)
+                continue
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env.get("PYTHONPATH", "")])
+            if cache:
+                tc = caches.get(fw) if cache == "warm" else None
+                if tc is None:
+                    tc = tempfile.mkdtemp(prefix=f"triton_{fw}_", dir=work)
+                    caches[fw] = tc
+                    if cache == "warm" and not a.smoke:  # no cold run before it: fill the cache first
+                        subprocess.run([sys.executable, "-c", "import s4w_core.gpu as g; g.warm_up(wait=True)"],
+                                       env={**env, "TRITON_CACHE_DIR": tc}, timeout=max(10.0, left - 20), check=False)
+                env["TRITON_CACHE_DIR"] = tc
+            print(f"[frameworks] {fw} {name} ...", file=sys.stderr, flush=True)
+            log.write(f"==== {fw} {name}\n")
+            if a.smoke:
+                assert fsyncs is not None
+                t = time.perf_counter()
+                try:
+                    res = child(spec, fsyncs)
+                    res["process_s"] = time.perf_counter() - t - res.get("resume_check_s", 0.0)
+                except Exception as e:
+                    import traceback
+
+                    res = {"error": f"{type(e).__name__}: {e}", "log_tail": traceback.format_exc()[-3000:]}
+            else:
+                res = _run_subprocess(spec, env, max(20.0, left), log)
+            row.update(res)
+            results.append(row)
+            print(f"[frameworks] {fw} {name}: " + (row.get("error") or f"wall {row['wall_s']:.2f} s, "
+                  f"blocked {sum(row['blocked_s']):.2f} s over {row['saves']} saves"), file=sys.stderr, flush=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
+    if not a.work:
+        shutil.rmtree(work, ignore_errors=True)
+    meta = {"precision": a.precision, "smoke": a.smoke, "model": a.model, "size": size, "steps": a.steps, "every": a.every,
+            "keep": a.keep, "device": device, "env": environment(device), "wall_s": time.perf_counter() - t_start}
+    derive(results, a.precision)
+    with open(os.path.join(a.out, f"frameworks_{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "runs": results}, f, indent=1)
+    md = table(results, meta)
+    with open(os.path.join(a.out, f"frameworks_{tag}.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
+    for m in ("lightning", "transformers", "accelerate", "triton", "numba"):
+        try:
+            import importlib.metadata as md
+
+            env[m] = md.version(m)
+        except Exception:
+            env[m] = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        env["git"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=10).stdout.strip()
+    except Exception:
+        env["git"] = None
+    return env
+
+
+# ============================================================================ derived figures, table
+def derive(results: list[dict[str, Any]], precision: str) -> None:
+    by = {(r["framework"], r["run"]): r for r in results if "error" not in r}
+    for r in results:
+        if "error" in r:
+            continue
+        r["durability"] = DURABILITY.get((r["framework"], r["mode"]), "no saves")
+        base = by.get((r["framework"], "none"))
+        dflt = by.get((r["framework"], "default"))
+        if base:
+            r["overhead_s"] = r["wall_s"] - base["wall_s"]
+            r["cpu_overhead_s"] = r["cpu_s"] - base["cpu_s"]
+            if r.get("process_s") and base.get("process_s"):  # the whole process: imports, exit waits
+                r["process_overhead_s"] = r["process_s"] - base["process_s"]
+        if r["mode"] == "s4w" and dflt and base:
+            d_over = dflt["wall_s"] - base["wall_s"]
+            c_over = dflt["cpu_s"] - base["cpu_s"]
+            r["vs_default"] = {
+                "overhead_ratio": r["overhead_s"] / d_over if d_over > 0 else None,
+                "cpu_overhead_ratio": r["cpu_overhead_s"] / c_over if c_over > 0 else None,
+                "disk_ratio": r["disk_bytes"] / dflt["disk_bytes"] if dflt["disk_bytes"] else None,
+                "written_ratio": _written(r) / _written(dflt) if _written(dflt) else None,
+                "resume_ratio": r["resume_s"] / dflt["resume_s"] if r.get("resume_s") and dflt.get("resume_s") else None,
+                "extra_rss_bytes": r["peak_rss_bytes"] - dflt["peak_rss_bytes"],
+                "extra_gpu_bytes": r["peak_gpu_bytes"] - dflt["peak_gpu_bytes"],
+            }
+
+
+def _written(r: dict[str, Any]) -> int:
+    return int(r.get("write_bytes") or r.get("wchar") or 0)
+
+
+def _num(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}"
+
+
+def _mb(b: float | None) -> str:
+    return "n/a" if b is None else f"{b / 1e6:,.1f}"
+
+
+def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    env = meta["env"]
+    lines = [
+        f"# Checkpointing inside training: {meta['precision']}{' (smoke, CPU)' if meta['smoke'] else ''}",
+        "",
+        f"{env.get('gpu') or 'CPU'}; torch {env['torch']}, lightning {env.get('lightning')}, transformers "
+        f"{env.get('transformers')}, accelerate {env.get('accelerate')}, triton {env.get('triton')}; git {env.get('git')}. "
+        f"GPT-2 shape {meta['size']}, {meta['steps']} steps, a save every {meta['every']}, keep {meta['keep']}. "
+        "wall = from building the framework's objects to the end of training with every save finished; process = the "
+        "whole child process less the resume check (imports, model, training, waits at exit); "
+        "overhead = wall - the `none` run's wall; written = /proc/self/io write_bytes (wchar where the file system "
+        "counts none); ratios against the same framework's `default`.",
+        "",
+        "| framework | run | wall s (process) | overhead s (process) | x default's overhead | CPU s (overhead, x) | blocked s/save (max) | disk MB (x) "
+        "| written MB (x) | fsyncs (s) | peak RSS GB | peak GPU GB | resume s (x) | bit-identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['framework']} | {r['run']} | {r['error'].splitlines()[0][:80]} |" + " |" * 11)
+            continue
+        v = r.get("vs_default", {})
+        bl = r["blocked_s"]
+        res = r.get("resume") or {}
+
+        def x(k: str, v: dict[str, Any] = v) -> str:
+            return f" ({v[k]:.2f}x)" if v.get(k) is not None else ""
+
+        lines.append(
+            f"| {r['framework']} | {r['run']} | {r['wall_s']:.2f} ({_num(r.get('process_s'))}) | "
+            f"{r.get('overhead_s', 0):.2f} ({_num(r.get('process_overhead_s'))}) | "
+            f"{_num(v.get('overhead_ratio'))} | "
+            f"{r['cpu_s']:.1f} ({r.get('cpu_overhead_s', 0):.1f}{x('cpu_overhead_ratio')}) | "
+            f"{(sum(bl) / len(bl)) if bl else 0:.3f} ({max(bl) if bl else 0:.3f}) | {_mb(r['disk_bytes'])}{x('disk_ratio')} | "
+            f"{_mb(_written(r))}{x('written_ratio')} | {r['fsync_calls']} ({r['fsync_s']:.2f}) | "
+            f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['peak_gpu_bytes'] / 1e9:.2f} | "
+            f"{_num(r.get('resume_s')) or r.get('resume_error', '')[:40]}{x('resume_ratio')} | "
+            f"{'' if r['mode'] == 'none' else ('yes' if res.get('bit_identical') else 'NO')} |"
+        )
+    lines += ["", "## Targets (issue #23)", ""]
+    lines += targets(results, meta)
+    lines += ["", "## Durability", ""]
+    seen = set()
+    for r in results:
+        if "error" in r or r["mode"] == "none" or (r["framework"], r["mode"]) in seen:
+            continue
+        seen.add((r["framework"], r["mode"]))
+        lines.append(f"- {r['framework']} {r['mode']}: {r['durability']}; measured {r['fsync_calls']} fsync calls, "
+                     f"{r['fsync_s']:.2f} s in fsync")
+    lines += ["", "## Where the s4weights runs' time goes (sampling profile, seconds)", ""]
+    for r in results:
+        if "error" in r or r["mode"] != "s4w":
+            continue
+        p = r["profile"]
+        lines.append(f"**{r['framework']} {r['run']}** ({p['samples']} samples every {p['interval_s'] * 1000:.0f} ms; "
+                     f"background threads busy {p['other_threads_busy_s']:.2f} s)")
+        lines.append("")
+        lines.append("- main thread, save path: " + ", ".join(f"`{k}` {v:.2f}" for k, v in p["main_save_path_s"][:12]))
+        lines.append("- main thread, leaves: " + ", ".join(f"`{k}` {v:.2f}" for k, v in p["main_leaf_s"][:8]))
+        lines.append("- background, s4weights: " + ", ".join(f"`{k}` {v:.2f}" for k, v in p["other_s4w_s"][:10]))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def targets(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    by = {(r["framework"], r["run"]): r for r in results if "error" not in r}
+    disk_lim = 0.5 if meta["precision"] == "bf16" else 0.8
+    on_cpu = meta["device"] == "cpu"
+
+    def line(ok: bool | None, text: str) -> None:
+        out.append(f"- {'n/a ' if ok is None else ('PASS' if ok else 'FAIL')} {text}")
+
+    for r in results:
+        if r["mode"] != "s4w":
+            continue
+        tag = f"{r['framework']} {r['run']}"
+        if "error" in r:
+            line(False, f"{tag}: did not run ({r['error'].splitlines()[0][:100]})")
+            continue
+        v = r.get("vs_default") or {}
+        dflt = by.get((r["framework"], "default"))
+        ov = v.get("overhead_ratio")
+        lim = 2.0 if on_cpu else 0.25  # the CPU target: a small model's overhead <= 2x the default's
+        line(None if ov is None else ov <= lim, f"{tag}: overhead {ov if ov is None else round(ov, 2)}x the default's (<= {lim}x)")
+        if on_cpu:  # on a shared CPU machine the wall time drifts: the same in CPU seconds
+            co = v.get("cpu_overhead_ratio")
+            line(None if co is None else co <= lim,
+                 f"{tag}: overhead in CPU seconds {co if co is None else round(co, 2)}x the default's (<= {lim}x)")
+        dr = v.get("disk_ratio")
+        line(None if dr is None else dr <= disk_lim, f"{tag}: bytes on disk {dr if dr is None else round(dr, 2)}x the default's (<= {disk_lim}x)")
+        if r["framework"] == "lightning" and meta["precision"] == "bf16":
+            wr = v.get("written_ratio")
+            line(None if wr is None else wr <= 0.6, f"{tag}: bytes written {wr if wr is None else round(wr, 2)}x the default's (<= 0.6x)")
+        rr = v.get("resume_ratio")
+        line(None if rr is None else rr <= 1.0, f"{tag}: resume {rr if rr is None else round(rr, 2)}x the default's (<= 1x)")
+        line(bool((r.get("resume") or {}).get("bit_identical")), f"{tag}: resumed state bit-identical")
+        if dflt:
+            sb = r["state_bytes"]
+            line(v["extra_rss_bytes"] <= sb, f"{tag}: peak RSS +{v['extra_rss_bytes'] / 1e9:.2f} GB over the default's (<= state {sb / 1e9:.2f} GB)")
+            if meta["device"].startswith("cuda"):
+                line(v["extra_gpu_bytes"] <= 0.1 * sb, f"{tag}: peak GPU +{v['extra_gpu_bytes'] / 1e9:.3f} GB over the default's (<= 10% of state {sb / 1e9:.2f} GB)")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""s4w_core.gpu.warm_up: the codec's Triton kernels compiled in the background before the first
+save, a no-op without a GPU, never a change of bytes. The GPU tests run on the device:
+``pytest -q -m gpu tests/parity/test_gpu_warmup.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import s4w_core
+from s4w_core import gpu
+from s4w_core.gpu import _warmup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_no_gpu_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("S4W_DISABLE_GPU", "1")
+    assert gpu.warm_up() is False
+    assert gpu.warm_up(wait=True) is False
+    assert gpu.warm_up_status() == {}
+    gpu.wait_warm_up()  # nothing running: returns at once
+
+
+def test_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "available", lambda: True)
+    monkeypatch.setenv(gpu.WARM_UP_ENV, "0")
+    assert gpu.warm_up() is False
+    assert gpu.warm_up_status() == {}
+
+
+def test_cpu_device_is_not_warmed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "available", lambda: True)
+    assert gpu.warm_up("cpu") is False
+
+
+def test_warm_up_sequence_on_the_simulated_gpu() -> None:
+    """The warm-up's own sequence -- the GPU writer on a plain and a delta step, the GPU reader
+    decoding both, every byte compared -- under Triton's interpreter with a stand-in for nvCOMP
+    (tests/parity/_interpret_checks.simulated_gpu): what the device runs."""
+    s0, _s1 = _warmup.synthetic_states(torch.device("cpu"), _warmup.DEFAULT_DTYPES)
+    assert {v.dtype for v in s0.values()} == {torch.bfloat16, torch.float32, torch.int64}
+    assert any(v.numel() > 1 << 20 for v in s0.values())  # more than one GPU segment
+    code = (
+        "import torch\n"
+        "from tests.parity._interpret_checks import simulated_gpu\n"
+        "from s4w_core.gpu import _encode, _warmup\n"
+        "seen = []\n"
+        "orig = _encode.encode_storages\n"
+        "_encode.encode_storages = lambda jobs, *a, **k: seen.append([j.base is not None for j in jobs]) or orig(jobs, *a, **k)\n"
+        "_warmup._SIZES, _warmup._INT_SIZES = (3, 1000, 5000), (100, 3000)  # interpreted kernels are slow\n"
+        "with simulated_gpu(batch_bytes=1 << 14):\n"
+        "    _warmup.run(torch.device('cpu'), (torch.bfloat16,))\n"
+        "assert len(seen) == 2 and not any(seen[0]) and all(seen[1]), seen\n"
+        "print('ok warm-up')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("S4W_DISABLE_GPU", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "ok warm-up" in r.stdout, r.stderr[-4000:]
+
+
+def test_a_failed_warm_up_is_reported_and_harmless(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "available", lambda: True)
+    monkeypatch.setattr(gpu, "_warm_threads", {})
+    monkeypatch.setattr(gpu, "_warm_state", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def boom(device: torch.device, dtypes: object) -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(_warmup, "run", boom)
+    assert gpu.warm_up("cuda:0", wait=True) is True
+    assert gpu.warm_up_status() == {"cuda:0": "failed: RuntimeError: no compiler here"}
+    assert gpu.warm_up("cuda:0") is True  # once per device and process: not started again
+    gpu.wait_warm_up()
+
+
+def test_when_cuda_used_waits_for_the_process_to_start_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Creating a store never starts CUDA: the warm-up waits until the process has done it."""
+    import threading
+    import time
+
+    monkeypatch.setattr(gpu, "available", lambda: True)
+    monkeypatch.setattr(gpu, "_warm_threads", {})
+    monkeypatch.setattr(gpu, "_warm_state", {})
+    monkeypatch.setattr(gpu, "_CUDA_POLL_S", 0.01)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    inited = threading.Event()
+    monkeypatch.setattr(torch.cuda, "is_initialized", inited.is_set)
+    ran: list[torch.device] = []
+    monkeypatch.setattr(_warmup, "run", lambda device, dtypes: ran.append(device))
+    assert gpu.warm_up(when_cuda_used=True) is True
+    time.sleep(0.1)
+    assert ran == [] and gpu.warm_up_status() == {"cuda:1": "waiting for CUDA"}
+    gpu.wait_warm_up(timeout=0.05)  # a save does not wait for a warm-up that waits for CUDA
+    inited.set()
+    gpu.warm_up(when_cuda_used=True, wait=True)
+    assert ran == [torch.device("cuda", 1)] and gpu.warm_up_status() == {"cuda:1": "done"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason=gpu.unavailable_reason() or "no GPU")
+def test_gpu_first_save_after_warm_up_compiles_nothing(tmp_path) -> None:
+    """In a fresh process with an empty Triton cache: after warm_up(wait=True), a delta save and a
+    load of a model-like state add no entry to the cache (nothing compiled), and the bytes equal
+    those of a process that never warmed up."""
+    script = r"""
+import json, os, sys, torch
+from s4w_core import gpu, CheckpointStore
+warm = sys.argv[1] == "1"
+cache = os.environ["TRITON_CACHE_DIR"]
+if warm:
+    assert gpu.warm_up(wait=True) and gpu.warm_up_status()["cuda:0"] == "done", gpu.warm_up_status()
+before = sorted(os.listdir(cache))
+g = torch.Generator().manual_seed(1)
+model = {f"l{i}.w": torch.randn(768 * (i + 3), generator=g) for i in range(6)}
+model.update({f"l{i}.b": torch.randn(97 + i, generator=g) for i in range(6)})
+s0 = {k: v.to(torch.bfloat16).cuda() for k, v in model.items()}
+s1 = {k: (v.float() * (1 + 1e-3 * torch.randn(v.shape, generator=g).cuda())).to(torch.bfloat16) for k, v in s0.items()}
+st = CheckpointStore(sys.argv[2])
+st.save(s0, step=1); st.save(s1, step=2); st.load(2, map_location="cuda")
+after = sorted(os.listdir(cache))
+print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)}))
+"""
+    outs = {}
+    for warm in ("1", "0"):
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton{warm}"), S4W_WARM_UP=warm)
+        env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+        p = subprocess.run([sys.executable, "-c", script, warm, str(tmp_path / f"store{warm}")], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[warm] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert outs["1"]["warmed"] > 0
+    assert outs["1"]["new"] == [], outs["1"]  # the warm-up compiled everything the save and load used
+    assert outs["0"]["new"], outs["0"]  # (without it they compile: the check can fail)
+    for step in (1, 2):  # the same bytes whether warmed or not
+        m1 = s4w_core.CheckpointStore(str(tmp_path / "store1")).info(step)
+        m0 = s4w_core.CheckpointStore(str(tmp_path / "store0")).info(step)
+        assert (m1.stored_bytes, m1.delta_ops, m1.kind) == (m0.stored_bytes, m0.delta_ops, m0.kind), (step, m1, m0)

@@ -1,0 +1,52 @@
+"""benchmarks/frameworks.py --smoke: every framework's runs (none, default, s4weights) on a tiny
+model on the CPU, so the GPU benchmark cannot rot. Checks what the table is made of, not speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def test_frameworks_smoke(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env.get("PYTHONPATH", "")])
+    env["S4W_DISABLE_GPU"] = "1"
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "frameworks.py"), "--smoke", "--out", str(tmp_path),
+         "--work", str(tmp_path / "work")],
+        env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads((tmp_path / "frameworks_smoke.json").read_text())
+    runs = {(r["framework"], r["run"]): r for r in doc["runs"]}
+    assert set(runs) == {(fw, run) for fw in ("lightning", "hf", "accelerate", "dcp") for run in ("none", "default", "s4w-cold")}
+    for (fw, run), r in runs.items():
+        assert "error" not in r, (fw, run, r.get("error"), r.get("log_tail"))
+        assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["process_s"] > 0
+        assert r["peak_rss_bytes"] > 0 and r["state_bytes"] > 0
+        assert r["profile"]["samples"] > 0
+        if run == "none":
+            assert r["saves"] == 0 and r["disk_bytes"] == 0, (fw, r["disk_bytes"])
+            continue
+        assert r["saves"] == 3, (fw, run, r["blocked_s"])
+        assert r["disk_bytes"] > 0 and r["wchar"] > 0
+        assert r["resume"]["bit_identical"], (fw, run, r["resume"])
+        assert r["resume"]["tensors"] > 10
+    for fw in ("lightning", "hf", "accelerate", "dcp"):
+        s4w = runs[(fw, "s4w-cold")]
+        assert s4w["fsync_calls"] > 0  # the store commits durably; the table reports it
+        assert "vs_default" in s4w and s4w["vs_default"]["disk_ratio"] > 0
+        assert any(k.startswith(("s4w_core/", "integrations/")) for k, _ in
+                   s4w["profile"]["main_s4w_s"] + s4w["profile"]["other_s4w_s"]), (fw, s4w["profile"])
+    md = (tmp_path / "frameworks_smoke.md").read_text()
+    assert "## Targets (issue #23)" in md and "lightning s4w-cold: resumed state bit-identical" in md
