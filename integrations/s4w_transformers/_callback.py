@@ -218,6 +218,8 @@ class S4Callback(TrainerCallback):
             raise ValueError(f"profile must be one of {s4w_core.PROFILES}, got {profile!r}")
         self.store_url = None if store is None else os.fspath(store)
         self.profile = profile
+        if profile != "portable":  # compile the GPU codec's kernels before the first save, once CUDA is up
+            s4w_core.gpu.warm_up(when_cuda_used=True)
         self.async_save = async_save
         self.overwrite = overwrite
         self.store_options = dict(store_options or {})
