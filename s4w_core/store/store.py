@@ -42,6 +42,7 @@ import re
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,7 +85,9 @@ _T = TypeVar("_T")
 log = logging.getLogger("s4w_core.store")
 
 STORE_FORMAT = "s4weights-store"
-STORE_VERSION = 1
+STORE_VERSION = 2
+#: record versions this code reads: 1 (forward deltas, keyframe copies), 2 (also reverse deltas)
+READ_VERSIONS = (1, 2)
 #: default bound on a delta chain: a keyframe at least every 10 saves (restore reads <= 10 containers).
 DEFAULT_KEYFRAME_EVERY = 10
 
@@ -92,6 +95,7 @@ _COMMITS = "commits/"
 _DATA = "data/"
 _PINS = "pins/"
 _STEP_RE = re.compile(r"^step_(\d{12})(?:\.json)?$")
+_DATA_STEP_RE = re.compile(r"^data/step_(\d{12})\.")
 _MAX_RECORD = 1 << 24
 
 
@@ -102,6 +106,12 @@ def _commit_key(step: int) -> str:
 def _data_key(step: int) -> str:
     """A fresh data object key: the token differs for every save attempt."""
     return f"{_DATA}step_{step:012d}.{uuid.uuid4().hex[:12]}.s4w"
+
+
+def step_of_object(key: str) -> int | None:
+    """The step a data object key was written for (``data/step_000000000100.<token>.s4w``)."""
+    m = _DATA_STEP_RE.match(key)
+    return int(m.group(1)) if m else None
 
 
 def _pin_key(step: int) -> str:
@@ -166,6 +176,12 @@ class StepInfo:
     copy_bytes: int = 0
 
     @property
+    def reverse(self) -> bool:
+        """A delta against a newer step (the reverse layout): its chain is resolved through the
+        base step's current commit record, not through ``objects``."""
+        return self.base_step is not None and self.base_step > self.step
+
+    @property
     def ratio(self) -> float:
         return self.raw_bytes / self.object_bytes if self.object_bytes else 1.0
 
@@ -221,8 +237,8 @@ def _parse_record(body: bytes, key: str, where: str) -> StepInfo:
         raise bad(f"not JSON ({e}): truncated or corrupt") from e
     if not isinstance(r, dict) or r.get("format") != STORE_FORMAT:
         raise bad("not an s4weights-store commit record")
-    if r.get("version") != STORE_VERSION:
-        raise bad(f"store version {r.get('version')!r}; this s4weights reads version {STORE_VERSION}")
+    if r.get("version") not in READ_VERSIONS:
+        raise bad(f"store version {r.get('version')!r}; this s4weights reads versions {READ_VERSIONS}")
     m = _STEP_RE.match(key[len(_COMMITS) :])
     try:
         step = _check_step(r["step"])
@@ -240,8 +256,8 @@ def _parse_record(body: bytes, key: str, where: str) -> StepInfo:
             if type(v) is not int or v < 0:
                 raise bad(f"{k} must be a non-negative integer, got {v!r}")
         base = r.get("base_step")
-        if base is not None and (type(base) is not int or base >= step):
-            raise bad(f"base_step {base!r} must be an earlier step")
+        if base is not None and (type(base) is not int or base == step or (r["version"] == 1 and base > step)):
+            raise bad(f"base_step {base!r} must be another step (an earlier one in a version 1 record)")
         if r["kind"] not in ("keyframe", "delta"):
             raise bad(f"unknown kind {r['kind']!r}")
         copy, copy_bytes = None, 0
@@ -327,14 +343,16 @@ def _same_storages(
     own: Mapping[str, Any],
     raws: builtins.list[torch.Tensor] | None = None,
     devices: builtins.list[str] | None = None,
+    *,
+    deltas: bool = False,
 ) -> str | None:
-    """Why a keyframe copy's manifest does not stand for the step's own (None: it does): the
-    same storages in the same order (path, dtype, size), none a delta, same tree, and the same
+    """Why a re-encoded container's manifest does not stand for the step's own (None: it does):
+    the same storages in the same order (path, dtype, size), none a delta unless ``deltas``, same tree, and the same
     bytes: equal checksums, or, where the two were computed with different algorithms (the
     GPU writer sums data on a device with ``fold64``, hashes host data with ``xxh3``), the
     step's own checksum verified on ``raws``, the host bytes the copy was encoded from
     (``fold64`` on ``devices[i]`` when that is a usable GPU)."""
-    why = _same_layout(copy, own)
+    why = _same_layout(copy, own, deltas=deltas)
     if why is not None:
         return why
     for i, (x, y) in enumerate(zip(copy["storages"], own["storages"])):
@@ -349,19 +367,39 @@ def _same_storages(
     return None
 
 
-def _same_layout(copy: Mapping[str, Any], own: Mapping[str, Any]) -> str | None:
-    """:func:`_same_storages` without the bytes: storages (path, dtype, size), no delta, tree."""
+def _same_layout(copy: Mapping[str, Any], own: Mapping[str, Any], *, deltas: bool = False) -> str | None:
+    """:func:`_same_storages` without the bytes: storages (path, dtype, size), no delta (unless
+    ``deltas``), tree."""
     a, b = copy["storages"], own["storages"]
     if len(a) != len(b):
         return f"{len(a)} storages, the step has {len(b)}"
     for i, (x, y) in enumerate(zip(a, b)):
-        if x.get("delta"):
+        if x.get("delta") and not deltas:
             return f"storage {i} is a delta"
         if (x["path"], x["dtype"], x["nbytes"]) != (y["path"], y["dtype"], y["nbytes"]):
             return f"storage {i} ({x['path']!r}) differs"
-    if copy["tree"] != own["tree"] or copy["tensors"] != own["tensors"]:
+    def table(m: Mapping[str, Any]) -> builtins.list[dict[str, Any]]:  # without a reader's own annotations
+        return [{k: v for k, v in t.items() if not k.startswith("_")} for t in m["tensors"]]
+
+    if copy["tree"] != own["tree"] or table(copy) != table(own):
         return "its tree or tensor table differs"
     return None
+
+
+@dataclass
+class _Reencode:
+    """What re-encoding the previous newest step ``prev`` against the new one ``new`` needs:
+    ``old``, the host copy of ``prev``'s bytes when the store kept one (None: decode it), and
+    ``cache``, the host copy of ``new``'s, the delta base (None: decode it as the encoder asks)."""
+
+    prev: StepInfo
+    old: _CachedBase | None
+    new: StepInfo
+    cache: _CachedBase | None
+
+
+class _Stale(Exception):
+    """A re-encoding that no longer applies (the steps changed meanwhile, or no delta pays)."""
 
 
 @dataclass
@@ -386,10 +424,13 @@ def _step_info(
     base: StepInfo | None,
     extra: Mapping[str, Any] | None,
 ) -> StepInfo:
-    """The commit record of a step whose container ``manifest`` was written to ``key``."""
+    """The commit record of a step whose container ``manifest`` was written to ``key``.  A delta
+    against a newer ``base`` (the reverse layout) lists only its own object: its chain is found
+    through ``base_step`` (:class:`_Chain`); one against an older base lists its chain's objects."""
     groups, _dtypes, kinds, raw, stored, ndelta = api.summarize(manifest)
     is_delta = ndelta > 0
     assert base is not None or not is_delta
+    reverse = is_delta and base is not None and base.step > step
     return StepInfo(
         step=step,
         kind="delta" if is_delta else "keyframe",
@@ -399,7 +440,7 @@ def _step_info(
         object_bytes=size,
         raw_bytes=raw,
         stored_bytes=stored,
-        objects=tuple([key, *(base.objects if is_delta and base is not None else ())]),
+        objects=tuple([key, *(base.objects if is_delta and base is not None and not reverse else ())]),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         profile=prof,
         kinds={k: v.as_dict() for k, v in kinds.items()},
@@ -477,10 +518,10 @@ class CheckpointStore:
         keep_last: after each save keep only the newest ``keep_last`` steps (plus pinned ones);
             ``None`` keeps everything.
         pinned: steps exempt from retention (also see :meth:`pin`, which persists).
-        keyframe_every: bound on the delta chain: a full (keyframe) checkpoint at least every
-            ``keyframe_every`` saves, so loading any step reads at most that many containers.
-            ``1`` disables deltas.
-        delta: code tensors against the previous step where that pays (default True).
+        keyframe_every: bound on the delta chains: at most ``keyframe_every - 1`` deltas in a
+            row, so loading any step reads at most ``keyframe_every`` containers.  ``1``
+            disables deltas.
+        delta: turn each step into a delta against the next where that pays (default True).
         profile: codec profile for :func:`s4w_core.save` (``auto``/``portable``/``fast``).
         threads: CPU threads for coding.
         base_cache_bytes: host memory the store may use to keep the last saved (or loaded) step's
@@ -501,12 +542,7 @@ class CheckpointStore:
             ``url`` behind it, and loads read the fast tier's copy when it has one.
         fast_keep_last: steps the fast tier keeps (the newest; never one ``url`` lacks);
             ``None`` keeps all.
-        keyframe_copy: after a delta step commits, encode a keyframe container of the same bytes
-            in the background (from the host copy the store keeps as the next save's base) and
-            add it to the step's commit record, so that loading the newest step reads one object
-            instead of its chain.  Only the newest step keeps one (older copies are removed); the
-            next save cancels a copy still being written.  Costs one keyframe's worth of
-            storage and of background writing per save (docs/STORE.md, "Keyframe copies").
+        keyframe_copy: ignored, with a DeprecationWarning (the newest step is always whole).
     Raises:
         StoreError: the local path is not a directory or cannot be created.
         BackendUnavailableError: ``s3://`` without s3torchconnector installed.
@@ -541,7 +577,7 @@ class CheckpointStore:
         on_busy: Literal["wait", "error"] = "wait",
         fast_tier: str | os.PathLike[str] | None = None,
         fast_keep_last: int | None = 2,
-        keyframe_copy: bool = True,
+        keyframe_copy: bool | None = None,
         _backend: Backend | None = None,
         _fast_backend: Backend | None = None,
     ) -> None:
@@ -571,7 +607,12 @@ class CheckpointStore:
         self.pinned = {_check_step(s) for s in pinned}
         self.keyframe_every = keyframe_every
         self.delta = delta
-        self.keyframe_copy = bool(keyframe_copy)
+        if keyframe_copy is not None:
+            warnings.warn(
+                "CheckpointStore(keyframe_copy=...) has no effect: the newest step is always stored whole",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.profile = profile
         self.threads = threads
         self.base_cache_bytes = base_cache_bytes
@@ -774,6 +815,10 @@ class CheckpointStore:
         for s, rec in recs.items():
             pinned = s in pins or s in self.pinned
             out[s] = rec if rec.pinned == pinned else _replace(rec, pinned=pinned)
+        for s in sorted(out, reverse=True):  # a reverse delta is as deep as its base, plus one
+            rec = out[s]
+            if rec.reverse and rec.base_step in out and rec.depth != out[rec.base_step].depth + 1:
+                out[s] = _replace(rec, depth=out[rec.base_step].depth + 1)
         return out
 
     def steps(self) -> list[int]:
@@ -913,7 +958,7 @@ class CheckpointStore:
                     used: builtins.list[str] = []
                     obj, raws, reader = self._load_record(
                         rec, map_location, threads, reserve=remember, source="auto" if from_copy else "chain",
-                        used=used, fills=fills,
+                        used=used, fills=fills, recs=recs,
                     )
                 if remember:
                     with timer.stage("cache"):
@@ -963,6 +1008,7 @@ class CheckpointStore:
         source: Literal["auto", "chain", "copy"] = "auto",
         used: builtins.list[str] | None = None,
         fills: builtins.list[_async.HostFill] | None = None,
+        recs: Mapping[int, StepInfo] | None = None,
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Read and decode one step.  ``reserve``: the step will be remembered as the next base
         (:meth:`_remember`): its pinned buffers are allocated in the background while it loads,
@@ -976,7 +1022,9 @@ class CheckpointStore:
             raise CheckpointNotFoundError(f"{self.backend.url}: step {rec.step} has no keyframe copy")
         if source != "chain" and rec.copy is not None:
             try:
-                got = self._load_one(rec, rec.copy, rec.copy_bytes, map_location, threads, reserve=reserve, fills=fills)
+                got = self._load_one(
+                    rec, rec.copy, rec.copy_bytes, map_location, threads, reserve=reserve, fills=fills, recs=recs
+                )
                 used.append(rec.copy)
                 return got
             except (CheckpointNotFoundError, FormatError, BaseMismatchError) as e:
@@ -989,7 +1037,7 @@ class CheckpointStore:
                         "s4weights: step %d of %s: its keyframe copy %s is unusable (%s: %s); reading its chain",
                         rec.step, self.backend.url, rec.copy, type(e).__name__, e,
                     )
-        got = self._load_one(rec, rec.object, rec.object_bytes, map_location, threads, reserve=reserve, fills=fills)
+        got = self._load_one(rec, rec.object, rec.object_bytes, map_location, threads, reserve=reserve, fills=fills, recs=recs)
         used.append(rec.object)
         return got
 
@@ -1003,10 +1051,11 @@ class CheckpointStore:
         *,
         reserve: bool = False,
         fills: builtins.list[_async.HostFill] | None = None,
+        recs: Mapping[int, StepInfo] | None = None,
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Decode step ``rec`` from data object ``key``: its own container, or its keyframe copy
         (which must hold no delta)."""
-        ctx = _Chain(self, rec, threads)
+        ctx = _Chain(self, rec, threads, recs)
         prog = _Progress(self.progress, f"load step {rec.step}")
         fill: _async.HostFill | None = None
         try:
@@ -1020,7 +1069,7 @@ class CheckpointStore:
             if reserve:
                 fill = self._reserve_base(reader.manifest, map_location)
             if reader.manifest and any(e.get("delta") for e in reader.manifest["storages"]):
-                ctx.open_all(rec.objects[1:])  # the bases, in parallel
+                ctx.open_all(ctx.bases())  # the bases, in parallel
             if prog.bar is not None:
                 read = reader._read  # noqa: SLF001
 
@@ -1303,9 +1352,9 @@ class CheckpointStore:
     ) -> StepInfo:
         """The save in the caller's thread; with a fast tier, the upload then runs behind (and a
         keyframe copy behind that)."""
-        todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] = []
+        todo: builtins.list[_Reencode] = []
         try:
-            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, copy_out=todo)
+            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, reencode_out=todo)
         except BaseException as e:
             handle.blocked_s = time.perf_counter() - handle._t0  # noqa: SLF001
             handle._finish(None, e)  # noqa: SLF001
@@ -1318,7 +1367,7 @@ class CheckpointStore:
             self._record_save(handle, info)
         else:
             self._pipe.submit(handle, functools.partial(self._upload_job, handle, info), 0)
-        self._schedule_copy(todo)
+        self._schedule_reencode(todo)
         return info
 
     def _upload_job(self, handle: SaveHandle, info: StepInfo) -> StepInfo:
@@ -1356,10 +1405,10 @@ class CheckpointStore:
         pre: _PreEncoded | None,
     ) -> StepInfo:
         info: StepInfo | None = None
-        todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] = []
+        todo: builtins.list[_Reencode] = []
         try:
             info = self._save_locked(
-                state, step, extra, keyframe, overwrite, handle.stages, owned=True, pre=pre, copy_out=todo
+                state, step, extra, keyframe, overwrite, handle.stages, owned=True, pre=pre, reencode_out=todo
             )
             del state
             if self._tiers is not None:
@@ -1368,7 +1417,7 @@ class CheckpointStore:
             self._record_save(handle, info, e)
             raise
         self._record_save(handle, info)
-        self._schedule_copy(todo)  # runs on this worker once this save's handle is done
+        self._schedule_reencode(todo)  # runs on this worker once this save's handle is done
         return info
 
     def _record_save(self, handle: SaveHandle, info: StepInfo | None, error: BaseException | None = None) -> None:
@@ -1400,15 +1449,15 @@ class CheckpointStore:
             )
         )
 
-    # ------------------------------------------------------------------ keyframe copies
-    def _schedule_copy(self, todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]]) -> None:
-        """Start the keyframe copy ``_save`` asked for, on the worker, behind what is queued."""
+    # ------------------------------------------------------------------ re-encoding (reverse deltas)
+    def _schedule_reencode(self, todo: builtins.list[_Reencode]) -> None:
+        """Start the re-encoding ``_save`` asked for, on the worker, behind what is queued.  The
+        next save waits for it (it is not cancelled: a step left whole would stay whole)."""
         if not todo:
             return
-        info, manifest, cache = todo[0]
-        handle = SaveHandle(info.step, "keyframe-copy", self.backend.url, what="keyframe copy")
-        handle._cancel = threading.Event()  # noqa: SLF001 - the next save sets it
-        self._pipe.defer(handle, functools.partial(self._write_copy, handle, info, manifest, cache))
+        job = todo[0]
+        handle = SaveHandle(job.prev.step, "reencode", self.backend.url, what="re-encoding")
+        self._pipe.defer(handle, functools.partial(self._reencode, handle, job))
 
     def _recs_on(self, backend: Backend) -> dict[int, StepInfo]:
         """The commit records on one tier (the store's own backend or the fast tier)."""
@@ -1420,27 +1469,49 @@ class CheckpointStore:
         backend.put(_commit_key(info.step), body, if_absent=not replace)
         self._forget_record(backend, _commit_key(info.step))
 
-    def _drop_copies(self, *, keep: int) -> None:
-        """Remove the keyframe copies of every step but ``keep`` (the record first, then the
-        object, on each tier).  Caller holds ``self._lock``."""
+    def _drop_copies(self) -> None:
+        """Remove the keyframe copies a store of the first layout kept for its newest step (the
+        record first, then the object, on each tier): the newest step is now whole.  Caller
+        holds ``self._lock``."""
         backends = [self.backend] + ([self._tiers.fast] if self._tiers is not None else [])
         freed: set[str] = set()
         for b in backends:
-            for s, r in self._recs_on(b).items():
-                if r.copy is not None and s != keep:
+            for r in self._recs_on(b).values():
+                if r.copy is not None:
                     self._put_record(b, _replace(r, copy=None, copy_bytes=0), replace=True)
                     freed.add(r.copy)
         if freed:
             self._reclaim(freed)
 
-    def _write_copy(self, handle: SaveHandle, info: StepInfo, manifest: dict[str, Any], cache: _CachedBase) -> None:
-        """Encode a keyframe container of the committed delta step ``info`` from the host copy
-        of its bytes (``cache``), then add it to the step's commit record, so that a load of the
-        step reads one object instead of its chain.  Runs on the worker after the save; the next
-        save cancels it (the copy would be stale at once).  A failure is logged, never raised: the
-        step is committed and loads from its chain all the same."""
-        cancel = handle._cancel  # noqa: SLF001
-        assert cancel is not None
+    def _reencode_target(self, step: int, recs: Mapping[int, StepInfo]) -> StepInfo | None:
+        """The step a save of the new newest ``step`` turns into a delta against it: the step
+        just below, when it is whole, not pinned, and not the whole step that bounds the chains
+        below it (``keyframe_every``: at most ``keyframe_every - 1`` deltas in a row)."""
+        if not self._caching() or step in recs or any(s > step for s in recs):
+            return None
+        below = sorted((s for s in recs if s < step), reverse=True)
+        if not below:
+            return None
+        prev = recs[below[0]]
+        if prev.kind != "keyframe" or prev.pinned:
+            return None
+        run, above = 0, prev.step
+        for s in below[1:]:
+            r = recs[s]
+            if not (r.reverse and r.base_step == above):
+                break
+            run, above = run + 1, s
+        return prev if run + 1 < self.keyframe_every else None
+
+    def _reencode(self, handle: SaveHandle, job: _Reencode) -> None:
+        """Turn the whole step ``job.prev`` into a delta against the newer whole step
+        ``job.new``: encode it against ``job.new``'s bytes (the host copy kept as the cache),
+        write a new data object, check that it stands for the step (same storages, same bytes),
+        rewrite the step's commit record to point at it (the commit point), then remove the old
+        whole object.  A crash leaves the step whole (and an unreferenced object for ``gc()``)
+        or re-encoded (and the old object unreferenced); it loads bit-exactly either way.  Runs
+        on the worker after the save; a failure is logged, never raised (the step stays whole)."""
+        prev, new, cache = job.prev, job.new, job.cache
         backend = self._tiers.fast if self._tiers is not None else self.backend
         t0 = time.perf_counter()
         key: str | None = None
@@ -1448,47 +1519,63 @@ class CheckpointStore:
         outcome = "written"
         error: str | None = None
         try:
-            if cancel.is_set():
-                raise _async.Cancelled
-            # (older steps' copies were dropped when this step committed: _save_locked)
-            state = cache.collected(info.profile)
-            if state is None:
-                raise StoreError(f"step {info.step}: the host copy of its bytes is not kept")
-            key = _data_key(info.step)
+            with self._lock:
+                recs = self._recs_on(backend)
+                if not self._still(recs, prev, new):
+                    raise _Stale
+            t = time.perf_counter()
+            own: Mapping[str, Any] | None = None
+            devices: builtins.list[str] | None = None
+            state = job.old.collected(prev.profile) if job.old is not None else None
+            if state is not None and job.old is not None:
+                raws = job.old.raws
+                devices = [d for _, _, d in job.old.source[2]] if job.old.source is not None else None
+                own = self._own_manifest_of(prev)
+                if own is None:
+                    raise StoreError(f"cannot read the manifest of step {prev.step}")
+            else:  # no host copy of it: decode it (one whole object)
+                state, raws, reader = self._load_record(prev, "cpu", self.threads, source="chain", recs=recs)
+                own = reader.manifest
+            handle.stages["read"] = time.perf_counter() - t
+            provider = _BaseProvider(self, new, recs)
+            if cache is not None:
+                provider.cache = cache
+            key = _data_key(prev.step)
             t = time.perf_counter()
             with backend.writer(key) as f:
-                m, size, _ = self._encode_into(state, _async.CancellableWriter(f, cancel), None, info.step, info.extra)
+                m, size, prof = self._encode_into(state, f, provider, prev.step, prev.extra)
             handle.stages["encode"] = time.perf_counter() - t
-            devices = [d for _, _, d in cache.source[2]] if cache.source is not None else None
+            del state
             t = time.perf_counter()
-            why = _same_storages(m, manifest, cache.raws, devices)
+            why = _same_storages(m, own, raws, devices, deltas=True)
             handle.stages["check"] = time.perf_counter() - t
             if why is not None:
-                raise StoreError(f"the keyframe copy of step {info.step} does not stand for it: {why}")
+                raise StoreError(f"the re-encoded step {prev.step} does not stand for it: {why}")
+            if not any(e.get("delta") for e in m["storages"]):
+                raise _Stale  # no storage's delta pays: the step stays whole
             t = time.perf_counter()
             with self._lock:
-                if cancel.is_set():
-                    raise _async.Cancelled
                 recs = self._recs_on(backend)
-                now = recs.get(info.step)
-                if now is None or now.object != info.object or now.copy is not None or max(recs) != info.step:
-                    outcome = "stale"  # deleted, replaced or overtaken meanwhile
-                else:
-                    self._put_record(backend, _replace(now, copy=key, copy_bytes=size), replace=True)
-                    key = None  # the record owns it now
-                    if self._tiers is not None:
-                        _tiered.upload_missing(self, cancel=cancel)
+                if not self._still(recs, prev, new):
+                    raise _Stale  # deleted, replaced or overtaken meanwhile
+                info = _replace(_step_info(prev.step, key, size, m, prof, recs[new.step], prev.extra), created=prev.created)
+                self._put_record(backend, info, replace=True)  # the commit point
+                key = None  # the record owns it now
+                if self._tiers is not None:
+                    _tiered.upload_missing(self)
+                self._reclaim(prev.live_objects)
             handle.stages["commit"] = time.perf_counter() - t
-        except _async.Cancelled:
-            outcome = "cancelled"
+        except _Stale:
+            outcome = "skipped"
         except BaseException as e:  # noqa: BLE001 - logged; the step itself is intact
             # only the text: the exception's frames would keep this store alive (a cycle)
             error, outcome = f"{type(e).__name__}: {e}", "failed"
             log.warning(
-                "s4weights: the keyframe copy of step %d to %s failed (%s); the step loads from its chain",
-                info.step, backend.url, error,
+                "s4weights: re-encoding step %d of %s as a delta against step %d failed (%s); it stays whole",
+                prev.step, backend.url, new.step, error,
             )
         finally:
+            self._unpool(job.old)
             if key is not None:
                 try:
                     backend.delete(key)
@@ -1497,22 +1584,67 @@ class CheckpointStore:
             total = time.perf_counter() - t0
             obs.record(
                 obs.OpEvent(
-                    op="keyframe_copy",
+                    op="reencode",
                     url=self.backend.url,
-                    step=info.step,
-                    raw_bytes=info.raw_bytes if outcome == "written" else 0,
+                    step=prev.step,
+                    raw_bytes=prev.raw_bytes if outcome == "written" else 0,
                     stored_bytes=size if outcome == "written" else 0,
                     blocked_s=0.0,
                     total_s=total,
                     stages=dict(handle.stages),
-                    kind="keyframe",
+                    kind="delta",
                     mode="background",
                     ok=error is None,
                     error=error,
-                    extra={"outcome": outcome},
+                    extra={"outcome": outcome, "base_step": new.step},
                 )
             )
             handle.mode = outcome
+
+    @staticmethod
+    def _still(recs: Mapping[int, StepInfo], prev: StepInfo, new: StepInfo) -> bool:
+        """Are ``prev`` (whole) and ``new`` as they were when the re-encoding was planned, and is
+        ``new`` the step just above ``prev``?"""
+        p, n = recs.get(prev.step), recs.get(new.step)
+        return (
+            p is not None and n is not None and p.object == prev.object and p.kind == "keyframe"
+            and n.object == new.object and not any(prev.step < s < new.step for s in recs)
+        )
+
+    def _recode(self, rec: StepInfo, state: Any, base: StepInfo | None, recs: Mapping[int, StepInfo]) -> StepInfo:
+        """Write ``state`` (the bytes of step ``rec``) as a new data object coded against
+        ``base`` (None: whole) and rewrite the step's commit record to it.  Caller holds the lock
+        and reclaims the old object."""
+        backend = self._tiers.fast if self._tiers is not None else self.backend
+        provider = _BaseProvider(self, base, recs) if base is not None else None
+        key = _data_key(rec.step)
+        try:
+            with backend.writer(key) as f:
+                m, size, prof = self._encode_into(state, f, provider, rec.step, rec.extra)
+            info = _replace(_step_info(rec.step, key, size, m, prof, base, rec.extra), created=rec.created)
+            self._put_record(backend, info, replace=True)
+        except BaseException:
+            try:
+                backend.delete(key)
+            except S4WError:
+                pass  # gc() reclaims it
+            raise
+        if self._tiers is not None:
+            _tiered.upload_missing(self)
+        return info
+
+    def _detach(self, step: int, recs: dict[int, StepInfo]) -> dict[int, StepInfo]:
+        """Before ``step`` is deleted or replaced: re-code every reverse delta against it (the
+        step just below) against ``step``'s own base (its deltas merged), or whole when ``step``
+        is whole or the dependent is pinned.  Returns the records after.  Caller holds the lock."""
+        gone = recs[step]
+        for d in [r for r in recs.values() if r.reverse and r.base_step == step]:
+            base = recs.get(gone.base_step) if gone.reverse and gone.base_step is not None and not d.pinned else None
+            state, _, _ = self._load_record(d, "cpu", self.threads, source="chain", recs=recs)
+            self._recode(d, state, base, recs)
+            del state
+            recs = self._read_records()
+        return recs
 
     def _save_locked(
         self,
@@ -1525,7 +1657,7 @@ class CheckpointStore:
         *,
         owned: bool = False,
         pre: _PreEncoded | None = None,
-        copy_out: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] | None = None,
+        reencode_out: builtins.list[_Reencode] | None = None,
     ) -> StepInfo:
         """Encode (unless ``pre``), write and commit ``step``, then retention; under the lock."""
         with self._lock:
@@ -1534,6 +1666,8 @@ class CheckpointStore:
                 raise ConflictError(
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
+            if step in recs:  # replaced: the step below it must not stay a delta against its old bytes
+                recs = self._detach(step, recs)
             info = self._save(
                 state,
                 step,
@@ -1544,27 +1678,22 @@ class CheckpointStore:
                 stages=stages,
                 owned=owned,
                 pre=pre,
-                copy_out=copy_out,
+                reencode_out=reencode_out,
             )
             t = time.perf_counter()
             if step in recs:
                 self._reclaim(recs[step].live_objects)
-            if all(s <= step for s in recs):  # the newest step now: older steps' copies are stale
-                self._drop_copies(keep=step)
+            if all(s <= step for s in recs) and any(r.copy is not None for r in recs.values()):
+                self._drop_copies()  # a first-layout store: the newest step is whole now
             if self.keep_last is not None:
                 self.apply_retention()
             stages["retention"] = time.perf_counter() - t
             return info
 
-    def _base_for(self, step: int, recs: Mapping[int, StepInfo]) -> StepInfo | None:
-        earlier = [s for s in recs if s < step]
-        return recs[max(earlier)] if earlier else None
-
     def _plan(self, step: int, recs: Mapping[int, StepInfo], keyframe: bool) -> tuple[StepInfo | None, _BaseProvider | None]:
-        """The base of ``step`` and, when a delta may pay, the provider of its bytes."""
-        base = self._base_for(step, recs)
-        use_delta = self.delta and not keyframe and base is not None and base.depth + 1 < self.keyframe_every
-        return base, (_BaseProvider(self, base) if use_delta and base is not None else None)
+        """The base of a new ``step`` and the provider of its bytes: none, a save writes the step
+        whole (the step before it becomes a delta against it behind the save: :meth:`_reencode`)."""
+        return None, None
 
     def _caching(self) -> bool:
         return self.delta and self.keyframe_every > 1
@@ -1633,13 +1762,13 @@ class CheckpointStore:
         stages: dict[str, float] | None = None,
         owned: bool = False,
         pre: _PreEncoded | None = None,
-        copy_out: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] | None = None,
+        reencode_out: builtins.list[_Reencode] | None = None,
     ) -> StepInfo:
         """Write and commit one step to the fast tier (if any) or the store.  ``pre``: already
         encoded (``async-gpu``); ``owned``: ``state`` is a snapshot nobody else holds, so its
-        storages become the cached base without a copy.  ``copy_out``: gets what a keyframe
-        copy of the step needs when it is the newest step, a delta, and one is wanted
-        (:meth:`_schedule_copy` starts it)."""
+        storages become the cached base without a copy.  ``reencode_out``: gets what turning the
+        step below it into a delta against it needs, when it is the new newest step and that
+        step is due (:meth:`_reencode_target`; :meth:`_schedule_reencode` starts it)."""
         stages = {} if stages is None else stages
         backend = self._tiers.fast if self._tiers is not None else self.backend
         prog = _Progress(self.progress, f"save step {step}")
@@ -1688,9 +1817,13 @@ class CheckpointStore:
                 self._unpool(pre.cache)
             raise
         stages["commit"] = time.perf_counter() - t
-        # this step's bytes become the next save's base
+        # this step's bytes become the cache: the base the step below is re-encoded against now,
+        # and the bytes of this step when the next save re-encodes it
         old, self._cache = self._cache, None
-        self._unpool(old)
+        prev = self._reencode_target(step, recs) if reencode_out is not None else None
+        if prev is None or old is None or old.step != prev.step or old.object != prev.object or old.source is None:
+            self._unpool(old)
+            old = None
         if not self._caching() and isinstance(state, api.Collected):  # its pinned buffers, for the next save
             self._pinned_pool.give([j.raw for j in state.col.jobs])
         if self._caching():
@@ -1712,16 +1845,10 @@ class CheckpointStore:
                 )
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
         cache = self._cache
-        if (
-            copy_out is not None
-            and self.keyframe_copy
-            and info.kind == "delta"
-            and all(s <= step for s in recs)
-            and cache is not None
-            and cache.step == step
-            and cache.source is not None
-        ):
-            copy_out.append((info, manifest, cache))
+        if prev is not None and reencode_out is not None:
+            reencode_out.append(_Reencode(prev, old, info, cache if cache is not None and cache.step == step else None))
+        else:
+            self._unpool(old)
         return info
 
     def _unpool(self, cache: _CachedBase | None) -> None:
@@ -1845,28 +1972,31 @@ class CheckpointStore:
         return doomed
 
     def delete(self, step: int, *, rebase: bool = False) -> None:
-        """Delete ``step``: it disappears from listings at once; its data is reclaimed unless a
-        kept step's chain still needs it.
+        """Delete ``step``: it disappears from listings at once and its data is reclaimed.  The
+        step just below it, when it is a delta against ``step``, is first re-coded against
+        ``step``'s own base (the two deltas merged), or whole when ``step`` is whole or it is
+        pinned; deleting the oldest step (nothing depends on it) re-codes nothing.
 
         Args:
             step: a committed step.
-            rebase: first re-code every kept step whose chain runs through ``step`` against the
-                nearest kept earlier step (or as a keyframe), so that ``step``'s data can be
+            rebase: for stores written by the first layout (forward deltas): first re-code, as
+                whole steps, the kept steps whose chain runs through ``step``, so that its data is
                 reclaimed now instead of when those deltas go.
         Raises:
             CheckpointNotFoundError: no such step.
         """
         step = _check_step(step)
-        if rebase:  # re-coding steps: let a save in flight commit, and the keyframe copy behind it
-            self._pipe.settle()  # land (the re-coded step keeps it; a stale one would be dropped)
+        if rebase:  # re-coding steps: let a save in flight and the re-encoding behind it land
+            self._pipe.settle()
         with self._lock:
             recs = self._read_records()
             rec = self._record(step, recs)
             before = self._all_objects()
+            recs = self._detach(step, recs)
             if rebase:
                 rebased = False
                 for s in sorted(recs):
-                    if s != step and rec.object in recs[s].objects:
+                    if s != step and rec.object in recs[s].objects[1:]:
                         self._rebase(s, exclude=step)
                         recs = self._read_records()
                         rebased = True
@@ -1908,22 +2038,10 @@ class CheckpointStore:
             self._tiers.fast.delete(o)
 
     def _rebase(self, step: int, *, exclude: int) -> StepInfo:
-        """Re-code ``step`` against the newest kept step below it (never ``exclude``)."""
+        """Re-code ``step`` (a forward delta whose chain runs through ``exclude``) whole."""
         recs = self._read_records()
-        rec = recs[step]
-        state, _, _ = self._load_record(rec, "cpu", self.threads)
-        others = {s: r for s, r in recs.items() if s < step and s != exclude and recs[exclude].object not in r.objects}
-        saved_cache = self._cache
-        self._cache = None
-        try:
-            new = self._save(state, step, {**others, step: rec}, extra=rec.extra, keyframe=False, replace=True)
-            if rec.copy is not None and new.kind == "delta":  # same bytes re-coded: the copy stands
-                backend = self._tiers.fast if self._tiers is not None else self.backend
-                new = _replace(new, copy=rec.copy, copy_bytes=rec.copy_bytes)
-                self._put_record(backend, new, replace=True)
-            return new
-        finally:
-            self._cache = saved_cache if saved_cache is not None and saved_cache.step != step else self._cache
+        state, _, _ = self._load_record(recs[step], "cpu", self.threads, source="chain", recs=recs)
+        return self._recode(recs[step], state, None, recs)
 
     def gc(self, *, grace_seconds: float = 3600.0) -> int:
         """Delete data objects no commit record needs and leftovers of crashed writers older than
@@ -1993,17 +2111,39 @@ def _chain_device(manifest: Mapping[str, Any], map_location: api.MapLocation) ->
 class _Chain:
     """Resolves delta bases while one step is decoded: opens each data object once, decodes only
     the storages a delta needs (recursively, at most ``keyframe_every`` levels), and turns every
-    failure of a base into a BaseMismatchError naming the step and object."""
+    failure of a base into a BaseMismatchError naming the step and object.
 
-    def __init__(self, store: CheckpointStore, rec: StepInfo, threads: int | None) -> None:
+    A delta names its base by data object, storage index and raw checksum.  A forward delta's
+    base objects are listed in its record (``objects``).  A reverse delta's base is the newer step
+    ``base_step``, whose data may since have been re-encoded (as a delta against a still newer
+    step) and its old object removed: a base object that is gone is found through that step's
+    current commit record (the step named in the object's key, which must be on the chain of
+    ``base_step`` links), and the decoded bytes are checked against the delta's raw checksum."""
+
+    def __init__(
+        self, store: CheckpointStore, rec: StepInfo, threads: int | None, recs: Mapping[int, StepInfo] | None = None
+    ) -> None:
         self.store = store
         self.rec = rec
         self.threads = threads
         self.readers: dict[str, ContainerReader] = {}
+        self.recs = recs if recs is not None else store._read_records()  # noqa: SLF001
         self.allowed = set(rec.objects)
+        self.by_step: set[int] = set()  # the steps reverse deltas on this chain name as bases
+        r: StepInfo | None = rec
+        while r is not None and r.reverse and r.base_step is not None and r.base_step not in self.by_step:
+            self.by_step.add(r.base_step)
+            r = self.recs.get(r.base_step)
+            if r is not None:
+                self.allowed.update(r.objects)
         self._lock = threading.Lock()
         self._depth = 0
         self.memo: dict[tuple[str, int], torch.Tensor] = {}
+        self._checked: set[tuple[str, int, str]] = set()
+
+    def bases(self) -> builtins.list[str]:
+        """The data objects this step's deltas may read (not its own)."""
+        return sorted(self.allowed - {self.rec.object})
 
     def reader(self, key: str, expect: int | None = None, step: int | None = None) -> ContainerReader:
         with self._lock:
@@ -2034,17 +2174,29 @@ class _Chain:
                     with self._lock:
                         self.readers.setdefault(key, r)
 
-    def _entry(self, ref: Mapping[str, Any], nbytes: int) -> tuple[ContainerReader, dict[str, Any], str, int]:
-        """The base storage a delta names, checked against its reference (BaseMismatchError)."""
+    def _entry(self, ref: Mapping[str, Any], nbytes: int) -> tuple[ContainerReader, dict[str, Any], str, int, str | None]:
+        """The base storage a delta names, checked against its reference (BaseMismatchError).
+        The last item: a raw checksum the decoded bytes must still be checked against (a base
+        found through its step's re-encoded data, whose manifest may use another algorithm)."""
         step = self.rec.step
         if not isinstance(ref, Mapping) or not isinstance(ref.get("object"), str) or type(ref.get("storage")) is not int or not isinstance(ref.get("checksum"), str):
             raise BaseMismatchError(f"step {step}: a delta names a malformed base {ref!r}")
         obj, idx, ck = ref["object"], ref["storage"], ref["checksum"]
+        by_step = False
         if obj not in self.allowed:
-            raise BaseMismatchError(
-                f"step {step}: a delta names base object {obj}, which its commit record does not list "
-                f"as part of its chain {sorted(self.allowed)}"
-            )
+            bstep = step_of_object(obj)
+            if bstep is None or bstep not in self.by_step:
+                raise BaseMismatchError(
+                    f"step {step}: a delta names base object {obj}, which its commit record does not list "
+                    f"as part of its chain {sorted(self.allowed)}"
+                )
+            brec = self.recs.get(bstep)
+            if brec is None:
+                raise BaseMismatchError(
+                    f"step {step}: its delta base, step {bstep}, is no longer committed in {self.store.backend.url}; "
+                    f"step {step} cannot be restored"
+                )
+            obj, by_step = brec.object, True
         try:
             reader = self.reader(obj)
         except CheckpointNotFoundError as e:
@@ -2058,13 +2210,26 @@ class _Chain:
         if not 0 <= idx < len(entries):
             raise BaseMismatchError(f"step {step}: base {obj} has no storage {idx}")
         entry = entries[idx]
-        if entry["checksum"] != ck or entry["nbytes"] != nbytes:
+        if (entry["checksum"] != ck and not by_step) or entry["nbytes"] != nbytes:
             raise BaseMismatchError(
                 f"step {step}: storage {idx} ({entry['path']!r}) of base {obj} is not the one the delta "
                 f"was made against (checksum {entry['checksum']} / {entry['nbytes']} bytes, "
                 f"expected {ck} / {nbytes} bytes)"
             )
-        return reader, entry, obj, idx
+        return reader, entry, obj, idx, (ck if entry["checksum"] != ck else None)
+
+    def _checked_raw(self, raw: torch.Tensor, obj: str, idx: int, want: str | None) -> torch.Tensor:
+        """``raw`` once it is known to be the bytes ``want`` (a raw checksum) names."""
+        if want is None or (obj, idx, want) in self._checked:
+            return raw
+        flat = raw.reshape(-1)
+        if not ck.verify_tensor_checksum(want, flat, flat.device if flat.device.type == "cuda" else None):
+            raise BaseMismatchError(
+                f"step {self.rec.step}: storage {idx} of base {obj} decodes to other bytes than the delta "
+                f"was made against (checksum {want}): its base step was replaced"
+            )
+        self._checked.add((obj, idx, want))
+        return raw
 
     def prefetch(self, entries: builtins.list[dict[str, Any]], device: torch.device | None) -> None:
         """Decode every base the delta ``entries`` need, level by level from the oldest, each level
@@ -2080,7 +2245,7 @@ class _Chain:
             level: dict[str, dict[int, dict[str, Any]]] = {}
             nxt: dict[tuple[str, int], tuple[Any, int]] = {}
             for ref, nbytes in refs:
-                _reader, entry, obj, idx = self._entry(ref, nbytes)
+                _reader, entry, obj, idx, _want = self._entry(ref, nbytes)
                 if idx in level.setdefault(obj, {}):
                     continue
                 level[obj][idx] = entry
@@ -2095,8 +2260,8 @@ class _Chain:
             below = memo
 
             def from_below(ref: Mapping[str, Any], nbytes: int, below: dict[tuple[str, int], torch.Tensor] = below) -> torch.Tensor:
-                _r, _e, obj, idx = self._entry(ref, nbytes)
-                return below[(obj, idx)]
+                _r, _e, obj, idx, want = self._entry(ref, nbytes)
+                return self._checked_raw(below[(obj, idx)], obj, idx, want)
 
             memo = {}
             for obj, items in level.items():
@@ -2116,16 +2281,16 @@ class _Chain:
 
     def resolve(self, ref: Mapping[str, Any], nbytes: int) -> torch.Tensor:
         step = self.rec.step
-        reader, entry, obj, idx = self._entry(ref, nbytes)
+        reader, entry, obj, idx, want = self._entry(ref, nbytes)
         hit = self.memo.get((obj, idx))
         if hit is not None:
-            return hit
+            return self._checked_raw(hit, obj, idx, want)
         self._depth += 1
         try:
             if self._depth > max(64, 2 * len(self.allowed) + 2):
                 raise BaseMismatchError(f"step {step}: delta chain through {obj} is cyclic or too deep")
             try:
-                return _decode_one(reader, entry, self.threads, self.resolve)
+                return self._checked_raw(_decode_one(reader, entry, self.threads, self.resolve), obj, idx, want)
             except BaseMismatchError:
                 raise
             except FormatError as e:
@@ -2183,9 +2348,10 @@ class _BaseProvider:
     """Supplies the previous step's bytes to the encoder: from the store's in-memory copy when it
     holds that step, else by decoding the needed storage from the store (lazily, one at a time)."""
 
-    def __init__(self, store: CheckpointStore, base: StepInfo) -> None:
+    def __init__(self, store: CheckpointStore, base: StepInfo, recs: Mapping[int, StepInfo] | None = None) -> None:
         self.store = store
         self.base = base
+        self.recs = recs
         cache = store._cache  # noqa: SLF001
         self.cache = cache if cache is not None and cache.object == base.object else None
         self.chain: _Chain | None = None
@@ -2209,7 +2375,7 @@ class _BaseProvider:
             return None
         try:
             if self.chain is None:
-                self.chain = _Chain(self.store, self.base, self.store.threads)
+                self.chain = _Chain(self.store, self.base, self.store.threads, self.recs)
                 try:
                     reader = self.chain.reader(self.base.object, self.base.object_bytes, self.base.step)
                 except _BASE_ERRORS as e:
