@@ -1666,7 +1666,9 @@ class CheckpointStore:
                 raise ConflictError(
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
+            before: set[str] = set()
             if step in recs:  # replaced: the step below it must not stay a delta against its old bytes
+                before = self._all_objects()
                 recs = self._detach(step, recs)
             info = self._save(
                 state,
@@ -1682,7 +1684,7 @@ class CheckpointStore:
             )
             t = time.perf_counter()
             if step in recs:
-                self._reclaim(recs[step].live_objects)
+                self._reclaim(before | set(recs[step].live_objects))
             if all(s <= step for s in recs) and any(r.copy is not None for r in recs.values()):
                 self._drop_copies()  # a first-layout store: the newest step is whole now
             if self.keep_last is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
