@@ -1512,7 +1512,7 @@ class CheckpointStore:
         or re-encoded (and the old object unreferenced); it loads bit-exactly either way.  Runs
         on the worker after the save; a failure is logged, never raised (the step stays whole)."""
         prev, new, cache = job.prev, job.new, job.cache
-        backend = self._tiers.fast if self._tiers is not None else self.backend
+        backend = self._home(prev.step)
         t0 = time.perf_counter()
         key: str | None = None
         size = 0
@@ -1520,8 +1520,8 @@ class CheckpointStore:
         error: str | None = None
         try:
             with self._lock:
-                recs = self._recs_on(backend)
-                if not self._still(recs, prev, new):
+                recs = self._read_records()
+                if not self._still(backend, recs, prev, new):
                     raise _Stale
             t = time.perf_counter()
             own: Mapping[str, Any] | None = None
@@ -1555,8 +1555,8 @@ class CheckpointStore:
                 raise _Stale  # no storage's delta pays: the step stays whole
             t = time.perf_counter()
             with self._lock:
-                recs = self._recs_on(backend)
-                if not self._still(recs, prev, new):
+                recs = self._read_records()
+                if not self._still(backend, recs, prev, new):
                     raise _Stale  # deleted, replaced or overtaken meanwhile
                 info = _replace(_step_info(prev.step, key, size, m, prof, recs[new.step], prev.extra), created=prev.created)
                 self._put_record(backend, info, replace=True)  # the commit point
@@ -1601,11 +1601,19 @@ class CheckpointStore:
             )
             handle.mode = outcome
 
-    @staticmethod
-    def _still(recs: Mapping[int, StepInfo], prev: StepInfo, new: StepInfo) -> bool:
-        """Are ``prev`` (whole) and ``new`` as they were when the re-encoding was planned, and is
-        ``new`` the step just above ``prev``?"""
-        p, n = recs.get(prev.step), recs.get(new.step)
+    def _home(self, step: int) -> Backend:
+        """Where a re-coded ``step`` is written: the fast tier while it holds the step (the
+        upload behind it copies it on), else the store's own location."""
+        if self._tiers is not None and step in self._recs_on(self._tiers.fast):
+            return self._tiers.fast
+        return self.backend
+
+    def _still(self, backend: Backend, recs: Mapping[int, StepInfo], prev: StepInfo, new: StepInfo) -> bool:
+        """Are ``prev`` (whole, on ``backend``) and ``new`` (in ``recs``) as they were when the
+        re-encoding was planned, and is ``new`` the step just above ``prev``?"""
+        p, n = self._recs_on(backend).get(prev.step), recs.get(new.step)
+        if self._tiers is not None and backend is self.backend and (n is None or "slow" not in n.tiers):
+            return False  # its base is not on the slow tier yet (an upload failed): later
         return (
             p is not None and n is not None and p.object == prev.object and p.kind == "keyframe"
             and n.object == new.object and not any(prev.step < s < new.step for s in recs)
@@ -1615,7 +1623,7 @@ class CheckpointStore:
         """Write ``state`` (the bytes of step ``rec``) as a new data object coded against
         ``base`` (None: whole) and rewrite the step's commit record to it.  Caller holds the lock
         and reclaims the old object."""
-        backend = self._tiers.fast if self._tiers is not None else self.backend
+        backend = self._home(rec.step)
         provider = _BaseProvider(self, base, recs) if base is not None else None
         key = _data_key(rec.step)
         try:
