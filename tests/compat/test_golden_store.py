@@ -64,6 +64,11 @@ def test_saving_into_a_v1_store_keeps_every_step_loadable(store_copy: Path) -> N
     st.close()
     st = s4w_core.CheckpointStore(store_copy)  # a fresh process's view
     assert st.steps() == [*STEPS, *new]
+    recs = {r.step: r for r in st.list()}
+    # the first layout's steps stay as they were (the keyframe copy is dropped: the newest step is
+    # whole now); the new steps take the reverse layout
+    assert recs[50].base_step == 40 and recs[50].copy is None
+    assert [(recs[s].kind, recs[s].base_step) for s in new] == [("delta", 70), ("delta", 80), ("keyframe", None)]
     for s in STEPS:
         assert describe(st.load(s)) == EXPECTED["describe"][str(s)], f"old step {s}"
     for s, state in new.items():

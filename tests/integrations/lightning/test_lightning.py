@@ -277,8 +277,8 @@ def test_own_async_save_goes_through_the_store_non_blocking(tmp_path):
     io_.teardown()
     st = io_._store(io_._store_for(str(tmp_path / "epoch=1.ckpt"))[0])  # noqa: SLF001
     assert st.steps() == [1, 2, 3] and "delta" in {r.kind for r in st.list()}
-    # teardown waited for the newest step's keyframe copy
-    assert st.info(3).kind == "delta" and st.info(3).copy is not None
+    # the newest step is whole; teardown waited for the step below it to become a delta against it
+    assert st.info(3).kind == "keyframe" and st.info(2).kind == "delta" and st.info(2).base_step == 3
     assert not (tmp_path / "epoch=0.ckpt").exists()
     for path, want in saved.items():
         if path.exists():

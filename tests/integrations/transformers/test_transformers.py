@@ -94,7 +94,7 @@ def test_save_restore_resume_bit_exact(tmp_path, reference, monkeypatch):
     cb = S4Callback()
     _trainer(tmp_path / "out", 9, [cb, StopAt(6)]).train()
     st = CheckpointStore(str(tmp_path / "out" / ".s4w"))
-    assert st.steps() == [3, 6] and st.info(6).kind == "delta"
+    assert st.steps() == [3, 6] and st.info(6).kind == "keyframe" and st.info(3).base_step == 6
     # the restored folder is byte-identical to the Trainer's
     dest = restore_checkpoint(tmp_path / "out" / ".s4w", step=3, dest=tmp_path / "restored")
     orig = tmp_path / "out" / "checkpoint-3"
@@ -123,16 +123,14 @@ def test_keep_local_false_and_rotation_mirror(tmp_path, reference, rebase, async
         left = sorted(os.listdir(tmp_path / "out" / f))
         assert MARKER_NAME in left and "trainer_state.json" in left and "optimizer.pt" not in left
     st = CheckpointStore(str(tmp_path / "out" / ".s4w"))
-    assert st.steps() == [6, 8]  # step 3 rotated away in the store too; 6 (a delta on 3) still loads
-    assert st.verify(6).ok and st.verify(8).ok and st.info(8).kind == "delta"
-    # on_train_end waited for the newest step's keyframe copy; a rebase that re-codes step 8 first
-    # lets its copy land and keeps it (same bytes)
-    assert st.info(6).copy is None and st.info(8).copy is not None
+    assert st.steps() == [6, 8]  # step 3 rotated away in the store too
+    assert st.verify(6).ok and st.verify(8).ok and st.info(8).kind == "keyframe"
+    # on_train_end waited for step 6 to become a delta against step 8; deleting the oldest step
+    # re-coded nothing and left nothing behind, with or without rebase
+    assert st.info(6).kind == "delta" and st.info(6).base_step == 8
     live = {o for r in st.list() for o in r.live_objects}
-    assert {o.key for o in st.backend.list("data/")} == live, "no copy left behind"
-    # without rebase, step 6 stays a delta on the deleted step 3, whose data is kept for it
-    assert (st.info(6).kind == "delta") == (not rebase)
-    assert (st.sizes()["base_only_bytes"] > 0) == (not rebase)
+    assert {o.key for o in st.backend.list("data/")} == live
+    assert st.sizes()["base_only_bytes"] == 0
     tr = _trainer(tmp_path / "resumed", 9, save_steps=100)
     # resuming at step 6 and training to 9 equals the uninterrupted run
     tr.train(resume_from_checkpoint=restore_checkpoint(tmp_path / "out" / ".s4w", step=6, dest=tmp_path / "r6"))
