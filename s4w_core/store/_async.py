@@ -18,8 +18,9 @@ store does the rest, in order:
 
 At most one save is in flight per store: the next one waits for it (``on_busy="wait"``) or raises
 :class:`~s4w_core.errors.SaveInProgressError` (``on_busy="error"``).  Behind a save the worker may
-run a *tail* (:meth:`Pipeline.defer`: the keyframe copy of the newest step), which the next save
-cancels instead of waiting for it and which :meth:`Pipeline.wait` waits for.  A background failure is kept
+run a *tail* (:meth:`Pipeline.defer`: the re-encoding of the step below the newest as a delta
+against it), which the next save and :meth:`Pipeline.wait` wait for (a tail that sets
+``handle._cancel`` is cancelled by the next save instead).  A background failure is kept
 and raised, wrapped in :class:`~s4w_core.errors.AsyncSaveError`, by the store's next call; at
 interpreter exit every store's in-flight save is waited for and a failure is logged at ERROR.
 """
@@ -190,7 +191,7 @@ class Pipeline:
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.inflight: SaveHandle | None = None
-        self.tail: SaveHandle | None = None  # a cancellable job behind the saves (keyframe copy)
+        self.tail: SaveHandle | None = None  # a job behind the saves (the re-encoding)
         self.failed: SaveHandle | None = None
         self.pending_bytes = 0
         self.peak_pending_bytes = 0

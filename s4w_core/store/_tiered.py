@@ -62,10 +62,12 @@ def copy_object(src: Backend, dst: Backend, key: str, cancel: threading.Event | 
 
 
 def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None) -> builtins.list[int]:
-    """Copy every step the fast tier has committed and the slow tier has not (ascending), or
-    has with another keyframe copy: the data objects its record keeps alive that the slow tier
-    lacks, then its commit record.  Then apply the fast tier's retention.  Returns the steps
-    uploaded.  Caller holds ``store._lock``.  ``cancel``: see :func:`copy_object`."""
+    """Copy every step the fast tier has committed and the slow tier has not, or has with
+    another data object (re-encoded) or keyframe copy: the data objects its record keeps alive
+    that the slow tier lacks, then its commit record; newest first, so that a delta's base step
+    (a newer one) is there before the delta's record.  Then apply the fast tier's retention.
+    Returns the steps uploaded, ascending.  Caller holds ``store._lock``.  ``cancel``: see
+    :func:`copy_object`."""
     from s4w_core.store.store import _DATA
 
     assert store._tiers is not None  # noqa: SLF001
@@ -76,7 +78,7 @@ def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None
     try:
         if todo:
             on_slow = {o.key for o in slow_b.list(_DATA)}
-            for step in todo:
+            for step in sorted(todo, reverse=True):
                 _upload_step(store, step, fast[step], slow.get(step), on_slow, cancel)
                 done.append(step)
     except BaseException:
@@ -86,7 +88,7 @@ def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None
             pass
         raise
     prune_fast(store)
-    return done
+    return sorted(done)
 
 
 def _upload_step(

@@ -1,33 +1,35 @@
-"""CheckpointStore: base -> delta chains of s4weights containers, atomic commits, retention.
+"""CheckpointStore: the newest step whole, older steps deltas against newer ones, atomic commits.
 
 Layout under the store's root (a directory, an ``s3://bucket/prefix`` or ``memory://name``)::
 
-    data/step_000000000100.<token>.s4w   one s4weights container per save (immutable; a fresh
-                                          random token per attempt, so no save ever overwrites data)
+    data/step_000000000100.<token>.s4w   one s4weights container per step (immutable; a fresh
+                                          random token per write, so nothing committed is overwritten)
     commits/step_000000000100.json       the commit record, written LAST: a step exists iff its
                                           commit record does
     pins/step_000000000100               empty marker: the step is exempt from retention
 
-Commit protocol (docs/STORE.md): (1) stream the container to a new data object (atomic: temp +
-fsync + rename locally, a completed multipart upload on S3); (2) write the commit record
-(atomic, create-if-absent unless ``overwrite=True``).  A crash before (2) leaves at most an
-unreferenced data object that no listing shows and :meth:`CheckpointStore.gc` reclaims.  Readers
-list ``commits/`` only, so they never see a half-written checkpoint.
+Each save writes its step whole (a keyframe).  Behind it, on the store's worker, the step just
+below (whole until then) is re-encoded as a delta against the new step from the host copies the
+store keeps, checked to hold the same bytes, and committed by rewriting its record (atomic); its
+old whole object is then removed.  At most ``keyframe_every - 1`` deltas in a row: then a step
+stays whole.  A reverse delta's manifest names its base by data object, storage and raw checksum;
+that object may since have been re-encoded itself, so a base object that is gone is found through
+its step's current commit record and the decoded bytes are checked against the checksum
+(:class:`_Chain`).  Deleting the oldest step re-codes nothing; deleting (or overwriting) a step a
+delta is against first re-codes that delta against the nearest step above it (or whole).
 
-Deltas: each storage of a new checkpoint may be coded against the storage at the same tree path
-in the previous committed step (the base), see :mod:`s4w_core.delta`.  A delta's manifest entry
-names its base by data object, storage index and checksum, so a base can be verified and is never
-confused with a later re-save of the same step.  Every commit record lists the data objects its
-chain needs (``objects``); a data object is live while any commit record lists it.
+Stores written by the first layout (forward deltas, ``version: 1`` records, keyframe copies of the
+newest step) are read as they are; the first save into one drops its keyframe copy.
 
-Keyframes: a step is coded without base when the previous step is ``keyframe_every - 1`` deltas
-deep (so restoring any step reads at most ``keyframe_every`` containers per tensor), when no
-tensor's delta pays, when there is no earlier step, or when asked (``keyframe=True``).
+Commit protocol (docs/STORE.md): (1) write a data object (atomic: temp + fsync + rename locally,
+a completed multipart upload on S3); (2) write or rewrite the commit record (atomic); (3) only
+then remove what no record needs.  A crash leaves every committed step loadable and at most
+unreferenced objects, which :meth:`CheckpointStore.gc` reclaims.
 
 Non-blocking saves (:meth:`CheckpointStore.save_async`, :mod:`s4w_core.store._async`): the caller
 waits only until the state is safe to modify; one worker thread per store encodes, writes and
-commits, one save at a time.  Tiers (``fast_tier=``, :mod:`s4w_core.store._tiered`): a save
-commits to the fast tier, then the worker copies it to the store's URL.
+commits, one save at a time, and re-encodes behind it.  Tiers (``fast_tier=``,
+:mod:`s4w_core.store._tiered`): a save commits to the fast tier, then the worker copies it on.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ class StepInfo:
 
     @property
     def live_objects(self) -> tuple[str, ...]:
-        """The data objects this record keeps alive: its chain's, and its keyframe copy."""
+        """The data objects this record keeps alive: its own (a forward delta of the first layout:
+        its chain's) and a first-layout keyframe copy."""
         return (*self.objects, self.copy) if self.copy is not None else self.objects
 
     def as_dict(self) -> dict[str, Any]:
@@ -319,8 +322,9 @@ class _CachedBase:
     pooled: bool = False  # the tensors are pinned buffers of the store's PinnedPool
     #: every storage's host bytes, in the container's order (the tensors of ``storages`` among them)
     raws: builtins.list[torch.Tensor] = field(default_factory=builtins.list)
-    #: the state's tree, tensor table and (dtype, path, device) per storage: with ``raws``, what a
-    #: keyframe copy of the step is encoded from (None: not kept, e.g. a step that was loaded)
+    #: the state's tree, tensor table and (dtype, path, device) per storage: with ``raws``, what the
+    #: step is re-encoded from as a delta (None: not kept, e.g. a step that was loaded; the
+    #: re-encoding then decodes it)
     source: tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None = None
 
     def collected(self, profile: str) -> api.Collected | None:
@@ -1351,7 +1355,7 @@ class CheckpointStore:
         self, handle: SaveHandle, state: Any, step: int, extra: Mapping[str, Any] | None, keyframe: bool, overwrite: bool
     ) -> StepInfo:
         """The save in the caller's thread; with a fast tier, the upload then runs behind (and a
-        keyframe copy behind that)."""
+        re-encoding of the step below behind that)."""
         todo: builtins.list[_Reencode] = []
         try:
             info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, reencode_out=todo)
@@ -1643,11 +1647,21 @@ class CheckpointStore:
 
     def _detach(self, step: int, recs: dict[int, StepInfo]) -> dict[int, StepInfo]:
         """Before ``step`` is deleted or replaced: re-code every reverse delta against it (the
-        step just below) against ``step``'s own base (its deltas merged), or whole when ``step``
-        is whole or the dependent is pinned.  Returns the records after.  Caller holds the lock."""
-        gone = recs[step]
+        step just below) against the nearest step above ``step`` (the two deltas merged, or a
+        delta against the whole step that follows), or whole when there is none, the dependent is
+        pinned, or the chains through it would grow beyond ``keyframe_every - 1`` deltas.
+        Returns the records after.  Caller holds the lock."""
         for d in [r for r in recs.values() if r.reverse and r.base_step == step]:
-            base = recs.get(gone.base_step) if gone.reverse and gone.base_step is not None and not d.pinned else None
+            above = [s for s in recs if s > step]
+            base = recs[min(above)] if above and not d.pinned else None
+            if base is not None:
+                below, s = 0, d.step  # the deltas below ``d`` whose chains pass through it
+                for r in sorted((r for r in recs.values() if r.step < d.step), key=lambda r: -r.step):
+                    if not (r.reverse and r.base_step == s):
+                        break
+                    below, s = below + 1, r.step
+                if below + base.depth + 1 >= self.keyframe_every:
+                    base = None
             state, _, _ = self._load_record(d, "cpu", self.threads, source="chain", recs=recs)
             self._recode(d, state, base, recs)
             del state
@@ -1983,9 +1997,9 @@ class CheckpointStore:
 
     def delete(self, step: int, *, rebase: bool = False) -> None:
         """Delete ``step``: it disappears from listings at once and its data is reclaimed.  The
-        step just below it, when it is a delta against ``step``, is first re-coded against
-        ``step``'s own base (the two deltas merged), or whole when ``step`` is whole or it is
-        pinned; deleting the oldest step (nothing depends on it) re-codes nothing.
+        step just below it, when it is a delta against ``step``, is first re-coded against the
+        nearest step above ``step`` (or whole: when there is none, it is pinned, or the chain
+        bound says so); deleting the oldest step (nothing depends on it) re-codes nothing.
 
         Args:
             step: a committed step.
@@ -2057,7 +2071,7 @@ class CheckpointStore:
         """Delete data objects no commit record needs and leftovers of crashed writers older than
         ``grace_seconds`` (younger ones may belong to a save in progress). Returns bytes freed.
         With a fast tier, both tiers (see :meth:`_reclaim` for what is live where).  This store's
-        own save in flight and the keyframe copy behind it are waited for first (their objects
+        own save in flight and the re-encoding behind it are waited for first (their objects
         are unreferenced until they commit, whatever ``grace_seconds`` says)."""
         self._pipe.settle()
         recs = self._read_records()
