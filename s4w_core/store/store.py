@@ -1491,7 +1491,7 @@ class CheckpointStore:
         """The step a save of the new newest ``step`` turns into a delta against it: the step
         just below, when it is whole, not pinned, and not the whole step that bounds the chains
         below it (``keyframe_every``: at most ``keyframe_every - 1`` deltas in a row)."""
-        if not self._caching() or step in recs or any(s > step for s in recs):
+        if not self._caching() or any(s > step for s in recs):  # (an overwritten newest step: again)
             return None
         below = sorted((s for s in recs if s < step), reverse=True)
         if not below:

@@ -289,6 +289,17 @@ def test_overwrite_of_a_base_step_merges_the_step_below(store_url: str) -> None:
     assert _data(st) == _live(st)
 
 
+def test_overwrite_of_the_newest_step_reencodes_the_step_below_again(store_url: str) -> None:
+    st, run = _filled(store_url, 3, 4)
+    st.save(run[3], 2, overwrite=True)
+    st.wait()
+    assert [(r.kind, r.base_step) for r in st.list()] == [("delta", 1), ("delta", 2), ("keyframe", None)]
+    fresh = CheckpointStore(store_url)
+    for s, want in ((0, run[0]), (1, run[1]), (2, run[3])):
+        assert bits_equal(fresh.load(s), want)
+    assert _data(st) == _live(st)
+
+
 def test_deprecated_keyframe_copy_argument_warns() -> None:
     with pytest.warns(DeprecationWarning, match="keyframe_copy"):
         CheckpointStore("memory://deprecated-kc", keyframe_copy=False)
