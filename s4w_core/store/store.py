@@ -342,6 +342,19 @@ def _source(tree: Any, col: engine.Collector) -> tuple[Any, builtins.list[dict[s
     return tree, col.tensors, [(j.dtype, j.path, j.device) for j in col.jobs]
 
 
+def _source_of(manifest: Mapping[str, Any]) -> tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None:
+    """:func:`_source` of a step rebuilt from its container's manifest (a step that was loaded):
+    what re-encoding it from the host copies of its storages needs.  None if it cannot be (the
+    re-encoding then decodes the step; a rebuilt source is checked like any other, by
+    :func:`_same_storages`)."""
+    try:
+        tensors = [{k: v for k, v in t.items() if not str(k).startswith("_")} for t in manifest["tensors"]]
+        jobs = [(engine.dtype_from_name(e["dtype"]), str(e["path"]), str(e["device"])) for e in manifest["storages"]]
+        return manifest["tree"], tensors, jobs
+    except (KeyError, TypeError, ValueError, AttributeError, S4WError):
+        return None
+
+
 def _same_storages(
     copy: Mapping[str, Any],
     own: Mapping[str, Any],
@@ -1538,8 +1551,7 @@ class CheckpointStore:
                 if own is None:
                     raise StoreError(f"cannot read the manifest of step {prev.step}")
             else:  # no host copy of it: decode it (one whole object)
-                state, raws, reader = self._load_record(prev, "cpu", self.threads, source="chain", recs=recs)
-                own = reader.manifest
+                state, raws, own = self._decoded(prev, recs)
             handle.stages["read"] = time.perf_counter() - t
             provider = _BaseProvider(self, new, recs)
             if cache is not None:
@@ -1623,6 +1635,20 @@ class CheckpointStore:
             and n.object == new.object and not any(prev.step < s < new.step for s in recs)
         )
 
+    def _decoded(self, rec: StepInfo, recs: Mapping[int, StepInfo]) -> tuple[Any, builtins.list[torch.Tensor], Mapping[str, Any]]:
+        """Step ``rec`` decoded to host memory, as a state to re-encode (its storages with the
+        devices, tree and tensor table its manifest records, so the re-encoded container restores
+        where the original did), its raw storages and its manifest."""
+        obj, raws, reader = self._load_record(rec, "cpu", self.threads, source="chain", recs=recs)
+        manifest = reader.manifest
+        src = _source_of(manifest)
+        if src is not None and len(src[2]) == len(raws):
+            col = engine.Collector(
+                tensors=src[1], jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(raws, src[2])]
+            )
+            return api.Collected(col, src[0], rec.profile if rec.profile in ("portable", "fast") else self.profile), raws, manifest
+        return obj, raws, manifest
+
     def _recode(self, rec: StepInfo, state: Any, base: StepInfo | None, recs: Mapping[int, StepInfo]) -> StepInfo:
         """Write ``state`` (the bytes of step ``rec``) as a new data object coded against
         ``base`` (None: whole) and rewrite the step's commit record to it.  Caller holds the lock
@@ -1662,7 +1688,7 @@ class CheckpointStore:
                     below, s = below + 1, r.step
                 if below + base.depth + 1 >= self.keyframe_every:
                     base = None
-            state, _, _ = self._load_record(d, "cpu", self.threads, source="chain", recs=recs)
+            state, _, _ = self._decoded(d, recs)
             self._recode(d, state, base, recs)
             del state
             recs = self._read_records()
@@ -1921,10 +1947,11 @@ class CheckpointStore:
         old, self._cache = self._cache, None
         self._unpool(old)
         hosts = fill.finish(raws) if fill is not None else None
+        source = _source_of(manifest)
         if hosts is not None:
-            self._cache = self._make_cache(rec.step, rec.object, manifest, hosts, copy=False, pooled=True)
+            self._cache = self._make_cache(rec.step, rec.object, manifest, hosts, copy=False, pooled=True, source=source)
         else:
-            self._cache = self._base_copies(rec.step, rec.object, manifest, raws, copy=True)
+            self._cache = self._base_copies(rec.step, rec.object, manifest, raws, copy=True, source=source)
 
     def _reserve_base(self, manifest: Mapping[str, Any], map_location: api.MapLocation) -> _async.HostFill | None:
         """For a step that loads onto a GPU: start allocating the pinned buffers that will hold
@@ -2064,7 +2091,7 @@ class CheckpointStore:
     def _rebase(self, step: int, *, exclude: int) -> StepInfo:
         """Re-code ``step`` (a forward delta whose chain runs through ``exclude``) whole."""
         recs = self._read_records()
-        state, _, _ = self._load_record(recs[step], "cpu", self.threads, source="chain", recs=recs)
+        state, _, _ = self._decoded(recs[step], recs)
         return self._recode(recs[step], state, None, recs)
 
     def gc(self, *, grace_seconds: float = 3600.0) -> int:

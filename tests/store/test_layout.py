@@ -155,6 +155,23 @@ def test_bytes_written_per_save_are_one_whole_step_and_one_delta(store_url: str)
             s: r.object for s, r in before.items() if s < i - 1}, "older steps untouched"
 
 
+def test_a_resumed_run_reencodes_the_loaded_step_from_memory(store_url: str) -> None:
+    """A fresh store that loaded the newest step keeps its bytes (and what it needs to re-encode
+    them, rebuilt from the manifest): the first save re-encodes it without reading it again."""
+    _st, run = _filled(store_url, 2, 3)
+    spy = _Reads(open_backend(store_url))
+    st = CheckpointStore(store_url, profile="portable", _backend=spy)
+    assert bits_equal(st.load(), run[1])
+    one = st.info(1).object
+    st.save(run[2], 2)
+    st.wait()
+    assert spy.reads.count(one) == 1, "read by the load only"
+    assert st.info(1).kind == "delta" and st.info(1).base_step == 2
+    fresh = CheckpointStore(store_url)
+    for i in range(3):
+        assert bits_equal(fresh.load(i), run[i])
+
+
 def test_keyframe_every_bounds_the_chains(store_url: str) -> None:
     run = make_run(9)
     st = CheckpointStore(store_url, profile="portable", keyframe_every=3)
