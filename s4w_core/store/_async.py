@@ -49,7 +49,7 @@ from s4w_core import api, engine
 from s4w_core.errors import AsyncSaveError, SaveInProgressError
 
 if TYPE_CHECKING:
-    from s4w_core.store.store import StepInfo
+    from s4w_core.store.records import StepInfo
 
 __all__ = ["SaveHandle", "Cancelled", "CancellableWriter", "MODES", "ON_BUSY", "choose_mode", "snapshot", "HostBuffer", "PinnedPool", "HostFill", "pinned_slab", "pinned_buffers"]
 

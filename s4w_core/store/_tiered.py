@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 from s4w_core.errors import CheckpointNotFoundError, S4WError, StoreError
 from s4w_core.store._async import Cancelled
 from s4w_core.store._backend import Backend
+from s4w_core.store.records import DATA, StepInfo, commit_key
 
 if TYPE_CHECKING:
-    from s4w_core.store.store import CheckpointStore, StepInfo
+    from s4w_core.store.store import CheckpointStore
 
 __all__ = ["Tiers", "copy_object", "upload_missing", "prune_fast"]
 
@@ -68,8 +69,6 @@ def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None
     (a newer one) is there before the delta's record.  Then apply the fast tier's retention.
     Returns the steps uploaded, ascending.  Caller holds ``store._lock``.  ``cancel``: see
     :func:`copy_object`."""
-    from s4w_core.store.store import _DATA
-
     assert store._tiers is not None  # noqa: SLF001
     slow_b = store.backend
     fast, slow = store._tier_views()  # noqa: SLF001
@@ -77,7 +76,7 @@ def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None
     done: builtins.list[int] = []
     try:
         if todo:
-            on_slow = {o.key for o in slow_b.list(_DATA)}
+            on_slow = {o.key for o in slow_b.list(DATA)}
             for step in sorted(todo, reverse=True):
                 _upload_step(store, step, fast[step], slow.get(step), on_slow, cancel)
                 done.append(step)
@@ -99,8 +98,6 @@ def _upload_step(
     on_slow: set[str],
     cancel: threading.Event | None = None,
 ) -> None:
-    from s4w_core.store.store import _commit_key
-
     tiers = store._tiers  # noqa: SLF001
     assert tiers is not None
     fast_b, slow_b = tiers.fast, store.backend
@@ -114,8 +111,8 @@ def _upload_step(
                 f"cannot upload step {step} to {slow_b.url}: its chain's data object {key} is on neither tier ({e})"
             ) from e
         on_slow.add(key)
-    slow_b.put(_commit_key(step), fast_b.get(_commit_key(step)), if_absent=old is None)
-    store._forget_record(slow_b, _commit_key(step))  # noqa: SLF001
+    slow_b.put(commit_key(step), fast_b.get(commit_key(step)), if_absent=old is None)
+    store._forget_record(slow_b, commit_key(step))  # noqa: SLF001
     if old is not None:  # an overwrite: the old chain's objects may be free now
         store._reclaim(old.live_objects)  # noqa: SLF001
 
@@ -124,8 +121,6 @@ def prune_fast(store: CheckpointStore) -> builtins.list[int]:
     """Drop from the fast tier every step but its newest ``fast_keep_last``, only those the slow
     tier has committed (same data object); then reclaim fast-tier objects no fast commit lists.
     Returns the steps dropped from the fast tier."""
-    from s4w_core.store.store import _commit_key
-
     tiers = store._tiers  # noqa: SLF001
     assert tiers is not None
     if tiers.keep_last is None:
@@ -137,7 +132,7 @@ def prune_fast(store: CheckpointStore) -> builtins.list[int]:
         return []
     candidates = {o for s in doomed for o in fast[s].live_objects}
     for s in doomed:
-        tiers.fast.delete(_commit_key(s))
-        store._forget_record(tiers.fast, _commit_key(s))  # noqa: SLF001
+        tiers.fast.delete(commit_key(s))
+        store._forget_record(tiers.fast, commit_key(s))  # noqa: SLF001
     store._reclaim(candidates)  # noqa: SLF001
     return doomed

@@ -87,7 +87,7 @@ def _records_progress(st: Any, args: argparse.Namespace, desc: str, deletes: boo
         with progress_bar(args, desc) as bar:
             yield bar
         return
-    from s4w_core.store.store import _COMMITS  # the layout docs/STORE.md documents
+    from s4w_core.store.records import COMMITS as _COMMITS  # the layout docs/STORE.md documents
 
     with progress_bar(args, desc, unit="rec") as bar:
         deleted = [0]

@@ -15,7 +15,7 @@ old whole object is then removed.  At most ``keyframe_every - 1`` deltas in a ro
 stays whole.  A reverse delta's manifest names its base by data object, storage and raw checksum;
 that object may since have been re-encoded itself, so a base object that is gone is found through
 its step's current commit record and the decoded bytes are checked against the checksum
-(:class:`_Chain`).  Deleting the oldest step re-codes nothing; deleting (or overwriting) a step a
+(:class:`Chain`).  Deleting the oldest step re-codes nothing; deleting (or overwriting) a step a
 delta is against first re-codes that delta against the nearest step above it (or whole).
 
 Stores written by the first layout (forward deltas, ``version: 1`` records, keyframe copies of the
@@ -40,24 +40,20 @@ import functools
 import json
 import logging
 import os
-import re
 import threading
 import time
-import uuid
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterable, Literal, Mapping, TypeVar, overload
 
 import torch
 
 from s4w_core import api, engine, obs
 from s4w_core import checksum as ck
-from s4w_core.codecs import get_codec
 from s4w_core.errors import (
     AsyncSaveError,
-    BackendUnavailableError,
     BaseMismatchError,
     CheckpointNotFoundError,
     ConflictError,
@@ -72,6 +68,30 @@ from s4w_core.skeleton import decode_tree, encode_tree
 from s4w_core.store import _async, _tiered
 from s4w_core.store._async import SaveHandle
 from s4w_core.store._backend import Backend, RangeReader
+from s4w_core.store.chain import (
+    BaseProvider,
+    CachedBase,
+    Chain,
+    chain_device,
+    source_of_manifest,
+    state_source,
+)
+from s4w_core.store.records import (
+    COMMITS,
+    DATA,
+    PINS,
+    STEP_RE,
+    STORE_FORMAT,
+    STORE_VERSION,
+    StepInfo,
+    check_step,
+    commit_key,
+    data_key,
+    dict_or_empty,
+    parse_record,
+    pin_key,
+    replace_record,
+)
 
 __all__ = [
     "CheckpointStore",
@@ -86,45 +106,8 @@ __all__ = [
 _T = TypeVar("_T")
 log = logging.getLogger("s4w_core.store")
 
-STORE_FORMAT = "s4weights-store"
-STORE_VERSION = 2
-#: record versions this code reads: 1 (forward deltas, keyframe copies), 2 (also reverse deltas)
-READ_VERSIONS = (1, 2)
-#: default bound on a delta chain: a keyframe at least every 10 saves (restore reads <= 10 containers).
+#: default bound on the delta chains: at most 9 deltas in a row (a load reads <= 10 containers).
 DEFAULT_KEYFRAME_EVERY = 10
-
-_COMMITS = "commits/"
-_DATA = "data/"
-_PINS = "pins/"
-_STEP_RE = re.compile(r"^step_(\d{12})(?:\.json)?$")
-_DATA_STEP_RE = re.compile(r"^data/step_(\d{12})\.")
-_MAX_RECORD = 1 << 24
-
-
-def _commit_key(step: int) -> str:
-    return f"{_COMMITS}step_{step:012d}.json"
-
-
-def _data_key(step: int) -> str:
-    """A fresh data object key: the token differs for every save attempt."""
-    return f"{_DATA}step_{step:012d}.{uuid.uuid4().hex[:12]}.s4w"
-
-
-def step_of_object(key: str) -> int | None:
-    """The step a data object key was written for (``data/step_000000000100.<token>.s4w``)."""
-    m = _DATA_STEP_RE.match(key)
-    return int(m.group(1)) if m else None
-
-
-def _pin_key(step: int) -> str:
-    return f"{_PINS}step_{step:012d}"
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
-        raise ValueError(f"step must be an integer in [0, 10**12), got {step!r}")
-    return step
-
 
 def open_backend(url: str | os.PathLike[str], **options: Any) -> Backend:
     """The backend for ``url``: ``s3://bucket/prefix``, ``memory://name`` or a local path
@@ -148,154 +131,6 @@ def open_backend(url: str | os.PathLike[str], **options: Any) -> Backend:
     return LocalBackend(u[len("file://") :] if u.startswith("file://") else u, create=options.get("create", True))
 
 
-# ----------------------------------------------------------------------------- records
-@dataclass(frozen=True)
-class StepInfo:
-    """One committed step, as its commit record describes it (no data is read)."""
-
-    step: int
-    kind: str  # "keyframe" | "delta"
-    depth: int  # deltas since the last keyframe (0 for a keyframe)
-    base_step: int | None
-    object: str
-    object_bytes: int
-    raw_bytes: int
-    stored_bytes: int
-    objects: tuple[str, ...]
-    created: str
-    profile: str
-    kinds: dict[str, Any] = field(default_factory=dict)
-    groups: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    delta_ops: dict[str, int] = field(default_factory=dict)  # storages per delta op
-    pinned: bool = False
-    #: where the step is committed, for a store with a fast tier: ("fast",), ("slow",) or both;
-    #: () for a store without tiers.  Not part of the commit record.
-    tiers: tuple[str, ...] = ()
-    #: a keyframe container of the same bytes, written after the step committed (the newest
-    #: delta step has one: a load of it reads that one object instead of its chain); None if none
-    copy: str | None = None
-    copy_bytes: int = 0
-
-    @property
-    def reverse(self) -> bool:
-        """A delta against a newer step (the reverse layout): its chain is resolved through the
-        base step's current commit record, not through ``objects``."""
-        return self.base_step is not None and self.base_step > self.step
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / self.object_bytes if self.object_bytes else 1.0
-
-    @property
-    def live_objects(self) -> tuple[str, ...]:
-        """The data objects this record keeps alive: its own (a forward delta of the first layout:
-        its chain's) and a first-layout keyframe copy."""
-        return (*self.objects, self.copy) if self.copy is not None else self.objects
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "depth": self.depth,
-            "base_step": self.base_step,
-            "object": self.object,
-            "object_bytes": self.object_bytes,
-            "raw_bytes": self.raw_bytes,
-            "stored_bytes": self.stored_bytes,
-            "ratio": round(self.ratio, 4),
-            "objects": list(self.objects),
-            "created": self.created,
-            "profile": self.profile,
-            "kinds": self.kinds,
-            "groups": self.groups,
-            "extra": self.extra,
-            "delta_ops": self.delta_ops,
-            "pinned": self.pinned,
-            **({"tiers": list(self.tiers)} if self.tiers else {}),
-            **({"keyframe_copy": {"object": self.copy, "bytes": self.copy_bytes}} if self.copy is not None else {}),
-        }
-
-    def _record(self) -> dict[str, Any]:
-        d = self.as_dict()
-        d.pop("ratio")
-        d.pop("pinned")
-        d.pop("tiers", None)
-        return {"format": STORE_FORMAT, "version": STORE_VERSION, **d}
-
-
-def _dict(v: Any) -> dict[str, Any]:
-    return v if isinstance(v, dict) else {}
-
-
-def _parse_record(body: bytes, key: str, where: str) -> StepInfo:
-    def bad(why: str) -> ManifestError:
-        return ManifestError(f"{where}: commit record {key} is invalid: {why}")
-
-    if len(body) > _MAX_RECORD:
-        raise bad(f"{len(body)} bytes, larger than {_MAX_RECORD}")
-    try:
-        r = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise bad(f"not JSON ({e}): truncated or corrupt") from e
-    if not isinstance(r, dict) or r.get("format") != STORE_FORMAT:
-        raise bad("not an s4weights-store commit record")
-    if r.get("version") not in READ_VERSIONS:
-        raise bad(f"store version {r.get('version')!r}; this s4weights reads versions {READ_VERSIONS}")
-    m = _STEP_RE.match(key[len(_COMMITS) :])
-    try:
-        step = _check_step(r["step"])
-        if m is None or int(m.group(1)) != step:
-            raise bad(f"it names step {step}, but its key names another")
-        obj, objects = r["object"], r["objects"]
-        if not isinstance(obj, str) or not obj.startswith(_DATA) or ".." in obj:
-            raise bad(f"data object {obj!r} is not under {_DATA}")
-        if not isinstance(objects, list) or not objects or objects[0] != obj or not all(
-            isinstance(o, str) and o.startswith(_DATA) and ".." not in o for o in objects
-        ):
-            raise bad("'objects' must list the data objects of its chain, its own first")
-        ints = {k: r[k] for k in ("depth", "object_bytes", "raw_bytes", "stored_bytes")}
-        for k, v in ints.items():
-            if type(v) is not int or v < 0:
-                raise bad(f"{k} must be a non-negative integer, got {v!r}")
-        base = r.get("base_step")
-        if base is not None and (type(base) is not int or base == step or (r["version"] == 1 and base > step)):
-            raise bad(f"base_step {base!r} must be another step (an earlier one in a version 1 record)")
-        if r["kind"] not in ("keyframe", "delta"):
-            raise bad(f"unknown kind {r['kind']!r}")
-        copy, copy_bytes = None, 0
-        if r.get("keyframe_copy") is not None:
-            c = r["keyframe_copy"]
-            if not isinstance(c, dict) or not isinstance(c.get("object"), str) or type(c.get("bytes")) is not int:
-                raise bad(f"keyframe_copy must be {{'object': KEY, 'bytes': N}}, got {c!r}")
-            copy, copy_bytes = c["object"], c["bytes"]
-            if not copy.startswith(_DATA) or ".." in copy or copy in objects or copy_bytes < 0:
-                raise bad(f"keyframe_copy {copy!r} ({copy_bytes} bytes) is not a data object of its own under {_DATA}")
-        return StepInfo(
-            step=step,
-            kind=r["kind"],
-            depth=r["depth"],
-            base_step=base,
-            object=obj,
-            object_bytes=r["object_bytes"],
-            raw_bytes=r["raw_bytes"],
-            stored_bytes=r["stored_bytes"],
-            objects=tuple(objects),
-            created=str(r.get("created", "")),
-            profile=str(r.get("profile", "")),
-            kinds=_dict(r.get("kinds")),
-            groups=_dict(r.get("groups")),
-            extra=_dict(r.get("extra")),
-            delta_ops=_dict(r.get("delta_ops")),
-            copy=copy,
-            copy_bytes=copy_bytes,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ManifestError):
-            raise
-        raise bad(f"missing or malformed field ({e})") from e
-
-
 def _background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
     """``fn(*args)`` on a thread of its own (a daemon: it never holds up interpreter exit)."""
     fut: Future[_T] = Future()
@@ -308,51 +143,6 @@ def _background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
 
     threading.Thread(target=run, name="s4w-load-aside", daemon=True).start()
     return fut
-
-
-# ----------------------------------------------------------------------------- base cache
-@dataclass
-class _CachedBase:
-    """Raw bytes of the last committed save, by storage path, to code the next save against."""
-
-    step: int
-    object: str
-    storages: dict[str, tuple[torch.Tensor, dict[str, Any], str]]  # path -> (uint8 cpu, base_ref, dtype)
-    nbytes: int
-    pooled: bool = False  # the tensors are pinned buffers of the store's PinnedPool
-    #: every storage's host bytes, in the container's order (the tensors of ``storages`` among them)
-    raws: builtins.list[torch.Tensor] = field(default_factory=builtins.list)
-    #: the state's tree, tensor table and (dtype, path, device) per storage: with ``raws``, what the
-    #: step is re-encoded from as a delta (None: not kept, e.g. a step that was loaded; the
-    #: re-encoding then decodes it)
-    source: tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None = None
-
-    def collected(self, profile: str) -> api.Collected | None:
-        """The step as a collected state over the host copies (None without a source)."""
-        if self.source is None or len(self.raws) != len(self.source[2]):
-            return None
-        tree, tensors, jobs = self.source
-        col = engine.Collector(
-            tensors=tensors, jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(self.raws, jobs)]
-        )
-        return api.Collected(col, tree, profile)
-
-
-def _source(tree: Any, col: engine.Collector) -> tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]]:
-    return tree, col.tensors, [(j.dtype, j.path, j.device) for j in col.jobs]
-
-
-def _source_of(manifest: Mapping[str, Any]) -> tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None:
-    """:func:`_source` of a step rebuilt from its container's manifest (a step that was loaded):
-    what re-encoding it from the host copies of its storages needs.  None if it cannot be (the
-    re-encoding then decodes the step; a rebuilt source is checked like any other, by
-    :func:`_same_storages`)."""
-    try:
-        tensors = [{k: v for k, v in t.items() if not str(k).startswith("_")} for t in manifest["tensors"]]
-        jobs = [(engine.dtype_from_name(e["dtype"]), str(e["path"]), str(e["device"])) for e in manifest["storages"]]
-        return manifest["tree"], tensors, jobs
-    except (KeyError, TypeError, ValueError, AttributeError, S4WError):
-        return None
 
 
 def _same_storages(
@@ -410,9 +200,9 @@ class _Reencode:
     ``cache``, the host copy of ``new``'s, the delta base (None: decode it as the encoder asks)."""
 
     prev: StepInfo
-    old: _CachedBase | None
+    old: CachedBase | None
     new: StepInfo
-    cache: _CachedBase | None
+    cache: CachedBase | None
 
 
 class _Stale(Exception):
@@ -429,7 +219,7 @@ class _PreEncoded:
     size: int
     profile: str
     buf: _async.HostBuffer
-    cache: _CachedBase | None
+    cache: CachedBase | None
 
 
 def _step_info(
@@ -443,7 +233,7 @@ def _step_info(
 ) -> StepInfo:
     """The commit record of a step whose container ``manifest`` was written to ``key``.  A delta
     against a newer ``base`` (the reverse layout) lists only its own object: its chain is found
-    through ``base_step`` (:class:`_Chain`); one against an older base lists its chain's objects."""
+    through ``base_step`` (:class:`Chain`); one against an older base lists its chain's objects."""
     groups, _dtypes, kinds, raw, stored, ndelta = api.summarize(manifest)
     is_delta = ndelta > 0
     assert base is not None or not is_delta
@@ -621,7 +411,7 @@ class CheckpointStore:
             else:
                 self.backend = open_backend(self.url, **s3opts)
         self.keep_last = keep_last
-        self.pinned = {_check_step(s) for s in pinned}
+        self.pinned = {check_step(s) for s in pinned}
         self.keyframe_every = keyframe_every
         self.delta = delta
         if keyframe_copy is not None:
@@ -634,7 +424,7 @@ class CheckpointStore:
         self.threads = threads
         self.base_cache_bytes = base_cache_bytes
         self.progress = progress
-        self._cache: _CachedBase | None = None
+        self._cache: CachedBase | None = None
         self._records: dict[str, tuple[int, str | None, StepInfo]] = {}
         self._lock = threading.RLock()
         self._rec_lock = threading.RLock()  # the record caches (the worker lists too)
@@ -782,12 +572,12 @@ class CheckpointStore:
     # ------------------------------------------------------------------ listing
     def _tier_records(self, backend: Backend, cache: dict[str, tuple[int, str | None, StepInfo]]) -> dict[int, StepInfo]:
         """The commit records on one backend (cached by size and version), by step, ascending."""
-        objs = [o for o in backend.list(_COMMITS) if _STEP_RE.match(o.key[len(_COMMITS) :])]
+        objs = [o for o in backend.list(COMMITS) if STEP_RE.match(o.key[len(COMMITS) :])]
         with self._rec_lock:
             todo = [o for o in objs if o.version is None or cache.get(o.key, (None, None))[:2] != (o.size, o.version)]
 
             def fetch(key: str) -> tuple[str, StepInfo]:
-                return key, _parse_record(backend.get(key), key, backend.url)
+                return key, parse_record(backend.get(key), key, backend.url)
 
             if todo:
                 if len(todo) == 1:
@@ -817,8 +607,8 @@ class CheckpointStore:
         recs = self._tier_records(self.backend, self._records)
         pins = {
             int(m.group(1))
-            for o in self.backend.list(_PINS)
-            if (m := _STEP_RE.match(o.key[len(_PINS) :]))
+            for o in self.backend.list(PINS)
+            if (m := STEP_RE.match(o.key[len(PINS) :]))
         }
         if self._tiers is not None:  # the union; the fast tier's record is the newer one
             fast = self._tier_records(self._tiers.fast, self._tiers.records)
@@ -827,15 +617,15 @@ class CheckpointStore:
             for s in sorted(set(fast) | set(slow)):
                 r = fast.get(s) or slow[s]
                 where = tuple(t for t, rs in (("fast", fast), ("slow", slow)) if s in rs and rs[s].object == r.object)
-                recs[s] = _replace(r, tiers=where)
+                recs[s] = replace_record(r, tiers=where)
         out = {}
         for s, rec in recs.items():
             pinned = s in pins or s in self.pinned
-            out[s] = rec if rec.pinned == pinned else _replace(rec, pinned=pinned)
+            out[s] = rec if rec.pinned == pinned else replace_record(rec, pinned=pinned)
         for s in sorted(out, reverse=True):  # a reverse delta is as deep as its base, plus one
             rec = out[s]
             if rec.reverse and rec.base_step in out and rec.depth != out[rec.base_step].depth + 1:
-                out[s] = _replace(rec, depth=out[rec.base_step].depth + 1)
+                out[s] = replace_record(rec, depth=out[rec.base_step].depth + 1)
         return out
 
     def steps(self) -> list[int]:
@@ -860,7 +650,7 @@ class CheckpointStore:
             if not recs:
                 raise CheckpointNotFoundError(f"{self.backend.url}: no committed checkpoint in this store")
             return recs[max(recs)]
-        _check_step(step)
+        check_step(step)
         if step not in recs:
             near = ", ".join(str(s) for s in list(recs)[-5:]) or "none"
             raise CheckpointNotFoundError(f"{self.backend.url}: no committed step {step} (latest steps: {near})")
@@ -872,7 +662,7 @@ class CheckpointStore:
         for a delta, keyframe copies (``copy_bytes``) and unreferenced leftovers), ``ratio`` =
         raw / stored, per ``kinds`` totals."""
         recs = self._read_records()
-        data = self.backend.list(_DATA)
+        data = self.backend.list(DATA)
         live = {o for r in recs.values() for o in r.live_objects}
         own = {r.object for r in recs.values()}
         copies = {r.copy for r in recs.values() if r.copy is not None}
@@ -1072,7 +862,7 @@ class CheckpointStore:
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Decode step ``rec`` from data object ``key``: its own container, or its keyframe copy
         (which must hold no delta)."""
-        ctx = _Chain(self, rec, threads, recs)
+        ctx = Chain(self._open, self.backend.url, rec, threads, recs if recs is not None else self._read_records())
         prog = _Progress(self.progress, f"load step {rec.step}")
         fill: _async.HostFill | None = None
         try:
@@ -1081,7 +871,7 @@ class CheckpointStore:
                 m = reader.manifest
                 if any(e.get("delta") for e in m["storages"]):
                     raise ManifestError(f"{reader.name}: the keyframe copy of step {rec.step} holds deltas")
-                if _dict(m.get("extra")).get("step") != rec.step or sum(e["nbytes"] for e in m["storages"]) != rec.raw_bytes:
+                if dict_or_empty(m.get("extra")).get("step") != rec.step or sum(e["nbytes"] for e in m["storages"]) != rec.raw_bytes:
                     raise ManifestError(f"{reader.name}: not a keyframe copy of step {rec.step} (another step or size)")
             if reserve:
                 fill = self._reserve_base(reader.manifest, map_location)
@@ -1096,7 +886,7 @@ class CheckpointStore:
                     return b
 
                 reader._read = counted  # noqa: SLF001
-            ctx.prefetch(reader.manifest["storages"], _chain_device(reader.manifest, map_location))
+            ctx.prefetch(reader.manifest["storages"], chain_device(reader.manifest, map_location))
             raws = api._decode_storages(reader, map_location, threads, ctx.resolve, fill)  # noqa: SLF001
             m = reader.manifest
             obj = decode_tree(m["tree"], api._build_tensors(m, raws))  # noqa: SLF001
@@ -1234,7 +1024,7 @@ class CheckpointStore:
         """
         if not blocking:
             return self.save_async(state, step, extra=extra, keyframe=keyframe, overwrite=overwrite)
-        step = _check_step(step)
+        step = check_step(step)
         with self._pipe.front:
             handle = SaveHandle(step, "blocking", self.backend.url)
             self._begin(handle)
@@ -1285,7 +1075,7 @@ class CheckpointStore:
             >>> h.result().step, st.load(1)["w"].tolist()
             (1, [1.0, 1.0, 1.0, 1.0])
         """
-        step = _check_step(step)
+        step = check_step(step)
         with self._pipe.front:
             handle = SaveHandle(step, "async-snapshot", self.backend.url)
             self._begin(handle)
@@ -1359,7 +1149,7 @@ class CheckpointStore:
     def _known_committed(self, step: int) -> bool:
         """Is ``step`` committed?  Asks the backend only when the record caches say so (a cheap
         check for the caller's thread; the worker checks again before it commits)."""
-        key = _commit_key(step)
+        key = commit_key(step)
         with self._rec_lock:
             cached = key in self._records or (self._tiers is not None and key in self._tiers.records)
         return cached and step in self._read_records()
@@ -1482,9 +1272,9 @@ class CheckpointStore:
         return self._tier_records(backend, self._tiers.records if fast and self._tiers is not None else self._records)
 
     def _put_record(self, backend: Backend, info: StepInfo, *, replace: bool) -> None:
-        body = json.dumps(info._record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
-        backend.put(_commit_key(info.step), body, if_absent=not replace)
-        self._forget_record(backend, _commit_key(info.step))
+        body = json.dumps(info.record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
+        backend.put(commit_key(info.step), body, if_absent=not replace)
+        self._forget_record(backend, commit_key(info.step))
 
     def _drop_copies(self) -> None:
         """Remove the keyframe copies a store of the first layout kept for its newest step (the
@@ -1495,7 +1285,7 @@ class CheckpointStore:
         for b in backends:
             for r in self._recs_on(b).values():
                 if r.copy is not None:
-                    self._put_record(b, _replace(r, copy=None, copy_bytes=0), replace=True)
+                    self._put_record(b, replace_record(r, copy=None, copy_bytes=0), replace=True)
                     freed.add(r.copy)
         if freed:
             self._reclaim(freed)
@@ -1553,10 +1343,10 @@ class CheckpointStore:
             else:  # no host copy of it: decode it (one whole object)
                 state, raws, own = self._decoded(prev, recs)
             handle.stages["read"] = time.perf_counter() - t
-            provider = _BaseProvider(self, new, recs)
-            if cache is not None:
-                provider.cache = cache
-            key = _data_key(prev.step)
+            provider = BaseProvider(
+                self._open, self.backend.url, new, recs, self.threads, cache if cache is not None else self._cache
+            )
+            key = data_key(prev.step)
             t = time.perf_counter()
             with backend.writer(key) as f:
                 m, size, prof = self._encode_into(state, f, provider, prev.step, prev.extra)
@@ -1574,7 +1364,7 @@ class CheckpointStore:
                 recs = self._read_records()
                 if not self._still(backend, recs, prev, new):
                     raise _Stale  # deleted, replaced or overtaken meanwhile
-                info = _replace(_step_info(prev.step, key, size, m, prof, recs[new.step], prev.extra), created=prev.created)
+                info = replace_record(_step_info(prev.step, key, size, m, prof, recs[new.step], prev.extra), created=prev.created)
                 self._put_record(backend, info, replace=True)  # the commit point
                 key = None  # the record owns it now
                 if self._tiers is not None:
@@ -1641,7 +1431,7 @@ class CheckpointStore:
         where the original did), its raw storages and its manifest."""
         obj, raws, reader = self._load_record(rec, "cpu", self.threads, source="chain", recs=recs)
         manifest = reader.manifest
-        src = _source_of(manifest)
+        src = source_of_manifest(manifest)
         if src is not None and len(src[2]) == len(raws):
             col = engine.Collector(
                 tensors=src[1], jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(raws, src[2])]
@@ -1654,12 +1444,14 @@ class CheckpointStore:
         ``base`` (None: whole) and rewrite the step's commit record to it.  Caller holds the lock
         and reclaims the old object."""
         backend = self._home(rec.step)
-        provider = _BaseProvider(self, base, recs) if base is not None else None
-        key = _data_key(rec.step)
+        provider = (
+            BaseProvider(self._open, self.backend.url, base, recs, self.threads, self._cache) if base is not None else None
+        )
+        key = data_key(rec.step)
         try:
             with backend.writer(key) as f:
                 m, size, prof = self._encode_into(state, f, provider, rec.step, rec.extra)
-            info = _replace(_step_info(rec.step, key, size, m, prof, base, rec.extra), created=rec.created)
+            info = replace_record(_step_info(rec.step, key, size, m, prof, base, rec.extra), created=rec.created)
             self._put_record(backend, info, replace=True)
         except BaseException:
             try:
@@ -1740,7 +1532,7 @@ class CheckpointStore:
             stages["retention"] = time.perf_counter() - t
             return info
 
-    def _plan(self, step: int, recs: Mapping[int, StepInfo], keyframe: bool) -> tuple[StepInfo | None, _BaseProvider | None]:
+    def _plan(self, step: int, recs: Mapping[int, StepInfo], keyframe: bool) -> tuple[StepInfo | None, BaseProvider | None]:
         """The base of a new ``step`` and the provider of its bytes: none, a save writes the step
         whole (the step before it becomes a delta against it behind the save: :meth:`_reencode`)."""
         return None, None
@@ -1768,7 +1560,7 @@ class CheckpointStore:
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
             base, provider = self._plan(step, recs, keyframe)
-            key = _data_key(step)
+            key = data_key(step)
             buf = _async.HostBuffer()
             t = time.perf_counter()
             manifest, size, prof = self._encode_into(state, buf, provider, step, extra)
@@ -1779,12 +1571,12 @@ class CheckpointStore:
             if self._caching() and (self.base_cache_bytes is None or total <= self.base_cache_bytes):
                 t = time.perf_counter()
                 raws = _async.host_copies([j.raw for j in col.jobs], self._pinned_pool)
-                cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True, source=_source(tree, col))
+                cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True, source=state_source(tree, col))
                 handle.stages["cache"] = time.perf_counter() - t
             return _PreEncoded(base, key, manifest, size, prof, buf, cache)
 
     def _encode_into(
-        self, state: Any, fp: Any, provider: _BaseProvider | None, step: int, extra: Mapping[str, Any] | None
+        self, state: Any, fp: Any, provider: BaseProvider | None, step: int, extra: Mapping[str, Any] | None
     ) -> tuple[dict[str, Any], int, str]:
         """:func:`api._encode` of ``state`` into ``fp`` against ``provider``'s base (closed after)."""
         try:
@@ -1825,7 +1617,7 @@ class CheckpointStore:
         try:
             if pre is None:
                 base, provider = self._plan(step, recs, keyframe)
-                key = _data_key(step)
+                key = data_key(step)
                 t = time.perf_counter()
                 with backend.writer(key) as f:
                     cw = _CountingWriter(f, prog, backend.describe(key))
@@ -1852,11 +1644,11 @@ class CheckpointStore:
         finally:
             prog.close()
         info = _step_info(step, key, size, manifest, prof, base, extra)
-        body = json.dumps(info._record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
+        body = json.dumps(info.record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
         t = time.perf_counter()
         try:
-            backend.put(_commit_key(step), body, if_absent=not replace)  # the commit point
-            self._forget_record(backend, _commit_key(step))
+            backend.put(commit_key(step), body, if_absent=not replace)  # the commit point
+            self._forget_record(backend, commit_key(step))
         except BaseException:
             # the data object is unreferenced: remove it (best effort; gc() would too)
             try:
@@ -1883,7 +1675,7 @@ class CheckpointStore:
             elif isinstance(state, api.Collected):  # an async-pinned snapshot: its buffers
                 raws = [j.raw for j in state.col.jobs]
                 self._cache = self._make_cache(
-                    info.step, info.object, manifest, raws, copy=False, pooled=True, source=_source(state.tree, state.col)
+                    info.step, info.object, manifest, raws, copy=False, pooled=True, source=state_source(state.tree, state.col)
                 )
                 if self._cache is None:
                     self._pinned_pool.give(raws)
@@ -1891,7 +1683,7 @@ class CheckpointStore:
                 col = engine.Collector()
                 tree = encode_tree(state, col.add)
                 self._cache = self._base_copies(
-                    info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned, source=_source(tree, col)
+                    info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned, source=state_source(tree, col)
                 )
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
         cache = self._cache
@@ -1901,7 +1693,7 @@ class CheckpointStore:
             self._unpool(old)
         return info
 
-    def _unpool(self, cache: _CachedBase | None) -> None:
+    def _unpool(self, cache: CachedBase | None) -> None:
         """Give a pooled cache's pinned buffers back for the next GPU save's copy."""
         if cache is not None and cache.pooled:
             self._pinned_pool.give(cache.raws or [t for t, _, _ in cache.storages.values()])
@@ -1916,10 +1708,10 @@ class CheckpointStore:
         copy: bool = True,
         pooled: bool = False,
         source: Any = None,
-    ) -> _CachedBase | None:
+    ) -> CachedBase | None:
         """Host copies of a step's storages by path (None beyond ``base_cache_bytes``); with
         ``copy=False`` CPU ``raws`` are kept as they are (a snapshot, or pinned copies).
-        ``source``: :func:`_source` of the state, kept for a keyframe copy."""
+        ``source``: :func:`state_source` of the state, kept for a keyframe copy."""
         total = sum(r.numel() for r in raws)
         if self.base_cache_bytes is not None and total > self.base_cache_bytes:
             return None
@@ -1932,7 +1724,7 @@ class CheckpointStore:
                 continue
             ref = {"object": obj, "storage": i, "checksum": s["checksum"]}
             storages[s["path"]] = (t.view(-1), ref, s["dtype"])
-        return _CachedBase(step, obj, storages, total, pooled, hosts, source)
+        return CachedBase(step, obj, storages, total, pooled, hosts, source)
 
     def _remember(
         self,
@@ -1947,7 +1739,7 @@ class CheckpointStore:
         old, self._cache = self._cache, None
         self._unpool(old)
         hosts = fill.finish(raws) if fill is not None else None
-        source = _source_of(manifest)
+        source = source_of_manifest(manifest)
         if hosts is not None:
             self._cache = self._make_cache(rec.step, rec.object, manifest, hosts, copy=False, pooled=True, source=source)
         else:
@@ -1989,7 +1781,7 @@ class CheckpointStore:
         *,
         copy: bool,
         source: Any = None,
-    ) -> _CachedBase | None:
+    ) -> CachedBase | None:
         """:meth:`_make_cache` of a step's storages; CUDA ones go to the pinned pool's buffers
         (one synchronize, one reused generation: the previous cache was given back first), which
         are ~5x faster to fill than pageable copies and to stage for the next save."""
@@ -2003,11 +1795,11 @@ class CheckpointStore:
     # ------------------------------------------------------------------ pins, retention, deletion
     def pin(self, step: int) -> None:
         """Exempt ``step`` from retention (persisted as a marker object)."""
-        self._record(_check_step(step), self._read_records())
-        self.backend.put(_pin_key(step), b"")
+        self._record(check_step(step), self._read_records())
+        self.backend.put(pin_key(step), b"")
 
     def unpin(self, step: int) -> None:
-        self.backend.delete(_pin_key(_check_step(step)))
+        self.backend.delete(pin_key(check_step(step)))
         self.pinned.discard(step)
 
     def apply_retention(self) -> builtins.list[int]:
@@ -2036,7 +1828,7 @@ class CheckpointStore:
         Raises:
             CheckpointNotFoundError: no such step.
         """
-        step = _check_step(step)
+        step = check_step(step)
         if rebase:  # re-coding steps: let a save in flight and the re-encoding behind it land
             self._pipe.settle()
         with self._lock:
@@ -2054,14 +1846,14 @@ class CheckpointStore:
                 if rebased and self._tiers is not None:  # the slow tier's records still name ``step``'s data
                     _tiered.upload_missing(self)
             if self._tiers is not None:
-                self._tiers.fast.delete(_commit_key(step))
-                self._forget_record(self._tiers.fast, _commit_key(step))
-            self.backend.delete(_commit_key(step))  # the step is gone from here on
-            self.backend.delete(_pin_key(step))
+                self._tiers.fast.delete(commit_key(step))
+                self._forget_record(self._tiers.fast, commit_key(step))
+            self.backend.delete(commit_key(step))  # the step is gone from here on
+            self.backend.delete(pin_key(step))
             self.pinned.discard(step)
             if self._cache is not None and self._cache.step == step:
                 self._cache = None
-            self._forget_record(self.backend, _commit_key(step))
+            self._forget_record(self.backend, commit_key(step))
             self._reclaim(before)
 
     def _all_objects(self) -> set[str]:
@@ -2109,7 +1901,7 @@ class CheckpointStore:
         now = time.time()
         freed = 0
         for backend, live in places:
-            for o in backend.list(_DATA):
+            for o in backend.list(DATA):
                 if o.key in live:
                     continue
                 if o.mtime is not None and now - o.mtime < grace_seconds:
@@ -2121,9 +1913,9 @@ class CheckpointStore:
                 for o in tmps():
                     if o.mtime is not None and now - o.mtime >= grace_seconds:
                         backend.delete(o.key)
-        pins = self.backend.list(_PINS)
+        pins = self.backend.list(PINS)
         for o in pins:
-            m = _STEP_RE.match(o.key[len(_PINS) :])
+            m = STEP_RE.match(o.key[len(PINS) :])
             if m and int(m.group(1)) not in recs:
                 self.backend.delete(o.key)
         return freed
@@ -2137,328 +1929,8 @@ def _count_ops(manifest: Mapping[str, Any]) -> dict[str, int]:
     return ops
 
 
-def _replace(rec: StepInfo, **kw: Any) -> StepInfo:
-    import dataclasses
-
-    return dataclasses.replace(rec, **kw)
-
-
 class _Closer:
     def __init__(self, fn: Callable[[], None]) -> None:
         self.close = fn
 
 
-# ----------------------------------------------------------------------------- chains
-def _chain_device(manifest: Mapping[str, Any], map_location: api.MapLocation) -> torch.device | None:
-    """Where a chain's bases are decoded: the GPU when the step is coded with GPU-only codecs or
-    loads onto a GPU (and one is usable), else None (the CPU path)."""
-    gpu_codecs = any(not get_codec(c[0]).cpu_decodable for s in manifest["storages"] for c in s["chunks"])
-    to_gpu = any(api._target_device(s["device"], map_location).type == "cuda" for s in manifest["storages"])  # noqa: SLF001
-    if (gpu_codecs or to_gpu) and api._gpu() is not None:  # noqa: SLF001
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-class _Chain:
-    """Resolves delta bases while one step is decoded: opens each data object once, decodes only
-    the storages a delta needs (recursively, at most ``keyframe_every`` levels), and turns every
-    failure of a base into a BaseMismatchError naming the step and object.
-
-    A delta names its base by data object, storage index and raw checksum.  A forward delta's
-    base objects are listed in its record (``objects``).  A reverse delta's base is the newer step
-    ``base_step``, whose data may since have been re-encoded (as a delta against a still newer
-    step) and its old object removed: a base object that is gone is found through that step's
-    current commit record (the step named in the object's key, which must be on the chain of
-    ``base_step`` links), and the decoded bytes are checked against the delta's raw checksum."""
-
-    def __init__(
-        self, store: CheckpointStore, rec: StepInfo, threads: int | None, recs: Mapping[int, StepInfo] | None = None
-    ) -> None:
-        self.store = store
-        self.rec = rec
-        self.threads = threads
-        self.readers: dict[str, ContainerReader] = {}
-        self.recs = recs if recs is not None else store._read_records()  # noqa: SLF001
-        self.allowed = set(rec.objects)
-        self.by_step: set[int] = set()  # the steps reverse deltas on this chain name as bases
-        r: StepInfo | None = rec
-        while r is not None and r.reverse and r.base_step is not None and r.base_step not in self.by_step:
-            self.by_step.add(r.base_step)
-            r = self.recs.get(r.base_step)
-            if r is not None:
-                self.allowed.update(r.objects)
-        self._lock = threading.Lock()
-        self._depth = 0
-        self.memo: dict[tuple[str, int], torch.Tensor] = {}
-        self._checked: set[tuple[str, int, str]] = set()
-
-    def bases(self) -> builtins.list[str]:
-        """The data objects this step's deltas may read (not its own)."""
-        return sorted(self.allowed - {self.rec.object})
-
-    def reader(self, key: str, expect: int | None = None, step: int | None = None) -> ContainerReader:
-        with self._lock:
-            r = self.readers.get(key)
-            if r is None:
-                what = f" (step {step})" if step is not None else f" (a base of step {self.rec.step})"
-                r = self.store._open(key, whole=True, expect=expect, what=what)  # noqa: SLF001
-                self.readers[key] = r
-            return r
-
-    def open_all(self, keys: Iterable[str]) -> None:
-        """Read the chain's data objects in parallel (I/O bound: a delta at depth d needs d+1 whole
-        objects). A key that fails to open is left for :meth:`reader` to open again, so its error
-        is raised where it is understood (a missing base becomes a BaseMismatchError)."""
-        todo = [k for k in dict.fromkeys(keys) if k not in self.readers]
-        if len(todo) < 2:
-            return
-
-        def one(key: str) -> tuple[str, ContainerReader | None]:
-            try:
-                return key, self.store._open(key, whole=True, what=f" (a base of step {self.rec.step})")  # noqa: SLF001
-            except S4WError:
-                return key, None
-
-        with ThreadPoolExecutor(max_workers=min(4, len(todo)), thread_name_prefix="s4w-read") as ex:
-            for key, r in ex.map(one, todo):
-                if r is not None:
-                    with self._lock:
-                        self.readers.setdefault(key, r)
-
-    def _entry(self, ref: Mapping[str, Any], nbytes: int) -> tuple[ContainerReader, dict[str, Any], str, int, str | None]:
-        """The base storage a delta names, checked against its reference (BaseMismatchError).
-        The last item: a raw checksum the decoded bytes must still be checked against (a base
-        found through its step's re-encoded data, whose manifest may use another algorithm)."""
-        step = self.rec.step
-        if not isinstance(ref, Mapping) or not isinstance(ref.get("object"), str) or type(ref.get("storage")) is not int or not isinstance(ref.get("checksum"), str):
-            raise BaseMismatchError(f"step {step}: a delta names a malformed base {ref!r}")
-        obj, idx, ck = ref["object"], ref["storage"], ref["checksum"]
-        by_step = False
-        if obj not in self.allowed:
-            bstep = step_of_object(obj)
-            if bstep is None or bstep not in self.by_step:
-                raise BaseMismatchError(
-                    f"step {step}: a delta names base object {obj}, which its commit record does not list "
-                    f"as part of its chain {sorted(self.allowed)}"
-                )
-            brec = self.recs.get(bstep)
-            if brec is None:
-                raise BaseMismatchError(
-                    f"step {step}: its delta base, step {bstep}, is no longer committed in {self.store.backend.url}; "
-                    f"step {step} cannot be restored"
-                )
-            obj, by_step = brec.object, True
-        try:
-            reader = self.reader(obj)
-        except CheckpointNotFoundError as e:
-            raise BaseMismatchError(
-                f"step {step}: its delta base object {obj} is missing from {self.store.backend.url}; "
-                f"step {step} cannot be restored ({e})"
-            ) from e
-        except FormatError as e:
-            raise BaseMismatchError(f"step {step}: its delta base object {obj} is corrupt: {e}") from e
-        entries = reader.manifest["storages"]
-        if not 0 <= idx < len(entries):
-            raise BaseMismatchError(f"step {step}: base {obj} has no storage {idx}")
-        entry = entries[idx]
-        if (entry["checksum"] != ck and not by_step) or entry["nbytes"] != nbytes:
-            raise BaseMismatchError(
-                f"step {step}: storage {idx} ({entry['path']!r}) of base {obj} is not the one the delta "
-                f"was made against (checksum {entry['checksum']} / {entry['nbytes']} bytes, "
-                f"expected {ck} / {nbytes} bytes)"
-            )
-        return reader, entry, obj, idx, (ck if entry["checksum"] != ck else None)
-
-    def _checked_raw(self, raw: torch.Tensor, obj: str, idx: int, want: str | None) -> torch.Tensor:
-        """``raw`` once it is known to be the bytes ``want`` (a raw checksum) names."""
-        if want is None or (obj, idx, want) in self._checked:
-            return raw
-        flat = raw.reshape(-1)
-        if not ck.verify_tensor_checksum(want, flat, flat.device if flat.device.type == "cuda" else None):
-            raise BaseMismatchError(
-                f"step {self.rec.step}: storage {idx} of base {obj} decodes to other bytes than the delta "
-                f"was made against (checksum {want}): its base step was replaced"
-            )
-        self._checked.add((obj, idx, want))
-        return raw
-
-    def prefetch(self, entries: builtins.list[dict[str, Any]], device: torch.device | None) -> None:
-        """Decode every base the delta ``entries`` need, level by level from the oldest, each level
-        in one batched call (GPU decoders pay ~0.5 ms a call; a chain of N levels over a few hundred
-        tensors decoded one storage at a time costs seconds per level). ``device``: where the GPU
-        decodes (None: the CPU path). Afterwards :meth:`resolve` answers from memory."""
-        step = self.rec.step
-        refs = [(e["delta"].get("base"), e["nbytes"]) for e in entries if e.get("delta")]
-        levels: builtins.list[dict[str, dict[int, dict[str, Any]]]] = []
-        while refs:
-            if len(levels) > max(64, 2 * len(self.allowed) + 2):
-                raise BaseMismatchError(f"step {step}: delta chain is cyclic or too deep")
-            level: dict[str, dict[int, dict[str, Any]]] = {}
-            nxt: dict[tuple[str, int], tuple[Any, int]] = {}
-            for ref, nbytes in refs:
-                _reader, entry, obj, idx, _want = self._entry(ref, nbytes)
-                if idx in level.setdefault(obj, {}):
-                    continue
-                level[obj][idx] = entry
-                if entry.get("delta"):
-                    base = entry["delta"].get("base")
-                    key = (base.get("object"), base.get("storage")) if isinstance(base, Mapping) else (repr(base), -1)
-                    nxt.setdefault(key, (base, entry["nbytes"]))  # type: ignore[arg-type]
-            levels.append(level)
-            refs = builtins.list(nxt.values())
-        memo: dict[tuple[str, int], torch.Tensor] = {}
-        for level in reversed(levels):
-            below = memo
-
-            def from_below(ref: Mapping[str, Any], nbytes: int, below: dict[tuple[str, int], torch.Tensor] = below) -> torch.Tensor:
-                _r, _e, obj, idx, want = self._entry(ref, nbytes)
-                return self._checked_raw(below[(obj, idx)], obj, idx, want)
-
-            memo = {}
-            for obj, items in level.items():
-                reader = self.readers[obj]
-                idxs = sorted(items)
-                ents = [items[i] for i in idxs]
-                try:
-                    raws = _decode_many(reader, ents, self.threads, from_below, device)
-                except BaseMismatchError:
-                    raise
-                except FormatError as e:
-                    raise BaseMismatchError(
-                        f"step {step}: its delta base object {obj} is corrupt ({type(e).__name__}: {e})"
-                    ) from e
-                memo.update({(obj, i): r for i, r in zip(idxs, raws)})
-        self.memo = memo
-
-    def resolve(self, ref: Mapping[str, Any], nbytes: int) -> torch.Tensor:
-        step = self.rec.step
-        reader, entry, obj, idx, want = self._entry(ref, nbytes)
-        hit = self.memo.get((obj, idx))
-        if hit is not None:
-            return self._checked_raw(hit, obj, idx, want)
-        self._depth += 1
-        try:
-            if self._depth > max(64, 2 * len(self.allowed) + 2):
-                raise BaseMismatchError(f"step {step}: delta chain through {obj} is cyclic or too deep")
-            try:
-                return self._checked_raw(_decode_one(reader, entry, self.threads, self.resolve), obj, idx, want)
-            except BaseMismatchError:
-                raise
-            except FormatError as e:
-                raise BaseMismatchError(
-                    f"step {step}: its delta base object {obj} is corrupt ({type(e).__name__}: {e})"
-                ) from e
-        finally:
-            self._depth -= 1
-
-    def close(self) -> None:
-        for r in self.readers.values():
-            r.close()
-        self.readers.clear()
-
-
-def _decode_many(
-    reader: ContainerReader,
-    entries: builtins.list[dict[str, Any]],
-    threads: int | None,
-    resolve: engine.BaseResolver,
-    device: torch.device | None,
-) -> builtins.list[torch.Tensor]:
-    """Decode storage entries of one container: on ``device`` (a GPU) in one batched call when
-    given, else on the CPU path (GPU-only codecs still need the GPU: BackendUnavailableError)."""
-    if device is not None and device.type == "cuda":
-        gpu = api._gpu()  # noqa: SLF001
-        if gpu is not None:
-            with engine._executor(threads) as pool:  # noqa: SLF001
-                return gpu.decode_storages(reader, entries, device, resolve, pool)
-    return [_decode_one(reader, e, threads, resolve) for e in entries]
-
-
-#: what reading a delta base may raise that a save outlives (it codes those storages whole)
-_BASE_ERRORS = (FormatError, BaseMismatchError, CheckpointNotFoundError, StoreError, BackendUnavailableError)
-
-
-def _decode_one(
-    reader: ContainerReader, entry: dict[str, Any], threads: int | None, resolve: engine.BaseResolver
-) -> torch.Tensor:
-    """Decode one storage entry to a CPU uint8 tensor (GPU codecs through the GPU backend)."""
-    needs_gpu = any(not get_codec(c[0]).cpu_decodable for c in entry["chunks"])
-    if needs_gpu:
-        gpu = api._gpu()  # noqa: SLF001
-        if gpu is None:
-            raise BackendUnavailableError(
-                f"{reader.name}: base tensor {entry['path']!r} uses GPU-only codecs; load on a GPU machine"
-            )
-        dev = torch.device("cuda", torch.cuda.current_device())
-        return gpu.decode_storage(reader, entry, dev, resolve).cpu()
-    with engine._executor(threads) as pool:  # noqa: SLF001
-        return engine.decode_storage_cpu(reader, entry, pool, resolve, reader.name)
-
-
-class _BaseProvider:
-    """Supplies the previous step's bytes to the encoder: from the store's in-memory copy when it
-    holds that step, else by decoding the needed storage from the store (lazily, one at a time)."""
-
-    def __init__(self, store: CheckpointStore, base: StepInfo, recs: Mapping[int, StepInfo] | None = None) -> None:
-        self.store = store
-        self.base = base
-        self.recs = recs
-        cache = store._cache  # noqa: SLF001
-        self.cache = cache if cache is not None and cache.object == base.object else None
-        self.chain: _Chain | None = None
-        self.by_path: dict[str, int] | None = None
-        #: why the base step's container cannot be read at all (then no storage is delta-coded)
-        self.unreadable: S4WError | None = None
-        self.warned = False
-
-    def lookup(self, path: str, nbytes: int, dtype: str) -> tuple[torch.Tensor, dict[str, Any]] | None:
-        """The base bytes of storage ``path`` and its reference, or None: no delta for it. A base
-        that cannot be read (missing, corrupt, GPU-only codecs on a machine without a GPU, a failed
-        read) is no reason to fail the save: that storage is coded whole, with a warning (a whole
-        step: a keyframe), and nothing read from the base is trusted unchecked (every storage's
-        checksum is verified as it is decoded)."""
-        if self.cache is not None:
-            hit = self.cache.storages.get(path)
-            if hit is None or hit[0].numel() != nbytes or hit[2] != dtype:
-                return None
-            return hit[0], dict(hit[1])
-        if self.unreadable is not None:
-            return None
-        try:
-            if self.chain is None:
-                self.chain = _Chain(self.store, self.base, self.store.threads, self.recs)
-                try:
-                    reader = self.chain.reader(self.base.object, self.base.object_bytes, self.base.step)
-                except _BASE_ERRORS as e:
-                    self.unreadable = e
-                    raise
-                self.by_path = {}
-                for i, s in enumerate(reader.manifest["storages"]):
-                    self.by_path.setdefault(s["path"], i)
-            assert self.by_path is not None
-            idx = self.by_path.get(path)
-            if idx is None:
-                return None
-            reader = self.chain.readers[self.base.object]
-            entry = reader.manifest["storages"][idx]
-            if entry["nbytes"] != nbytes or entry["dtype"] != dtype:
-                return None
-            raw = _decode_one(reader, entry, self.store.threads, self.chain.resolve)
-        except _BASE_ERRORS as e:
-            self._warn(path, e)
-            return None
-        return raw, {"object": self.base.object, "storage": idx, "checksum": entry["checksum"]}
-
-    def _warn(self, path: str, e: S4WError) -> None:
-        if self.warned:
-            return
-        self.warned = True
-        what = "the whole step (a keyframe)" if self.unreadable is not None else f"{path!r} (and any other storage whose base cannot be read)"
-        log.warning(
-            "s4weights: %s: cannot read the delta base, step %d (%s: %s): coding %s without a delta",
-            self.store.backend.url, self.base.step, type(e).__name__, e, what,
-        )
-
-    def close(self) -> None:
-        if self.chain is not None:
-            self.chain.close()

@@ -17,7 +17,7 @@ from s4w_core.errors import (
     TruncatedError,
 )
 from s4w_core.store import CheckpointStore, open_backend
-from s4w_core.store.store import _DATA
+from s4w_core.store.records import DATA
 
 from .helpers import Crash, FaultyBackend, bits_equal, make_run
 
@@ -81,7 +81,7 @@ def test_crash_during_delete_keeps_everything_loadable(store_url: str) -> None:
     for i in (1, 2, 3):
         assert bits_equal(rd.load(i), run[i])
     rd.gc(grace_seconds=0)
-    assert {o.key for o in rd.backend.list(_DATA)} == {o for r in rd.list() for o in r.live_objects}
+    assert {o.key for o in rd.backend.list(DATA)} == {o for r in rd.list() for o in r.live_objects}
 
 
 def test_truncated_data_object(store_url: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 from s4w_core import obs
 from s4w_core.errors import ManifestError
 from s4w_core.store import CheckpointStore, open_backend
-from s4w_core.store.store import _DATA
+from s4w_core.store.records import DATA
 from tests.compat.make_golden import describe
 from tests.compat.make_golden_store import STORE as GOLDEN_STORE
 
@@ -35,7 +35,7 @@ def _filled(url: str, saves: int, runs: int | None = None, **opts: Any) -> tuple
 
 
 def _data(st: CheckpointStore) -> set[str]:
-    return {o.key for o in st.backend.list(_DATA)}
+    return {o.key for o in st.backend.list(DATA)}
 
 
 def _live(st: CheckpointStore) -> set[str]:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from s4w_core.errors import CheckpointNotFoundError
 from s4w_core.store import CheckpointStore
 from s4w_core.store._memory import MemoryBackend
-from s4w_core.store.store import _DATA
+from s4w_core.store.records import DATA
 
 from .helpers import Crash, FaultyBackend
 
@@ -61,7 +61,7 @@ def _check(store: CheckpointStore, expected: dict[int, dict]) -> None:
     for s, state in expected.items():
         assert _equal(fresh.load(s), state), f"step {s}"
     live = {o for r in store.list() for o in r.live_objects}
-    data = {o.key for o in store.backend.list(_DATA)}
+    data = {o.key for o in store.backend.list(DATA)}
     assert data == live, f"unreclaimed: {sorted(data - live)}; missing: {sorted(live - data)}"
     recs = store.list()
     steps = {r.step for r in recs}

@@ -10,13 +10,13 @@ import torch
 import s4w_core
 from s4w_core.errors import CheckpointNotFoundError, ConflictError
 from s4w_core.store import CheckpointStore, load_checkpoint, save_checkpoint
-from s4w_core.store.store import _DATA
+from s4w_core.store.records import DATA
 
 from .helpers import bits_equal, make_run
 
 
 def data_keys(st: CheckpointStore) -> set[str]:
-    return {o.key for o in st.backend.list(_DATA)}
+    return {o.key for o in st.backend.list(DATA)}
 
 
 def test_chain_roundtrip_bit_exact_with_bounded_chain(store_url: str) -> None:
