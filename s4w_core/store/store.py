@@ -331,9 +331,10 @@ class CheckpointStore:
         delta: turn each step into a delta against the next where that pays (default True).
         profile: codec profile for :func:`s4w_core.save` (``auto``/``portable``/``fast``).
         threads: CPU threads for coding.
-        base_cache_bytes: host memory the store may use to keep the last saved (or loaded) step's
-            bytes as the base of the next save; ``None``: no limit; ``0``: never cache (each save
-            then re-reads the storages it needs from the previous step, decoding its chain).
+        base_cache_bytes: host memory the store may use to keep the newest saved (or loaded)
+            step's bytes: the base the step below it is re-encoded against, and the bytes the next
+            save re-encodes; ``None``: no limit; ``0``: never keep them (each re-encoding then
+            decodes both steps from their objects).
         region, endpoint, force_path_style, unsigned, profile_name, client_options: S3 settings
             (see :mod:`s4w_core.store._s3`); environment variables such as ``AWS_ENDPOINT_URL``
             apply when these are not given.
@@ -504,7 +505,7 @@ class CheckpointStore:
 
         A save of CUDA tensors copies them to pinned host buffers: :meth:`save_async` (mode
         ``async-pinned``) is blocked only for that copy, and both kinds of save keep the copy as
-        the next save's delta base.  The buffers are reused from the third save on, and the
+        the step's bytes (re-encoded as a delta by the next save).  The buffers are reused from the third save on, and the
         second generation is allocated in the background once the first save's copy is done;
         this call also takes the first one out of the training loop (0.2-0.4 s for a 1.82 GB
         state on an H100 host; ``benchmarks/bench_host_io.py``).  Call it once the state exists (after the
@@ -755,7 +756,7 @@ class CheckpointStore:
             with timer.stage("list"):
                 recs = self._read_records()
                 rec = self._record(step, recs)
-            remember = rec.step == max(recs) and self._caching()  # the next save's delta base
+            remember = rec.step == max(recs) and self._caching()  # the next save re-encodes it
             own = None  # a step read from its copy is remembered under its own container's manifest
             if remember and from_copy and rec.copy is not None:
                 own = _background(self._own_manifest_of, rec)
@@ -998,12 +999,12 @@ class CheckpointStore:
 
         Args:
             state: any object :func:`s4w_core.save` accepts (``{"model": ..., "optimizer": ...}``).
-            step: the training step (a non-negative integer); the base of a delta is the newest
-                committed step below it.
+            step: the training step (a non-negative integer).  The step is written whole; the
+                newest committed step below it becomes a delta against it behind the save.
             extra: small JSON-able metadata kept in the commit record and the container.
-            keyframe: force a full checkpoint (no delta).
-            overwrite: replace an existing commit of ``step`` (the old data stays as long as a
-                later delta needs it).
+            keyframe: accepted for compatibility: every step is written whole.
+            overwrite: replace an existing commit of ``step`` (a delta against it is first
+                re-coded, see :meth:`delete`).
             blocking: ``False`` is :meth:`save_async` (returns its :class:`SaveHandle`).
         Returns:
             The :class:`StepInfo` of the committed step.  With a fast tier, the step is then
@@ -1096,8 +1097,8 @@ class CheckpointStore:
                     handle.mode = mode
                     if mode == "async-pinned":
                         # the state's bytes to pinned host buffers (one copy per storage, one
-                        # synchronize); the GPU codes them in the background, and they become the
-                        # next save's delta base without another copy
+                        # synchronize); the GPU codes them in the background, and they are kept as
+                        # the step's bytes (for the re-encodings) without another copy
                         pre = None
                         t = time.perf_counter()
                         # a second generation only when the copy becomes the cached base (a store
@@ -1552,7 +1553,7 @@ class CheckpointStore:
         overwrite: bool,
     ) -> _PreEncoded:
         """``async-gpu``: encode the whole container now into host memory, and copy the state's
-        bytes to pinned host buffers for the next save's base (one synchronize)."""
+        bytes to pinned host buffers, kept as the step's bytes (one synchronize)."""
         with self._lock:
             recs = self._read_records()
             if step in recs and not overwrite:
@@ -1733,9 +1734,9 @@ class CheckpointStore:
         raws: builtins.list[torch.Tensor],
         fill: _async.HostFill | None = None,
     ) -> None:
-        """Keep copies of a committed step's storages (within ``base_cache_bytes``), the next
-        save's delta base (see :meth:`_base_copies`); ``fill``: the load's copies, made while it
-        loaded."""
+        """Keep copies of a committed step's storages (within ``base_cache_bytes``), the bytes the
+        next save re-encodes (see :meth:`_base_copies`); ``fill``: the load's copies, made while
+        it loaded."""
         old, self._cache = self._cache, None
         self._unpool(old)
         hosts = fill.finish(raws) if fill is not None else None
