@@ -318,11 +318,15 @@ class Pipeline:
         handle._finish(info, error)  # noqa: SLF001
 
     def stop(self) -> None:
-        """End the worker thread once its queue is empty (a later submit starts a new one)."""
+        """End the worker thread once its queue is empty (a later submit starts a new one), and
+        wait for it to end: a thread that ran torch code and is still ending while the
+        interpreter shuts down can abort the process."""
         with self._lock:
             t, self._thread = self._thread, None
         if t is not None:
             self._q.put(None)
+            if t is not threading.current_thread():
+                t.join(timeout=30)
 
     # -- exit and garbage collection
     def drain_quietly(self, why: str) -> None:

@@ -156,8 +156,9 @@ def _cmd_store_info(args: argparse.Namespace) -> int:
     print(f"  data object {rec.object}: {_h(rec.raw_bytes)} raw -> {_h(rec.object_bytes)} ({rec.ratio:.3f}x)")
     if rec.copy is not None:
         print(f"  keyframe copy {rec.copy}: {_h(rec.copy_bytes)} (a load reads it alone)")
-    if len(rec.objects) > 1:
-        print(f"  restoring from the chain reads {len(rec.objects)} objects: " + ", ".join(rec.objects))
+    chain = st.chain_objects(rec.step)
+    if len(chain) > 1:
+        print(f"  restoring from the chain reads {len(chain)} objects: " + ", ".join(chain))
     print(f"  created {rec.created}, profile {rec.profile}, {d['tensors']} tensors, {d['delta_storages']} of "
           f"{d['storages']} storages stored as deltas")
     for title in ("kinds", "groups"):

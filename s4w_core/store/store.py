@@ -949,6 +949,29 @@ class CheckpointStore:
             return api.VerifyReport(where, False, 0, 0, problems)
         return api.VerifyReport(where, True, len(raws), sum(r.numel() for r in raws), [])
 
+    def chain_objects(self, step: int | None = None) -> builtins.list[str]:
+        """The data objects a load of ``step`` (default: latest) may read: its own, then those of
+        the steps its deltas are against (reads commit records only).
+
+        Example:
+            >>> import torch, tempfile
+            >>> from s4w_core import CheckpointStore
+            >>> st = CheckpointStore(tempfile.mkdtemp())
+            >>> w = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+            >>> _ = st.save({"w": w}, step=1); _ = st.save({"w": w + 1e-3}, step=2)
+            >>> st.wait(); len(st.chain_objects(1)), len(st.chain_objects(2))
+            (2, 1)
+        """
+        recs = self._read_records()
+        rec = self._record(step, recs)
+        out = builtins.list(rec.objects)
+        seen = {rec.step}
+        while rec.reverse and rec.base_step in recs and rec.base_step not in seen:
+            rec = recs[rec.base_step]
+            seen.add(rec.step)
+            out += [o for o in rec.objects if o not in out]
+        return out
+
     def container_info(self, step: int | None = None) -> dict[str, Any]:
         """:func:`s4w_core.info` of the step's container (reads only its manifest)."""
         rec = self.info(step)

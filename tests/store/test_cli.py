@@ -33,17 +33,17 @@ def test_ls_and_json(filled, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["ls", url, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in d["steps"]] == [0, 10, 20, 30, 100]
-    assert d["steps"][1]["kind"] == "delta" and d["steps"][1]["base_step"] == 0
+    assert d["steps"][1]["kind"] == "delta" and d["steps"][1]["base_step"] == 20  # against the next step
 
 
 def test_info_with_step(filled, capsys) -> None:  # type: ignore[no-untyped-def]
     url, _ = filled
-    assert main(["info", url, "--step", "20"]) == 0
+    assert main(["info", url, "--step", "0"]) == 0
     out = capsys.readouterr().out
-    assert "step 20: delta (depth 2, base step 10)" in out and "restoring from the chain reads 3 objects" in out
-    assert main(["info", url, "--step", "20", "--json"]) == 0
+    assert "step 0: delta (depth 2, base step 10)" in out and "restoring from the chain reads 3 objects" in out
+    assert main(["info", url, "--step", "0", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["step"]["step"] == 20 and d["container"]["delta_storages"] > 0
+    assert d["step"]["step"] == 0 and d["container"]["delta_storages"] > 0
     assert main(["info", url, "--step", "21"]) == 2
     assert "no committed step 21" in capsys.readouterr().err
 
