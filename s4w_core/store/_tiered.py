@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import builtins
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 from s4w_core.errors import CheckpointNotFoundError, S4WError, StoreError
 from s4w_core.store._async import Cancelled
 from s4w_core.store._backend import Backend
 from s4w_core.store.records import DATA, StepInfo, commit_key
 
-if TYPE_CHECKING:
-    from s4w_core.store.store import CheckpointStore
-
+#: the functions below take the :class:`~s4w_core.store.CheckpointStore` they work for (typed
+#: ``Any``: this module is imported by the store's, and must not import it back)
 __all__ = ["Tiers", "copy_object", "upload_missing", "prune_fast"]
 
 _COPY_BLOCK = 8 << 20
@@ -62,7 +61,7 @@ def copy_object(src: Backend, dst: Backend, key: str, cancel: threading.Event | 
         rr.close()
 
 
-def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None) -> builtins.list[int]:
+def upload_missing(store: Any, cancel: threading.Event | None = None) -> builtins.list[int]:
     """Copy every step the fast tier has committed and the slow tier has not, or has with
     another data object (re-encoded) or keyframe copy: the data objects its record keeps alive
     that the slow tier lacks, then its commit record; newest first, so that a delta's base step
@@ -91,7 +90,7 @@ def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None
 
 
 def _upload_step(
-    store: CheckpointStore,
+    store: Any,
     step: int,
     rec: StepInfo,
     old: StepInfo | None,
@@ -117,7 +116,7 @@ def _upload_step(
         store._reclaim(old.live_objects)  # noqa: SLF001
 
 
-def prune_fast(store: CheckpointStore) -> builtins.list[int]:
+def prune_fast(store: Any) -> builtins.list[int]:
     """Drop from the fast tier every step but its newest ``fast_keep_last``, only those the slow
     tier has committed (same data object); then reclaim fast-tier objects no fast commit lists.
     Returns the steps dropped from the fast tier."""
