@@ -80,12 +80,12 @@ class Timers:
 def _load_targets() -> list[tuple[Any, str, str]]:
     from s4w_core import api, checksum
     from s4w_core.format import container
-    from s4w_core.store import store
+    from s4w_core.store import chain, store
 
     out: list[tuple[Any, str, str]] = [
         (store.CheckpointStore, "_open", "store._open (container header+manifest)"),
-        (store._Chain, "open_all", "chain.open_all"),  # noqa: SLF001
-        (store._Chain, "prefetch", "chain.prefetch (bases)"),  # noqa: SLF001
+        (chain.Chain, "open_all", "chain.open_all"),
+        (chain.Chain, "prefetch", "chain.prefetch (bases)"),
         (store.CheckpointStore, "_remember", "store._remember (base cache copy)"),
         (api, "_decode_storages", "api._decode_storages (the step itself)"),
         (api, "_build_tensors", "api._build_tensors"),

@@ -9,7 +9,7 @@ top 3, ``last.ckpt`` names the same store step (stored once, ``last.ckpt`` is th
 Then a new Trainer resumes from the oldest checkpoint top-3 kept (an epoch boundary, so a plain
 DataLoader replays exactly; the script prints which), trains to the end, and the result is
 compared bit for bit with the run that never stopped. Writes under ``--out`` (default: a new
-temporary folder, printed first). Prints the store's steps, the bytes on disk (store and pointer
+``/tmp/s4w-lightning-*`` folder, printed first). Prints the store's steps, the bytes on disk (store and pointer
 files) against what Lightning's own ``torch.save`` files for the same checkpoints take, and
 ``{"bit_exact_vs_uninterrupted": ...}``.
 

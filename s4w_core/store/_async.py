@@ -18,8 +18,9 @@ store does the rest, in order:
 
 At most one save is in flight per store: the next one waits for it (``on_busy="wait"``) or raises
 :class:`~s4w_core.errors.SaveInProgressError` (``on_busy="error"``).  Behind a save the worker may
-run a *tail* (:meth:`Pipeline.defer`: the keyframe copy of the newest step), which the next save
-cancels instead of waiting for it and which :meth:`Pipeline.wait` waits for.  A background failure is kept
+run a *tail* (:meth:`Pipeline.defer`: the re-encoding of the step below the newest as a delta
+against it), which the next save and :meth:`Pipeline.wait` wait for (a tail that sets
+``handle._cancel`` is cancelled by the next save instead).  A background failure is kept
 and raised, wrapped in :class:`~s4w_core.errors.AsyncSaveError`, by the store's next call; at
 interpreter exit every store's in-flight save is waited for and a failure is logged at ERROR.
 """
@@ -48,7 +49,7 @@ from s4w_core import api, engine
 from s4w_core.errors import AsyncSaveError, SaveInProgressError
 
 if TYPE_CHECKING:
-    from s4w_core.store.store import StepInfo
+    from s4w_core.store.records import StepInfo
 
 __all__ = ["SaveHandle", "Cancelled", "CancellableWriter", "MODES", "ON_BUSY", "choose_mode", "snapshot", "HostBuffer", "PinnedPool", "HostFill", "pinned_slab", "pinned_buffers"]
 
@@ -190,7 +191,7 @@ class Pipeline:
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.inflight: SaveHandle | None = None
-        self.tail: SaveHandle | None = None  # a cancellable job behind the saves (keyframe copy)
+        self.tail: SaveHandle | None = None  # a job behind the saves (the re-encoding)
         self.failed: SaveHandle | None = None
         self.pending_bytes = 0
         self.peak_pending_bytes = 0
@@ -317,11 +318,15 @@ class Pipeline:
         handle._finish(info, error)  # noqa: SLF001
 
     def stop(self) -> None:
-        """End the worker thread once its queue is empty (a later submit starts a new one)."""
+        """End the worker thread once its queue is empty (a later submit starts a new one), and
+        wait for it to end: a thread that ran torch code and is still ending while the
+        interpreter shuts down can abort the process."""
         with self._lock:
             t, self._thread = self._thread, None
         if t is not None:
             self._q.put(None)
+            if t is not threading.current_thread():
+                t.join(timeout=30)
 
     # -- exit and garbage collection
     def drain_quietly(self, why: str) -> None:

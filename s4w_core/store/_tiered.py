@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import builtins
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 from s4w_core.errors import CheckpointNotFoundError, S4WError, StoreError
 from s4w_core.store._async import Cancelled
 from s4w_core.store._backend import Backend
+from s4w_core.store.records import DATA, StepInfo, commit_key
 
-if TYPE_CHECKING:
-    from s4w_core.store.store import CheckpointStore, StepInfo
-
+#: the functions below take the :class:`~s4w_core.store.CheckpointStore` they work for (typed
+#: ``Any``: this module is imported by the store's, and must not import it back)
 __all__ = ["Tiers", "copy_object", "upload_missing", "prune_fast"]
 
 _COPY_BLOCK = 8 << 20
@@ -61,13 +61,13 @@ def copy_object(src: Backend, dst: Backend, key: str, cancel: threading.Event | 
         rr.close()
 
 
-def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None) -> builtins.list[int]:
-    """Copy every step the fast tier has committed and the slow tier has not (ascending), or
-    has with another keyframe copy: the data objects its record keeps alive that the slow tier
-    lacks, then its commit record.  Then apply the fast tier's retention.  Returns the steps
-    uploaded.  Caller holds ``store._lock``.  ``cancel``: see :func:`copy_object`."""
-    from s4w_core.store.store import _DATA
-
+def upload_missing(store: Any, cancel: threading.Event | None = None) -> builtins.list[int]:
+    """Copy every step the fast tier has committed and the slow tier has not, or has with
+    another data object (re-encoded) or keyframe copy: the data objects its record keeps alive
+    that the slow tier lacks, then its commit record; newest first, so that a delta's base step
+    (a newer one) is there before the delta's record.  Then apply the fast tier's retention.
+    Returns the steps uploaded, ascending.  Caller holds ``store._lock``.  ``cancel``: see
+    :func:`copy_object`."""
     assert store._tiers is not None  # noqa: SLF001
     slow_b = store.backend
     fast, slow = store._tier_views()  # noqa: SLF001
@@ -75,8 +75,8 @@ def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None
     done: builtins.list[int] = []
     try:
         if todo:
-            on_slow = {o.key for o in slow_b.list(_DATA)}
-            for step in todo:
+            on_slow = {o.key for o in slow_b.list(DATA)}
+            for step in sorted(todo, reverse=True):
                 _upload_step(store, step, fast[step], slow.get(step), on_slow, cancel)
                 done.append(step)
     except BaseException:
@@ -86,19 +86,17 @@ def upload_missing(store: CheckpointStore, cancel: threading.Event | None = None
             pass
         raise
     prune_fast(store)
-    return done
+    return sorted(done)
 
 
 def _upload_step(
-    store: CheckpointStore,
+    store: Any,
     step: int,
     rec: StepInfo,
     old: StepInfo | None,
     on_slow: set[str],
     cancel: threading.Event | None = None,
 ) -> None:
-    from s4w_core.store.store import _commit_key
-
     tiers = store._tiers  # noqa: SLF001
     assert tiers is not None
     fast_b, slow_b = tiers.fast, store.backend
@@ -112,18 +110,16 @@ def _upload_step(
                 f"cannot upload step {step} to {slow_b.url}: its chain's data object {key} is on neither tier ({e})"
             ) from e
         on_slow.add(key)
-    slow_b.put(_commit_key(step), fast_b.get(_commit_key(step)), if_absent=old is None)
-    store._forget_record(slow_b, _commit_key(step))  # noqa: SLF001
+    slow_b.put(commit_key(step), fast_b.get(commit_key(step)), if_absent=old is None)
+    store._forget_record(slow_b, commit_key(step))  # noqa: SLF001
     if old is not None:  # an overwrite: the old chain's objects may be free now
         store._reclaim(old.live_objects)  # noqa: SLF001
 
 
-def prune_fast(store: CheckpointStore) -> builtins.list[int]:
+def prune_fast(store: Any) -> builtins.list[int]:
     """Drop from the fast tier every step but its newest ``fast_keep_last``, only those the slow
     tier has committed (same data object); then reclaim fast-tier objects no fast commit lists.
     Returns the steps dropped from the fast tier."""
-    from s4w_core.store.store import _commit_key
-
     tiers = store._tiers  # noqa: SLF001
     assert tiers is not None
     if tiers.keep_last is None:
@@ -135,7 +131,7 @@ def prune_fast(store: CheckpointStore) -> builtins.list[int]:
         return []
     candidates = {o for s in doomed for o in fast[s].live_objects}
     for s in doomed:
-        tiers.fast.delete(_commit_key(s))
-        store._forget_record(tiers.fast, _commit_key(s))  # noqa: SLF001
+        tiers.fast.delete(commit_key(s))
+        store._forget_record(tiers.fast, commit_key(s))  # noqa: SLF001
     store._reclaim(candidates)  # noqa: SLF001
     return doomed

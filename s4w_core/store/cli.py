@@ -21,6 +21,7 @@ from s4w_core import pointer
 from s4w_core.api import save
 from s4w_core.cliutil import add_progress_args, device_arg, human_bytes, printable, progress_bar, want_progress
 from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, StoreError, UnsupportedTypeError
+from s4w_core.store.records import COMMITS as _COMMITS  # the layout docs/STORE.md documents
 from s4w_core.store.store import CheckpointStore
 
 __all__ = ["register", "is_store_url"]
@@ -42,7 +43,6 @@ def _print(*parts: Any, **kw: Any) -> None:
     print(*(printable(x) for x in parts), **kw)
 
 #: where a store keeps its commit records (the layout docs/STORE.md documents)
-_COMMITS = "commits/"
 
 
 def _store(args: argparse.Namespace, **kw: Any) -> Any:
@@ -167,8 +167,9 @@ def _cmd_store_info(args: argparse.Namespace) -> int:
     _print(f"  data object {rec.object}: {_h(rec.raw_bytes)} raw -> {_h(rec.object_bytes)} ({rec.ratio:.3f}x)")
     if rec.copy is not None:
         _print(f"  keyframe copy {rec.copy}: {_h(rec.copy_bytes)} (a load reads it alone)")
-    if len(rec.objects) > 1:
-        _print(f"  restoring from the chain reads {len(rec.objects)} objects: " + ", ".join(rec.objects))
+    chain = st.chain_objects(rec.step)
+    if len(chain) > 1:
+        _print(f"  restoring from the chain reads {len(chain)} objects: " + ", ".join(chain))
     _print(f"  created {rec.created}, profile {rec.profile}, {d['tensors']} tensors, {d['delta_storages']} of "
           f"{d['storages']} storages stored as deltas")
     for title in ("kinds", "groups"):

@@ -1,33 +1,35 @@
-"""CheckpointStore: base -> delta chains of s4weights containers, atomic commits, retention.
+"""CheckpointStore: the newest step whole, older steps deltas against newer ones, atomic commits.
 
 Layout under the store's root (a directory, an ``s3://bucket/prefix`` or ``memory://name``)::
 
-    data/step_000000000100.<token>.s4w   one s4weights container per save (immutable; a fresh
-                                          random token per attempt, so no save ever overwrites data)
+    data/step_000000000100.<token>.s4w   one s4weights container per step (immutable; a fresh
+                                          random token per write, so nothing committed is overwritten)
     commits/step_000000000100.json       the commit record, written LAST: a step exists iff its
                                           commit record does
     pins/step_000000000100               empty marker: the step is exempt from retention
 
-Commit protocol (docs/STORE.md): (1) stream the container to a new data object (atomic: temp +
-fsync + rename locally, a completed multipart upload on S3); (2) write the commit record
-(atomic, create-if-absent unless ``overwrite=True``).  A crash before (2) leaves at most an
-unreferenced data object that no listing shows and :meth:`CheckpointStore.gc` reclaims.  Readers
-list ``commits/`` only, so they never see a half-written checkpoint.
+Each save writes its step whole (a keyframe).  Behind it, on the store's worker, the step just
+below (whole until then) is re-encoded as a delta against the new step from the host copies the
+store keeps, checked to hold the same bytes, and committed by rewriting its record (atomic); its
+old whole object is then removed.  At most ``keyframe_every - 1`` deltas in a row: then a step
+stays whole.  A reverse delta's manifest names its base by data object, storage and raw checksum;
+that object may since have been re-encoded itself, so a base object that is gone is found through
+its step's current commit record and the decoded bytes are checked against the checksum
+(:class:`Chain`).  Deleting the oldest step re-codes nothing; deleting (or overwriting) a step a
+delta is against first re-codes that delta against the nearest step above it (or whole).
 
-Deltas: each storage of a new checkpoint may be coded against the storage at the same tree path
-in the previous committed step (the base), see :mod:`s4w_core.delta`.  A delta's manifest entry
-names its base by data object, storage index and checksum, so a base can be verified and is never
-confused with a later re-save of the same step.  Every commit record lists the data objects its
-chain needs (``objects``); a data object is live while any commit record lists it.
+Stores written by the first layout (forward deltas, ``version: 1`` records, keyframe copies of the
+newest step) are read as they are; the first save into one drops its keyframe copy.
 
-Keyframes: a step is coded without base when the previous step is ``keyframe_every - 1`` deltas
-deep (so restoring any step reads at most ``keyframe_every`` containers per tensor), when no
-tensor's delta pays, when there is no earlier step, or when asked (``keyframe=True``).
+Commit protocol (docs/STORE.md): (1) write a data object (atomic: temp + fsync + rename locally,
+a completed multipart upload on S3); (2) write or rewrite the commit record (atomic); (3) only
+then remove what no record needs.  A crash leaves every committed step loadable and at most
+unreferenced objects, which :meth:`CheckpointStore.gc` reclaims.
 
 Non-blocking saves (:meth:`CheckpointStore.save_async`, :mod:`s4w_core.store._async`): the caller
 waits only until the state is safe to modify; one worker thread per store encodes, writes and
-commits, one save at a time.  Tiers (``fast_tier=``, :mod:`s4w_core.store._tiered`): a save
-commits to the fast tier, then the worker copies it to the store's URL.
+commits, one save at a time, and re-encodes behind it.  Tiers (``fast_tier=``,
+:mod:`s4w_core.store._tiered`): a save commits to the fast tier, then the worker copies it on.
 """
 
 from __future__ import annotations
@@ -35,26 +37,24 @@ from __future__ import annotations
 import builtins
 import datetime as _dt
 import functools
+import io
 import json
 import logging
 import os
-import re
 import threading
 import time
-import uuid
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterable, Literal, Mapping, TypeVar, overload
 
 import torch
 
 from s4w_core import api, engine, gpu, obs
 from s4w_core import checksum as ck
-from s4w_core.codecs import get_codec
 from s4w_core.errors import (
     AsyncSaveError,
-    BackendUnavailableError,
     BaseMismatchError,
     CheckpointNotFoundError,
     ConflictError,
@@ -69,6 +69,30 @@ from s4w_core.skeleton import decode_tree, encode_tree
 from s4w_core.store import _async, _tiered
 from s4w_core.store._async import SaveHandle
 from s4w_core.store._backend import Backend, RangeReader
+from s4w_core.store.chain import (
+    BaseProvider,
+    CachedBase,
+    Chain,
+    chain_device,
+    source_of_manifest,
+    state_source,
+)
+from s4w_core.store.records import (
+    COMMITS,
+    DATA,
+    PINS,
+    STEP_RE,
+    STORE_FORMAT,
+    STORE_VERSION,
+    StepInfo,
+    check_step,
+    commit_key,
+    data_key,
+    dict_or_empty,
+    parse_record,
+    pin_key,
+    replace_record,
+)
 
 __all__ = [
     "CheckpointStore",
@@ -83,36 +107,15 @@ __all__ = [
 _T = TypeVar("_T")
 log = logging.getLogger("s4w_core.store")
 
-STORE_FORMAT = "s4weights-store"
-STORE_VERSION = 1
-#: default bound on a delta chain: a keyframe at least every 10 saves (restore reads <= 10 containers).
+#: a re-encoded step (a delta against the step above it) replaces its whole object only when it is
+#: at least this much smaller; otherwise the step stays whole (deltas of far-apart or tiny states)
+REENCODE_MIN_GAIN = 0.05
+#: steps whose whole object is at most this large are re-encoded into memory first, so that a
+#: delta that does not pay writes nothing
+REENCODE_BUFFER_BYTES = 64 << 20
+
+#: default bound on the delta chains: at most 9 deltas in a row (a load reads <= 10 containers).
 DEFAULT_KEYFRAME_EVERY = 10
-
-_COMMITS = "commits/"
-_DATA = "data/"
-_PINS = "pins/"
-_STEP_RE = re.compile(r"^step_(\d{12})(?:\.json)?$")
-_MAX_RECORD = 1 << 24
-
-
-def _commit_key(step: int) -> str:
-    return f"{_COMMITS}step_{step:012d}.json"
-
-
-def _data_key(step: int) -> str:
-    """A fresh data object key: the token differs for every save attempt."""
-    return f"{_DATA}step_{step:012d}.{uuid.uuid4().hex[:12]}.s4w"
-
-
-def _pin_key(step: int) -> str:
-    return f"{_PINS}step_{step:012d}"
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
-        raise ValueError(f"step must be an integer in [0, 10**12), got {step!r}")
-    return step
-
 
 def open_backend(url: str | os.PathLike[str], **options: Any) -> Backend:
     """The backend for ``url``: ``s3://bucket/prefix``, ``memory://name`` or a local path
@@ -136,147 +139,6 @@ def open_backend(url: str | os.PathLike[str], **options: Any) -> Backend:
     return LocalBackend(u[len("file://") :] if u.startswith("file://") else u, create=options.get("create", True))
 
 
-# ----------------------------------------------------------------------------- records
-@dataclass(frozen=True)
-class StepInfo:
-    """One committed step, as its commit record describes it (no data is read)."""
-
-    step: int
-    kind: str  # "keyframe" | "delta"
-    depth: int  # deltas since the last keyframe (0 for a keyframe)
-    base_step: int | None
-    object: str
-    object_bytes: int
-    raw_bytes: int
-    stored_bytes: int
-    objects: tuple[str, ...]
-    created: str
-    profile: str
-    kinds: dict[str, Any] = field(default_factory=dict)
-    groups: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    delta_ops: dict[str, int] = field(default_factory=dict)  # storages per delta op
-    pinned: bool = False
-    #: where the step is committed, for a store with a fast tier: ("fast",), ("slow",) or both;
-    #: () for a store without tiers.  Not part of the commit record.
-    tiers: tuple[str, ...] = ()
-    #: a keyframe container of the same bytes, written after the step committed (the newest
-    #: delta step has one: a load of it reads that one object instead of its chain); None if none
-    copy: str | None = None
-    copy_bytes: int = 0
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / self.object_bytes if self.object_bytes else 1.0
-
-    @property
-    def live_objects(self) -> tuple[str, ...]:
-        """The data objects this record keeps alive: its chain's, and its keyframe copy."""
-        return (*self.objects, self.copy) if self.copy is not None else self.objects
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "depth": self.depth,
-            "base_step": self.base_step,
-            "object": self.object,
-            "object_bytes": self.object_bytes,
-            "raw_bytes": self.raw_bytes,
-            "stored_bytes": self.stored_bytes,
-            "ratio": round(self.ratio, 4),
-            "objects": list(self.objects),
-            "created": self.created,
-            "profile": self.profile,
-            "kinds": self.kinds,
-            "groups": self.groups,
-            "extra": self.extra,
-            "delta_ops": self.delta_ops,
-            "pinned": self.pinned,
-            **({"tiers": list(self.tiers)} if self.tiers else {}),
-            **({"keyframe_copy": {"object": self.copy, "bytes": self.copy_bytes}} if self.copy is not None else {}),
-        }
-
-    def _record(self) -> dict[str, Any]:
-        d = self.as_dict()
-        d.pop("ratio")
-        d.pop("pinned")
-        d.pop("tiers", None)
-        return {"format": STORE_FORMAT, "version": STORE_VERSION, **d}
-
-
-def _dict(v: Any) -> dict[str, Any]:
-    return v if isinstance(v, dict) else {}
-
-
-def _parse_record(body: bytes, key: str, where: str) -> StepInfo:
-    def bad(why: str) -> ManifestError:
-        return ManifestError(f"{where}: commit record {key} is invalid: {why}")
-
-    if len(body) > _MAX_RECORD:
-        raise bad(f"{len(body)} bytes, larger than {_MAX_RECORD}")
-    try:
-        r = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise bad(f"not JSON ({e}): truncated or corrupt") from e
-    if not isinstance(r, dict) or r.get("format") != STORE_FORMAT:
-        raise bad("not an s4weights-store commit record")
-    if r.get("version") != STORE_VERSION:
-        raise bad(f"store version {r.get('version')!r}; this s4weights reads version {STORE_VERSION}")
-    m = _STEP_RE.match(key[len(_COMMITS) :])
-    try:
-        step = _check_step(r["step"])
-        if m is None or int(m.group(1)) != step:
-            raise bad(f"it names step {step}, but its key names another")
-        obj, objects = r["object"], r["objects"]
-        if not isinstance(obj, str) or not obj.startswith(_DATA) or ".." in obj:
-            raise bad(f"data object {obj!r} is not under {_DATA}")
-        if not isinstance(objects, list) or not objects or objects[0] != obj or not all(
-            isinstance(o, str) and o.startswith(_DATA) and ".." not in o for o in objects
-        ):
-            raise bad("'objects' must list the data objects of its chain, its own first")
-        ints = {k: r[k] for k in ("depth", "object_bytes", "raw_bytes", "stored_bytes")}
-        for k, v in ints.items():
-            if type(v) is not int or v < 0:
-                raise bad(f"{k} must be a non-negative integer, got {v!r}")
-        base = r.get("base_step")
-        if base is not None and (type(base) is not int or base >= step):
-            raise bad(f"base_step {base!r} must be an earlier step")
-        if r["kind"] not in ("keyframe", "delta"):
-            raise bad(f"unknown kind {r['kind']!r}")
-        copy, copy_bytes = None, 0
-        if r.get("keyframe_copy") is not None:
-            c = r["keyframe_copy"]
-            if not isinstance(c, dict) or not isinstance(c.get("object"), str) or type(c.get("bytes")) is not int:
-                raise bad(f"keyframe_copy must be {{'object': KEY, 'bytes': N}}, got {c!r}")
-            copy, copy_bytes = c["object"], c["bytes"]
-            if not copy.startswith(_DATA) or ".." in copy or copy in objects or copy_bytes < 0:
-                raise bad(f"keyframe_copy {copy!r} ({copy_bytes} bytes) is not a data object of its own under {_DATA}")
-        return StepInfo(
-            step=step,
-            kind=r["kind"],
-            depth=r["depth"],
-            base_step=base,
-            object=obj,
-            object_bytes=r["object_bytes"],
-            raw_bytes=r["raw_bytes"],
-            stored_bytes=r["stored_bytes"],
-            objects=tuple(objects),
-            created=str(r.get("created", "")),
-            profile=str(r.get("profile", "")),
-            kinds=_dict(r.get("kinds")),
-            groups=_dict(r.get("groups")),
-            extra=_dict(r.get("extra")),
-            delta_ops=_dict(r.get("delta_ops")),
-            copy=copy,
-            copy_bytes=copy_bytes,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ManifestError):
-            raise
-        raise bad(f"missing or malformed field ({e})") from e
-
-
 def _background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
     """``fn(*args)`` on a thread of its own (a daemon: it never holds up interpreter exit)."""
     fut: Future[_T] = Future()
@@ -291,50 +153,21 @@ def _background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
     return fut
 
 
-# ----------------------------------------------------------------------------- base cache
-@dataclass
-class _CachedBase:
-    """Raw bytes of the last committed save, by storage path, to code the next save against."""
-
-    step: int
-    object: str
-    storages: dict[str, tuple[torch.Tensor, dict[str, Any], str]]  # path -> (uint8 cpu, base_ref, dtype)
-    nbytes: int
-    pooled: bool = False  # the tensors are pinned buffers of the store's PinnedPool
-    #: every storage's host bytes, in the container's order (the tensors of ``storages`` among them)
-    raws: builtins.list[torch.Tensor] = field(default_factory=builtins.list)
-    #: the state's tree, tensor table and (dtype, path, device) per storage: with ``raws``, what a
-    #: keyframe copy of the step is encoded from (None: not kept, e.g. a step that was loaded)
-    source: tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None = None
-
-    def collected(self, profile: str) -> api.Collected | None:
-        """The step as a collected state over the host copies (None without a source)."""
-        if self.source is None or len(self.raws) != len(self.source[2]):
-            return None
-        tree, tensors, jobs = self.source
-        col = engine.Collector(
-            tensors=tensors, jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(self.raws, jobs)]
-        )
-        return api.Collected(col, tree, profile)
-
-
-def _source(tree: Any, col: engine.Collector) -> tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]]:
-    return tree, col.tensors, [(j.dtype, j.path, j.device) for j in col.jobs]
-
-
 def _same_storages(
     copy: Mapping[str, Any],
     own: Mapping[str, Any],
     raws: builtins.list[torch.Tensor] | None = None,
     devices: builtins.list[str] | None = None,
+    *,
+    deltas: bool = False,
 ) -> str | None:
-    """Why a keyframe copy's manifest does not stand for the step's own (None: it does): the
-    same storages in the same order (path, dtype, size), none a delta, same tree, and the same
+    """Why a re-encoded container's manifest does not stand for the step's own (None: it does):
+    the same storages in the same order (path, dtype, size), none a delta unless ``deltas``, same tree, and the same
     bytes: equal checksums, or, where the two were computed with different algorithms (the
     GPU writer sums data on a device with ``fold64``, hashes host data with ``xxh3``), the
     step's own checksum verified on ``raws``, the host bytes the copy was encoded from
     (``fold64`` on ``devices[i]`` when that is a usable GPU)."""
-    why = _same_layout(copy, own)
+    why = _same_layout(copy, own, deltas=deltas)
     if why is not None:
         return why
     for i, (x, y) in enumerate(zip(copy["storages"], own["storages"])):
@@ -349,19 +182,39 @@ def _same_storages(
     return None
 
 
-def _same_layout(copy: Mapping[str, Any], own: Mapping[str, Any]) -> str | None:
-    """:func:`_same_storages` without the bytes: storages (path, dtype, size), no delta, tree."""
+def _same_layout(copy: Mapping[str, Any], own: Mapping[str, Any], *, deltas: bool = False) -> str | None:
+    """:func:`_same_storages` without the bytes: storages (path, dtype, size), no delta (unless
+    ``deltas``), tree."""
     a, b = copy["storages"], own["storages"]
     if len(a) != len(b):
         return f"{len(a)} storages, the step has {len(b)}"
     for i, (x, y) in enumerate(zip(a, b)):
-        if x.get("delta"):
+        if x.get("delta") and not deltas:
             return f"storage {i} is a delta"
         if (x["path"], x["dtype"], x["nbytes"]) != (y["path"], y["dtype"], y["nbytes"]):
             return f"storage {i} ({x['path']!r}) differs"
-    if copy["tree"] != own["tree"] or copy["tensors"] != own["tensors"]:
+    def table(m: Mapping[str, Any]) -> builtins.list[dict[str, Any]]:  # without a reader's own annotations
+        return [{k: v for k, v in t.items() if not k.startswith("_")} for t in m["tensors"]]
+
+    if copy["tree"] != own["tree"] or table(copy) != table(own):
         return "its tree or tensor table differs"
     return None
+
+
+@dataclass
+class _Reencode:
+    """What re-encoding the previous newest step ``prev`` against the new one ``new`` needs:
+    ``old``, the host copy of ``prev``'s bytes when the store kept one (None: decode it), and
+    ``cache``, the host copy of ``new``'s, the delta base (None: decode it as the encoder asks)."""
+
+    prev: StepInfo
+    old: CachedBase | None
+    new: StepInfo
+    cache: CachedBase | None
+
+
+class _Stale(Exception):
+    """A re-encoding that no longer applies (the steps changed meanwhile, or no delta pays)."""
 
 
 @dataclass
@@ -374,7 +227,7 @@ class _PreEncoded:
     size: int
     profile: str
     buf: _async.HostBuffer
-    cache: _CachedBase | None
+    cache: CachedBase | None
 
 
 def _step_info(
@@ -386,10 +239,13 @@ def _step_info(
     base: StepInfo | None,
     extra: Mapping[str, Any] | None,
 ) -> StepInfo:
-    """The commit record of a step whose container ``manifest`` was written to ``key``."""
+    """The commit record of a step whose container ``manifest`` was written to ``key``.  A delta
+    against a newer ``base`` (the reverse layout) lists only its own object: its chain is found
+    through ``base_step`` (:class:`Chain`); one against an older base lists its chain's objects."""
     groups, _dtypes, kinds, raw, stored, ndelta = api.summarize(manifest)
     is_delta = ndelta > 0
     assert base is not None or not is_delta
+    reverse = is_delta and base is not None and base.step > step
     return StepInfo(
         step=step,
         kind="delta" if is_delta else "keyframe",
@@ -399,7 +255,7 @@ def _step_info(
         object_bytes=size,
         raw_bytes=raw,
         stored_bytes=stored,
-        objects=tuple([key, *(base.objects if is_delta and base is not None else ())]),
+        objects=tuple([key, *(base.objects if is_delta and base is not None and not reverse else ())]),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         profile=prof,
         kinds={k: v.as_dict() for k, v in kinds.items()},
@@ -477,15 +333,16 @@ class CheckpointStore:
         keep_last: after each save keep only the newest ``keep_last`` steps (plus pinned ones);
             ``None`` keeps everything.
         pinned: steps exempt from retention (also see :meth:`pin`, which persists).
-        keyframe_every: bound on the delta chain: a full (keyframe) checkpoint at least every
-            ``keyframe_every`` saves, so loading any step reads at most that many containers.
-            ``1`` disables deltas.
-        delta: code tensors against the previous step where that pays (default True).
+        keyframe_every: bound on the delta chains: at most ``keyframe_every - 1`` deltas in a
+            row, so loading any step reads at most ``keyframe_every`` containers.  ``1``
+            disables deltas.
+        delta: turn each step into a delta against the next where that pays (default True).
         profile: codec profile for :func:`s4w_core.save` (``auto``/``portable``/``fast``).
         threads: CPU threads for coding.
-        base_cache_bytes: host memory the store may use to keep the last saved (or loaded) step's
-            bytes as the base of the next save; ``None``: no limit; ``0``: never cache (each save
-            then re-reads the storages it needs from the previous step, decoding its chain).
+        base_cache_bytes: host memory the store may use to keep the newest saved (or loaded)
+            step's bytes: the base the step below it is re-encoded against, and the bytes the next
+            save re-encodes; ``None``: no limit; ``0``: never keep them (each re-encoding then
+            decodes both steps from their objects).
         region, endpoint, force_path_style, unsigned, profile_name, client_options: S3 settings
             (see :mod:`s4w_core.store._s3`); environment variables such as ``AWS_ENDPOINT_URL``
             apply when these are not given.
@@ -501,12 +358,7 @@ class CheckpointStore:
             ``url`` behind it, and loads read the fast tier's copy when it has one.
         fast_keep_last: steps the fast tier keeps (the newest; never one ``url`` lacks);
             ``None`` keeps all.
-        keyframe_copy: after a delta step commits, encode a keyframe container of the same bytes
-            in the background (from the host copy the store keeps as the next save's base) and
-            add it to the step's commit record, so that loading the newest step reads one object
-            instead of its chain.  Only the newest step keeps one (older copies are removed); the
-            next save cancels a copy still being written.  Costs one keyframe's worth of
-            storage and of background writing per save (docs/STORE.md, "Keyframe copies").
+        keyframe_copy: ignored, with a DeprecationWarning (the newest step is always whole).
     Raises:
         StoreError: the local path is not a directory or cannot be created.
         BackendUnavailableError: ``s3://`` without s3torchconnector installed.
@@ -541,7 +393,7 @@ class CheckpointStore:
         on_busy: Literal["wait", "error"] = "wait",
         fast_tier: str | os.PathLike[str] | None = None,
         fast_keep_last: int | None = 2,
-        keyframe_copy: bool = True,
+        keyframe_copy: bool | None = None,
         _backend: Backend | None = None,
         _fast_backend: Backend | None = None,
     ) -> None:
@@ -570,15 +422,20 @@ class CheckpointStore:
             else:
                 self.backend = open_backend(self.url, **s3opts)
         self.keep_last = keep_last
-        self.pinned = {_check_step(s) for s in pinned}
+        self.pinned = {check_step(s) for s in pinned}
         self.keyframe_every = keyframe_every
         self.delta = delta
-        self.keyframe_copy = bool(keyframe_copy)
+        if keyframe_copy is not None:
+            warnings.warn(
+                "CheckpointStore(keyframe_copy=...) has no effect: the newest step is always stored whole",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.profile = profile
         self.threads = threads
         self.base_cache_bytes = base_cache_bytes
         self.progress = progress
-        self._cache: _CachedBase | None = None
+        self._cache: CachedBase | None = None
         self._records: dict[str, tuple[int, str | None, StepInfo]] = {}
         self._lock = threading.RLock()
         self._rec_lock = threading.RLock()  # the record caches (the worker lists too)
@@ -658,7 +515,7 @@ class CheckpointStore:
 
         A save of CUDA tensors copies them to pinned host buffers: :meth:`save_async` (mode
         ``async-pinned``) is blocked only for that copy, and both kinds of save keep the copy as
-        the next save's delta base.  The buffers are reused from the third save on, and the
+        the step's bytes (re-encoded as a delta by the next save).  The buffers are reused from the third save on, and the
         second generation is allocated in the background once the first save's copy is done;
         this call also takes the first one out of the training loop (0.2-0.4 s for a 1.82 GB
         state on an H100 host; ``benchmarks/bench_host_io.py``).  Call it once the state exists (after the
@@ -726,12 +583,12 @@ class CheckpointStore:
     # ------------------------------------------------------------------ listing
     def _tier_records(self, backend: Backend, cache: dict[str, tuple[int, str | None, StepInfo]]) -> dict[int, StepInfo]:
         """The commit records on one backend (cached by size and version), by step, ascending."""
-        objs = [o for o in backend.list(_COMMITS) if _STEP_RE.match(o.key[len(_COMMITS) :])]
+        objs = [o for o in backend.list(COMMITS) if STEP_RE.match(o.key[len(COMMITS) :])]
         with self._rec_lock:
             todo = [o for o in objs if o.version is None or cache.get(o.key, (None, None))[:2] != (o.size, o.version)]
 
             def fetch(key: str) -> tuple[str, StepInfo]:
-                return key, _parse_record(backend.get(key), key, backend.url)
+                return key, parse_record(backend.get(key), key, backend.url)
 
             if todo:
                 if len(todo) == 1:
@@ -761,8 +618,8 @@ class CheckpointStore:
         recs = self._tier_records(self.backend, self._records)
         pins = {
             int(m.group(1))
-            for o in self.backend.list(_PINS)
-            if (m := _STEP_RE.match(o.key[len(_PINS) :]))
+            for o in self.backend.list(PINS)
+            if (m := STEP_RE.match(o.key[len(PINS) :]))
         }
         if self._tiers is not None:  # the union; the fast tier's record is the newer one
             fast = self._tier_records(self._tiers.fast, self._tiers.records)
@@ -771,11 +628,15 @@ class CheckpointStore:
             for s in sorted(set(fast) | set(slow)):
                 r = fast.get(s) or slow[s]
                 where = tuple(t for t, rs in (("fast", fast), ("slow", slow)) if s in rs and rs[s].object == r.object)
-                recs[s] = _replace(r, tiers=where)
+                recs[s] = replace_record(r, tiers=where)
         out = {}
         for s, rec in recs.items():
             pinned = s in pins or s in self.pinned
-            out[s] = rec if rec.pinned == pinned else _replace(rec, pinned=pinned)
+            out[s] = rec if rec.pinned == pinned else replace_record(rec, pinned=pinned)
+        for s in sorted(out, reverse=True):  # a reverse delta is as deep as its base, plus one
+            rec = out[s]
+            if rec.reverse and rec.base_step in out and rec.depth != out[rec.base_step].depth + 1:
+                out[s] = replace_record(rec, depth=out[rec.base_step].depth + 1)
         return out
 
     def steps(self) -> list[int]:
@@ -800,7 +661,7 @@ class CheckpointStore:
             if not recs:
                 raise CheckpointNotFoundError(f"{self.backend.url}: no committed checkpoint in this store")
             return recs[max(recs)]
-        _check_step(step)
+        check_step(step)
         if step not in recs:
             near = ", ".join(str(s) for s in list(recs)[-5:]) or "none"
             raise CheckpointNotFoundError(f"{self.backend.url}: no committed step {step} (latest steps: {near})")
@@ -812,7 +673,7 @@ class CheckpointStore:
         for a delta, keyframe copies (``copy_bytes``) and unreferenced leftovers), ``ratio`` =
         raw / stored, per ``kinds`` totals."""
         recs = self._read_records()
-        data = self.backend.list(_DATA)
+        data = self.backend.list(DATA)
         live = {o for r in recs.values() for o in r.live_objects}
         own = {r.object for r in recs.values()}
         copies = {r.copy for r in recs.values() if r.copy is not None}
@@ -905,7 +766,7 @@ class CheckpointStore:
             with timer.stage("list"):
                 recs = self._read_records()
                 rec = self._record(step, recs)
-            remember = rec.step == max(recs) and self._caching()  # the next save's delta base
+            remember = rec.step == max(recs) and self._caching()  # the next save re-encodes it
             own = None  # a step read from its copy is remembered under its own container's manifest
             if remember and from_copy and rec.copy is not None:
                 own = _background(self._own_manifest_of, rec)
@@ -915,7 +776,7 @@ class CheckpointStore:
                     used: builtins.list[str] = []
                     obj, raws, reader = self._load_record(
                         rec, map_location, threads, reserve=remember, source="auto" if from_copy else "chain",
-                        used=used, fills=fills,
+                        used=used, fills=fills, recs=recs,
                     )
                 if remember:
                     with timer.stage("cache"):
@@ -965,6 +826,7 @@ class CheckpointStore:
         source: Literal["auto", "chain", "copy"] = "auto",
         used: builtins.list[str] | None = None,
         fills: builtins.list[_async.HostFill] | None = None,
+        recs: Mapping[int, StepInfo] | None = None,
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Read and decode one step.  ``reserve``: the step will be remembered as the next base
         (:meth:`_remember`): its pinned buffers are allocated in the background while it loads,
@@ -978,7 +840,9 @@ class CheckpointStore:
             raise CheckpointNotFoundError(f"{self.backend.url}: step {rec.step} has no keyframe copy")
         if source != "chain" and rec.copy is not None:
             try:
-                got = self._load_one(rec, rec.copy, rec.copy_bytes, map_location, threads, reserve=reserve, fills=fills)
+                got = self._load_one(
+                    rec, rec.copy, rec.copy_bytes, map_location, threads, reserve=reserve, fills=fills, recs=recs
+                )
                 used.append(rec.copy)
                 return got
             except (CheckpointNotFoundError, FormatError, BaseMismatchError) as e:
@@ -991,7 +855,7 @@ class CheckpointStore:
                         "s4weights: step %d of %s: its keyframe copy %s is unusable (%s: %s); reading its chain",
                         rec.step, self.backend.url, rec.copy, type(e).__name__, e,
                     )
-        got = self._load_one(rec, rec.object, rec.object_bytes, map_location, threads, reserve=reserve, fills=fills)
+        got = self._load_one(rec, rec.object, rec.object_bytes, map_location, threads, reserve=reserve, fills=fills, recs=recs)
         used.append(rec.object)
         return got
 
@@ -1005,10 +869,11 @@ class CheckpointStore:
         *,
         reserve: bool = False,
         fills: builtins.list[_async.HostFill] | None = None,
+        recs: Mapping[int, StepInfo] | None = None,
     ) -> tuple[Any, builtins.list[torch.Tensor], ContainerReader]:
         """Decode step ``rec`` from data object ``key``: its own container, or its keyframe copy
         (which must hold no delta)."""
-        ctx = _Chain(self, rec, threads)
+        ctx = Chain(self._open, self.backend.url, rec, threads, recs if recs is not None else self._read_records())
         prog = _Progress(self.progress, f"load step {rec.step}")
         fill: _async.HostFill | None = None
         try:
@@ -1017,12 +882,12 @@ class CheckpointStore:
                 m = reader.manifest
                 if any(e.get("delta") for e in m["storages"]):
                     raise ManifestError(f"{reader.name}: the keyframe copy of step {rec.step} holds deltas")
-                if _dict(m.get("extra")).get("step") != rec.step or sum(e["nbytes"] for e in m["storages"]) != rec.raw_bytes:
+                if dict_or_empty(m.get("extra")).get("step") != rec.step or sum(e["nbytes"] for e in m["storages"]) != rec.raw_bytes:
                     raise ManifestError(f"{reader.name}: not a keyframe copy of step {rec.step} (another step or size)")
             if reserve:
                 fill = self._reserve_base(reader.manifest, map_location)
             if reader.manifest and any(e.get("delta") for e in reader.manifest["storages"]):
-                ctx.open_all(rec.objects[1:])  # the bases, in parallel
+                ctx.open_all(ctx.bases())  # the bases, in parallel
             if prog.bar is not None:
                 read = reader._read  # noqa: SLF001
 
@@ -1032,7 +897,7 @@ class CheckpointStore:
                     return b
 
                 reader._read = counted  # noqa: SLF001
-            ctx.prefetch(reader.manifest["storages"], _chain_device(reader.manifest, map_location))
+            ctx.prefetch(reader.manifest["storages"], chain_device(reader.manifest, map_location))
             raws = api._decode_storages(reader, map_location, threads, ctx.resolve, fill)  # noqa: SLF001
             m = reader.manifest
             obj = decode_tree(m["tree"], api._build_tensors(m, raws))  # noqa: SLF001
@@ -1094,6 +959,29 @@ class CheckpointStore:
             return api.VerifyReport(where, False, 0, 0, problems)
         return api.VerifyReport(where, True, len(raws), sum(r.numel() for r in raws), [])
 
+    def chain_objects(self, step: int | None = None) -> builtins.list[str]:
+        """The data objects a load of ``step`` (default: latest) may read: its own, then those of
+        the steps its deltas are against (reads commit records only).
+
+        Example:
+            >>> import torch, tempfile
+            >>> from s4w_core import CheckpointStore
+            >>> st = CheckpointStore(tempfile.mkdtemp())
+            >>> w = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+            >>> _ = st.save({"w": w}, step=1); _ = st.save({"w": w + 1e-3}, step=2)
+            >>> st.wait(); len(st.chain_objects(1)), len(st.chain_objects(2))
+            (2, 1)
+        """
+        recs = self._read_records()
+        rec = self._record(step, recs)
+        out = builtins.list(rec.objects)
+        seen = {rec.step}
+        while rec.reverse and rec.base_step in recs and rec.base_step not in seen:
+            rec = recs[rec.base_step]
+            seen.add(rec.step)
+            out += [o for o in rec.objects if o not in out]
+        return out
+
     def container_info(self, step: int | None = None) -> dict[str, Any]:
         """:func:`s4w_core.info` of the step's container (reads only its manifest)."""
         rec = self.info(step)
@@ -1144,12 +1032,12 @@ class CheckpointStore:
 
         Args:
             state: any object :func:`s4w_core.save` accepts (``{"model": ..., "optimizer": ...}``).
-            step: the training step (a non-negative integer); the base of a delta is the newest
-                committed step below it.
+            step: the training step (a non-negative integer).  The step is written whole; the
+                newest committed step below it becomes a delta against it behind the save.
             extra: small JSON-able metadata kept in the commit record and the container.
-            keyframe: force a full checkpoint (no delta).
-            overwrite: replace an existing commit of ``step`` (the old data stays as long as a
-                later delta needs it).
+            keyframe: accepted for compatibility: every step is written whole.
+            overwrite: replace an existing commit of ``step`` (a delta against it is first
+                re-coded, see :meth:`delete`).
             blocking: ``False`` is :meth:`save_async` (returns its :class:`SaveHandle`).
         Returns:
             The :class:`StepInfo` of the committed step.  With a fast tier, the step is then
@@ -1170,7 +1058,7 @@ class CheckpointStore:
         """
         if not blocking:
             return self.save_async(state, step, extra=extra, keyframe=keyframe, overwrite=overwrite)
-        step = _check_step(step)
+        step = check_step(step)
         with self._pipe.front:
             handle = SaveHandle(step, "blocking", self.backend.url)
             self._begin(handle)
@@ -1221,7 +1109,7 @@ class CheckpointStore:
             >>> h.result().step, st.load(1)["w"].tolist()
             (1, [1.0, 1.0, 1.0, 1.0])
         """
-        step = _check_step(step)
+        step = check_step(step)
         with self._pipe.front:
             handle = SaveHandle(step, "async-snapshot", self.backend.url)
             self._begin(handle)
@@ -1242,8 +1130,8 @@ class CheckpointStore:
                     handle.mode = mode
                     if mode == "async-pinned":
                         # the state's bytes to pinned host buffers (one copy per storage, one
-                        # synchronize); the GPU codes them in the background, and they become the
-                        # next save's delta base without another copy
+                        # synchronize); the GPU codes them in the background, and they are kept as
+                        # the step's bytes (for the re-encodings) without another copy
                         pre = None
                         t = time.perf_counter()
                         # a second generation only when the copy becomes the cached base (a store
@@ -1295,7 +1183,7 @@ class CheckpointStore:
     def _known_committed(self, step: int) -> bool:
         """Is ``step`` committed?  Asks the backend only when the record caches say so (a cheap
         check for the caller's thread; the worker checks again before it commits)."""
-        key = _commit_key(step)
+        key = commit_key(step)
         with self._rec_lock:
             cached = key in self._records or (self._tiers is not None and key in self._tiers.records)
         return cached and step in self._read_records()
@@ -1304,10 +1192,10 @@ class CheckpointStore:
         self, handle: SaveHandle, state: Any, step: int, extra: Mapping[str, Any] | None, keyframe: bool, overwrite: bool
     ) -> StepInfo:
         """The save in the caller's thread; with a fast tier, the upload then runs behind (and a
-        keyframe copy behind that)."""
-        todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] = []
+        re-encoding of the step below behind that)."""
+        todo: builtins.list[_Reencode] = []
         try:
-            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, copy_out=todo)
+            info = self._save_locked(state, step, extra, keyframe, overwrite, handle.stages, reencode_out=todo)
         except BaseException as e:
             handle.blocked_s = time.perf_counter() - handle._t0  # noqa: SLF001
             handle._finish(None, e)  # noqa: SLF001
@@ -1320,7 +1208,7 @@ class CheckpointStore:
             self._record_save(handle, info)
         else:
             self._pipe.submit(handle, functools.partial(self._upload_job, handle, info), 0)
-        self._schedule_copy(todo)
+        self._schedule_reencode(todo)
         return info
 
     def _upload_job(self, handle: SaveHandle, info: StepInfo) -> StepInfo:
@@ -1358,10 +1246,10 @@ class CheckpointStore:
         pre: _PreEncoded | None,
     ) -> StepInfo:
         info: StepInfo | None = None
-        todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] = []
+        todo: builtins.list[_Reencode] = []
         try:
             info = self._save_locked(
-                state, step, extra, keyframe, overwrite, handle.stages, owned=True, pre=pre, copy_out=todo
+                state, step, extra, keyframe, overwrite, handle.stages, owned=True, pre=pre, reencode_out=todo
             )
             del state
             if self._tiers is not None:
@@ -1370,7 +1258,7 @@ class CheckpointStore:
             self._record_save(handle, info, e)
             raise
         self._record_save(handle, info)
-        self._schedule_copy(todo)  # runs on this worker once this save's handle is done
+        self._schedule_reencode(todo)  # runs on this worker once this save's handle is done
         return info
 
     def _record_save(self, handle: SaveHandle, info: StepInfo | None, error: BaseException | None = None) -> None:
@@ -1402,15 +1290,15 @@ class CheckpointStore:
             )
         )
 
-    # ------------------------------------------------------------------ keyframe copies
-    def _schedule_copy(self, todo: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]]) -> None:
-        """Start the keyframe copy ``_save`` asked for, on the worker, behind what is queued."""
+    # ------------------------------------------------------------------ re-encoding (reverse deltas)
+    def _schedule_reencode(self, todo: builtins.list[_Reencode]) -> None:
+        """Start the re-encoding ``_save`` asked for, on the worker, behind what is queued.  The
+        next save waits for it (it is not cancelled: a step left whole would stay whole)."""
         if not todo:
             return
-        info, manifest, cache = todo[0]
-        handle = SaveHandle(info.step, "keyframe-copy", self.backend.url, what="keyframe copy")
-        handle._cancel = threading.Event()  # noqa: SLF001 - the next save sets it
-        self._pipe.defer(handle, functools.partial(self._write_copy, handle, info, manifest, cache))
+        job = todo[0]
+        handle = SaveHandle(job.prev.step, "reencode", self.backend.url, what="re-encoding")
+        self._pipe.defer(handle, functools.partial(self._reencode, handle, job))
 
     def _recs_on(self, backend: Backend) -> dict[int, StepInfo]:
         """The commit records on one tier (the store's own backend or the fast tier)."""
@@ -1418,79 +1306,130 @@ class CheckpointStore:
         return self._tier_records(backend, self._tiers.records if fast and self._tiers is not None else self._records)
 
     def _put_record(self, backend: Backend, info: StepInfo, *, replace: bool) -> None:
-        body = json.dumps(info._record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
-        backend.put(_commit_key(info.step), body, if_absent=not replace)
-        self._forget_record(backend, _commit_key(info.step))
+        body = json.dumps(info.record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
+        backend.put(commit_key(info.step), body, if_absent=not replace)
+        self._forget_record(backend, commit_key(info.step))
 
-    def _drop_copies(self, *, keep: int) -> None:
-        """Remove the keyframe copies of every step but ``keep`` (the record first, then the
-        object, on each tier).  Caller holds ``self._lock``."""
+    def _drop_copies(self) -> None:
+        """Remove the keyframe copies a store of the first layout kept for its newest step (the
+        record first, then the object, on each tier): the newest step is now whole.  Caller
+        holds ``self._lock``."""
         backends = [self.backend] + ([self._tiers.fast] if self._tiers is not None else [])
         freed: set[str] = set()
         for b in backends:
-            for s, r in self._recs_on(b).items():
-                if r.copy is not None and s != keep:
-                    self._put_record(b, _replace(r, copy=None, copy_bytes=0), replace=True)
+            for r in self._recs_on(b).values():
+                if r.copy is not None:
+                    self._put_record(b, replace_record(r, copy=None, copy_bytes=0), replace=True)
                     freed.add(r.copy)
         if freed:
             self._reclaim(freed)
 
-    def _write_copy(self, handle: SaveHandle, info: StepInfo, manifest: dict[str, Any], cache: _CachedBase) -> None:
-        """Encode a keyframe container of the committed delta step ``info`` from the host copy
-        of its bytes (``cache``), then add it to the step's commit record, so that a load of the
-        step reads one object instead of its chain.  Runs on the worker after the save; the next
-        save cancels it (the copy would be stale at once).  A failure is logged, never raised: the
-        step is committed and loads from its chain all the same."""
-        cancel = handle._cancel  # noqa: SLF001
-        assert cancel is not None
-        backend = self._tiers.fast if self._tiers is not None else self.backend
+    def _reencode_target(self, step: int, recs: Mapping[int, StepInfo]) -> StepInfo | None:
+        """The step a save of the new newest ``step`` turns into a delta against it: the step
+        just below, when it is whole, not pinned, and not the whole step that bounds the chains
+        below it (``keyframe_every``: at most ``keyframe_every - 1`` deltas in a row)."""
+        if not self._caching() or any(s > step for s in recs):  # (an overwritten newest step: again)
+            return None
+        below = sorted((s for s in recs if s < step), reverse=True)
+        if not below:
+            return None
+        prev = recs[below[0]]
+        if prev.kind != "keyframe" or prev.pinned:
+            return None
+        run, above = 0, prev.step
+        for s in below[1:]:
+            r = recs[s]
+            if not (r.reverse and r.base_step == above):
+                break
+            run, above = run + 1, s
+        return prev if run + 1 < self.keyframe_every else None
+
+    def _reencode(self, handle: SaveHandle, job: _Reencode) -> None:
+        """Turn the whole step ``job.prev`` into a delta against the newer whole step
+        ``job.new``: encode it against ``job.new``'s bytes (the host copy kept as the cache),
+        write a new data object, check that it stands for the step (same storages, same bytes),
+        rewrite the step's commit record to point at it (the commit point), then remove the old
+        whole object.  A crash leaves the step whole (and an unreferenced object for ``gc()``)
+        or re-encoded (and the old object unreferenced); it loads bit-exactly either way.  Runs
+        on the worker after the save; a failure is logged, never raised (the step stays whole)."""
+        prev, new, cache = job.prev, job.new, job.cache
+        backend = self._home(prev.step)
         t0 = time.perf_counter()
         key: str | None = None
         size = 0
         outcome = "written"
         error: str | None = None
         try:
-            if cancel.is_set():
-                raise _async.Cancelled
-            # (older steps' copies were dropped when this step committed: _save_locked)
-            state = cache.collected(info.profile)
-            if state is None:
-                raise StoreError(f"step {info.step}: the host copy of its bytes is not kept")
-            key = _data_key(info.step)
+            with self._lock:
+                recs = self._read_records()
+                if not self._still(backend, recs, prev, new):
+                    raise _Stale
             t = time.perf_counter()
-            with backend.writer(key) as f:
-                m, size, _ = self._encode_into(state, _async.CancellableWriter(f, cancel), None, info.step, info.extra)
+            own: Mapping[str, Any] | None = None
+            devices: builtins.list[str] | None = None
+            state = job.old.collected(prev.profile) if job.old is not None else None
+            if state is not None and job.old is not None:
+                raws = job.old.raws
+                devices = [d for _, _, d in job.old.source[2]] if job.old.source is not None else None
+                own = self._own_manifest_of(prev)
+                if own is None:
+                    raise StoreError(f"cannot read the manifest of step {prev.step}")
+            else:  # no host copy of it: decode it (one whole object)
+                state, raws, own = self._decoded(prev, recs)
+            handle.stages["read"] = time.perf_counter() - t
+            provider = BaseProvider(
+                self._open, self.backend.url, new, recs, self.threads, cache if cache is not None else self._cache
+            )
+            t = time.perf_counter()
+            # a step small enough is coded into memory first and written only if the delta pays
+            # (nothing written for nothing); a larger one is streamed to its object, removed if not
+            buffered: io.BytesIO | None = io.BytesIO() if prev.object_bytes <= REENCODE_BUFFER_BYTES else None
+            if buffered is not None:
+                m, size, prof = self._encode_into(state, buffered, provider, prev.step, prev.extra)
+            else:
+                key = data_key(prev.step)
+                with backend.writer(key) as f:
+                    m, size, prof = self._encode_into(state, f, provider, prev.step, prev.extra)
             handle.stages["encode"] = time.perf_counter() - t
-            devices = [d for _, _, d in cache.source[2]] if cache.source is not None else None
+            del state
             t = time.perf_counter()
-            why = _same_storages(m, manifest, cache.raws, devices)
+            why = _same_storages(m, own, raws, devices, deltas=True)
             handle.stages["check"] = time.perf_counter() - t
             if why is not None:
-                raise StoreError(f"the keyframe copy of step {info.step} does not stand for it: {why}")
+                raise StoreError(f"the re-encoded step {prev.step} does not stand for it: {why}")
+            if not any(e.get("delta") for e in m["storages"]) or size > prev.object_bytes * (1.0 - REENCODE_MIN_GAIN):
+                raise _Stale  # the delta does not pay: the step stays whole
+            if buffered is not None:
+                t = time.perf_counter()
+                key = data_key(prev.step)
+                with backend.writer(key) as f:
+                    f.write(buffered.getbuffer())
+                del buffered
+                handle.stages["write"] = time.perf_counter() - t
             t = time.perf_counter()
             with self._lock:
-                if cancel.is_set():
-                    raise _async.Cancelled
-                recs = self._recs_on(backend)
-                now = recs.get(info.step)
-                if now is None or now.object != info.object or now.copy is not None or max(recs) != info.step:
-                    outcome = "stale"  # deleted, replaced or overtaken meanwhile
-                else:
-                    self._put_record(backend, _replace(now, copy=key, copy_bytes=size), replace=True)
-                    key = None  # the record owns it now
-                    if self._tiers is not None:
-                        _tiered.upload_missing(self, cancel=cancel)
+                recs = self._read_records()
+                if not self._still(backend, recs, prev, new):
+                    raise _Stale  # deleted, replaced or overtaken meanwhile
+                assert key is not None  # written above
+                info = replace_record(_step_info(prev.step, key, size, m, prof, recs[new.step], prev.extra), created=prev.created)
+                self._put_record(backend, info, replace=True)  # the commit point
+                key = None  # the record owns it now
+                if self._tiers is not None:
+                    _tiered.upload_missing(self)
+                self._reclaim(prev.live_objects)
             handle.stages["commit"] = time.perf_counter() - t
-        except _async.Cancelled:
-            outcome = "cancelled"
+        except _Stale:
+            outcome = "skipped"
         except BaseException as e:  # noqa: BLE001 - logged; the step itself is intact
             # only the text: the exception's frames would keep this store alive (a cycle)
             error, outcome = f"{type(e).__name__}: {e}", "failed"
             log.warning(
-                "s4weights: the keyframe copy of step %d to %s failed (%s); the step loads from its chain",
-                info.step, backend.url, error,
+                "s4weights: re-encoding step %d of %s as a delta against step %d failed (%s); it stays whole",
+                prev.step, backend.url, new.step, error,
             )
         finally:
+            self._unpool(job.old)
             if key is not None:
                 try:
                     backend.delete(key)
@@ -1499,22 +1438,101 @@ class CheckpointStore:
             total = time.perf_counter() - t0
             obs.record(
                 obs.OpEvent(
-                    op="keyframe_copy",
+                    op="reencode",
                     url=self.backend.url,
-                    step=info.step,
-                    raw_bytes=info.raw_bytes if outcome == "written" else 0,
+                    step=prev.step,
+                    raw_bytes=prev.raw_bytes if outcome == "written" else 0,
                     stored_bytes=size if outcome == "written" else 0,
                     blocked_s=0.0,
                     total_s=total,
                     stages=dict(handle.stages),
-                    kind="keyframe",
+                    kind="delta",
                     mode="background",
                     ok=error is None,
                     error=error,
-                    extra={"outcome": outcome},
+                    extra={"outcome": outcome, "base_step": new.step},
                 )
             )
             handle.mode = outcome
+
+    def _home(self, step: int) -> Backend:
+        """Where a re-coded ``step`` is written: the fast tier while it holds the step (the
+        upload behind it copies it on), else the store's own location."""
+        if self._tiers is not None and step in self._recs_on(self._tiers.fast):
+            return self._tiers.fast
+        return self.backend
+
+    def _still(self, backend: Backend, recs: Mapping[int, StepInfo], prev: StepInfo, new: StepInfo) -> bool:
+        """Are ``prev`` (whole, on ``backend``) and ``new`` (in ``recs``) as they were when the
+        re-encoding was planned, and is ``new`` the step just above ``prev``?"""
+        p, n = self._recs_on(backend).get(prev.step), recs.get(new.step)
+        if self._tiers is not None and backend is self.backend and (n is None or "slow" not in n.tiers):
+            return False  # its base is not on the slow tier yet (an upload failed): later
+        return (
+            p is not None and n is not None and p.object == prev.object and p.kind == "keyframe"
+            and n.object == new.object and not any(prev.step < s < new.step for s in recs)
+        )
+
+    def _decoded(self, rec: StepInfo, recs: Mapping[int, StepInfo]) -> tuple[Any, builtins.list[torch.Tensor], Mapping[str, Any]]:
+        """Step ``rec`` decoded to host memory, as a state to re-encode (its storages with the
+        devices, tree and tensor table its manifest records, so the re-encoded container restores
+        where the original did), its raw storages and its manifest."""
+        obj, raws, reader = self._load_record(rec, "cpu", self.threads, source="chain", recs=recs)
+        manifest = reader.manifest
+        src = source_of_manifest(manifest)
+        if src is not None and len(src[2]) == len(raws):
+            col = engine.Collector(
+                tensors=src[1], jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(raws, src[2])]
+            )
+            return api.Collected(col, src[0], rec.profile if rec.profile in ("portable", "fast") else self.profile), raws, manifest
+        return obj, raws, manifest
+
+    def _recode(self, rec: StepInfo, state: Any, base: StepInfo | None, recs: Mapping[int, StepInfo]) -> StepInfo:
+        """Write ``state`` (the bytes of step ``rec``) as a new data object coded against
+        ``base`` (None: whole) and rewrite the step's commit record to it.  Caller holds the lock
+        and reclaims the old object."""
+        backend = self._home(rec.step)
+        provider = (
+            BaseProvider(self._open, self.backend.url, base, recs, self.threads, self._cache) if base is not None else None
+        )
+        key = data_key(rec.step)
+        try:
+            with backend.writer(key) as f:
+                m, size, prof = self._encode_into(state, f, provider, rec.step, rec.extra)
+            info = replace_record(_step_info(rec.step, key, size, m, prof, base, rec.extra), created=rec.created)
+            self._put_record(backend, info, replace=True)
+        except BaseException:
+            try:
+                backend.delete(key)
+            except S4WError:
+                pass  # gc() reclaims it
+            raise
+        if self._tiers is not None:
+            _tiered.upload_missing(self)
+        return info
+
+    def _detach(self, step: int, recs: dict[int, StepInfo]) -> dict[int, StepInfo]:
+        """Before ``step`` is deleted or replaced: re-code every reverse delta against it (the
+        step just below) against the nearest step above ``step`` (the two deltas merged, or a
+        delta against the whole step that follows), or whole when there is none, the dependent is
+        pinned, or the chains through it would grow beyond ``keyframe_every - 1`` deltas.
+        Returns the records after.  Caller holds the lock."""
+        for d in [r for r in recs.values() if r.reverse and r.base_step == step]:
+            above = [s for s in recs if s > step]
+            base = recs[min(above)] if above and not d.pinned else None
+            if base is not None:
+                below, s = 0, d.step  # the deltas below ``d`` whose chains pass through it
+                for r in sorted((r for r in recs.values() if r.step < d.step), key=lambda r: -r.step):
+                    if not (r.reverse and r.base_step == s):
+                        break
+                    below, s = below + 1, r.step
+                if below + base.depth + 1 >= self.keyframe_every:
+                    base = None
+            state, _, _ = self._decoded(d, recs)
+            self._recode(d, state, base, recs)
+            del state
+            recs = self._read_records()
+        return recs
 
     def _save_locked(
         self,
@@ -1527,7 +1545,7 @@ class CheckpointStore:
         *,
         owned: bool = False,
         pre: _PreEncoded | None = None,
-        copy_out: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] | None = None,
+        reencode_out: builtins.list[_Reencode] | None = None,
     ) -> StepInfo:
         """Encode (unless ``pre``), write and commit ``step``, then retention; under the lock."""
         with self._lock:
@@ -1536,6 +1554,10 @@ class CheckpointStore:
                 raise ConflictError(
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
+            before: set[str] = set()
+            if step in recs:  # replaced: the step below it must not stay a delta against its old bytes
+                before = self._all_objects()
+                recs = self._detach(step, recs)
             info = self._save(
                 state,
                 step,
@@ -1546,27 +1568,22 @@ class CheckpointStore:
                 stages=stages,
                 owned=owned,
                 pre=pre,
-                copy_out=copy_out,
+                reencode_out=reencode_out,
             )
             t = time.perf_counter()
             if step in recs:
-                self._reclaim(recs[step].live_objects)
-            if all(s <= step for s in recs):  # the newest step now: older steps' copies are stale
-                self._drop_copies(keep=step)
+                self._reclaim(before | set(recs[step].live_objects))
+            if all(s <= step for s in recs) and any(r.copy is not None for r in recs.values()):
+                self._drop_copies()  # a first-layout store: the newest step is whole now
             if self.keep_last is not None:
                 self.apply_retention()
             stages["retention"] = time.perf_counter() - t
             return info
 
-    def _base_for(self, step: int, recs: Mapping[int, StepInfo]) -> StepInfo | None:
-        earlier = [s for s in recs if s < step]
-        return recs[max(earlier)] if earlier else None
-
-    def _plan(self, step: int, recs: Mapping[int, StepInfo], keyframe: bool) -> tuple[StepInfo | None, _BaseProvider | None]:
-        """The base of ``step`` and, when a delta may pay, the provider of its bytes."""
-        base = self._base_for(step, recs)
-        use_delta = self.delta and not keyframe and base is not None and base.depth + 1 < self.keyframe_every
-        return base, (_BaseProvider(self, base) if use_delta and base is not None else None)
+    def _plan(self, step: int, recs: Mapping[int, StepInfo], keyframe: bool) -> tuple[StepInfo | None, BaseProvider | None]:
+        """The base of a new ``step`` and the provider of its bytes: none, a save writes the step
+        whole (the step before it becomes a delta against it behind the save: :meth:`_reencode`)."""
+        return None, None
 
     def _caching(self) -> bool:
         return self.delta and self.keyframe_every > 1
@@ -1583,7 +1600,7 @@ class CheckpointStore:
         overwrite: bool,
     ) -> _PreEncoded:
         """``async-gpu``: encode the whole container now into host memory, and copy the state's
-        bytes to pinned host buffers for the next save's base (one synchronize)."""
+        bytes to pinned host buffers, kept as the step's bytes (one synchronize)."""
         with self._lock:
             recs = self._read_records()
             if step in recs and not overwrite:
@@ -1591,7 +1608,7 @@ class CheckpointStore:
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
             base, provider = self._plan(step, recs, keyframe)
-            key = _data_key(step)
+            key = data_key(step)
             buf = _async.HostBuffer()
             t = time.perf_counter()
             manifest, size, prof = self._encode_into(state, buf, provider, step, extra)
@@ -1602,12 +1619,12 @@ class CheckpointStore:
             if self._caching() and (self.base_cache_bytes is None or total <= self.base_cache_bytes):
                 t = time.perf_counter()
                 raws = _async.host_copies([j.raw for j in col.jobs], self._pinned_pool)
-                cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True, source=_source(tree, col))
+                cache = self._make_cache(step, key, manifest, raws, copy=False, pooled=True, source=state_source(tree, col))
                 handle.stages["cache"] = time.perf_counter() - t
             return _PreEncoded(base, key, manifest, size, prof, buf, cache)
 
     def _encode_into(
-        self, state: Any, fp: Any, provider: _BaseProvider | None, step: int, extra: Mapping[str, Any] | None
+        self, state: Any, fp: Any, provider: BaseProvider | None, step: int, extra: Mapping[str, Any] | None
     ) -> tuple[dict[str, Any], int, str]:
         """:func:`api._encode` of ``state`` into ``fp`` against ``provider``'s base (closed after)."""
         try:
@@ -1635,20 +1652,20 @@ class CheckpointStore:
         stages: dict[str, float] | None = None,
         owned: bool = False,
         pre: _PreEncoded | None = None,
-        copy_out: builtins.list[tuple[StepInfo, dict[str, Any], _CachedBase]] | None = None,
+        reencode_out: builtins.list[_Reencode] | None = None,
     ) -> StepInfo:
         """Write and commit one step to the fast tier (if any) or the store.  ``pre``: already
         encoded (``async-gpu``); ``owned``: ``state`` is a snapshot nobody else holds, so its
-        storages become the cached base without a copy.  ``copy_out``: gets what a keyframe
-        copy of the step needs when it is the newest step, a delta, and one is wanted
-        (:meth:`_schedule_copy` starts it)."""
+        storages become the cached base without a copy.  ``reencode_out``: gets what turning the
+        step below it into a delta against it needs, when it is the new newest step and that
+        step is due (:meth:`_reencode_target`; :meth:`_schedule_reencode` starts it)."""
         stages = {} if stages is None else stages
         backend = self._tiers.fast if self._tiers is not None else self.backend
         prog = _Progress(self.progress, f"save step {step}")
         try:
             if pre is None:
                 base, provider = self._plan(step, recs, keyframe)
-                key = _data_key(step)
+                key = data_key(step)
                 t = time.perf_counter()
                 with backend.writer(key) as f:
                     cw = _CountingWriter(f, prog, backend.describe(key))
@@ -1675,11 +1692,11 @@ class CheckpointStore:
         finally:
             prog.close()
         info = _step_info(step, key, size, manifest, prof, base, extra)
-        body = json.dumps(info._record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
+        body = json.dumps(info.record(), separators=(",", ":"), sort_keys=True).encode()  # noqa: SLF001
         t = time.perf_counter()
         try:
-            backend.put(_commit_key(step), body, if_absent=not replace)  # the commit point
-            self._forget_record(backend, _commit_key(step))
+            backend.put(commit_key(step), body, if_absent=not replace)  # the commit point
+            self._forget_record(backend, commit_key(step))
         except BaseException:
             # the data object is unreferenced: remove it (best effort; gc() would too)
             try:
@@ -1690,9 +1707,13 @@ class CheckpointStore:
                 self._unpool(pre.cache)
             raise
         stages["commit"] = time.perf_counter() - t
-        # this step's bytes become the next save's base
+        # this step's bytes become the cache: the base the step below is re-encoded against now,
+        # and the bytes of this step when the next save re-encodes it
         old, self._cache = self._cache, None
-        self._unpool(old)
+        prev = self._reencode_target(step, recs) if reencode_out is not None else None
+        if prev is None or old is None or old.step != prev.step or old.object != prev.object or old.source is None:
+            self._unpool(old)
+            old = None
         if not self._caching() and isinstance(state, api.Collected):  # its pinned buffers, for the next save
             self._pinned_pool.give([j.raw for j in state.col.jobs])
         if self._caching():
@@ -1702,7 +1723,7 @@ class CheckpointStore:
             elif isinstance(state, api.Collected):  # an async-pinned snapshot: its buffers
                 raws = [j.raw for j in state.col.jobs]
                 self._cache = self._make_cache(
-                    info.step, info.object, manifest, raws, copy=False, pooled=True, source=_source(state.tree, state.col)
+                    info.step, info.object, manifest, raws, copy=False, pooled=True, source=state_source(state.tree, state.col)
                 )
                 if self._cache is None:
                     self._pinned_pool.give(raws)
@@ -1710,23 +1731,17 @@ class CheckpointStore:
                 col = engine.Collector()
                 tree = encode_tree(state, col.add)
                 self._cache = self._base_copies(
-                    info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned, source=_source(tree, col)
+                    info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned, source=state_source(tree, col)
                 )
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
         cache = self._cache
-        if (
-            copy_out is not None
-            and self.keyframe_copy
-            and info.kind == "delta"
-            and all(s <= step for s in recs)
-            and cache is not None
-            and cache.step == step
-            and cache.source is not None
-        ):
-            copy_out.append((info, manifest, cache))
+        if prev is not None and reencode_out is not None:
+            reencode_out.append(_Reencode(prev, old, info, cache if cache is not None and cache.step == step else None))
+        else:
+            self._unpool(old)
         return info
 
-    def _unpool(self, cache: _CachedBase | None) -> None:
+    def _unpool(self, cache: CachedBase | None) -> None:
         """Give a pooled cache's pinned buffers back for the next GPU save's copy."""
         if cache is not None and cache.pooled:
             self._pinned_pool.give(cache.raws or [t for t, _, _ in cache.storages.values()])
@@ -1741,10 +1756,10 @@ class CheckpointStore:
         copy: bool = True,
         pooled: bool = False,
         source: Any = None,
-    ) -> _CachedBase | None:
+    ) -> CachedBase | None:
         """Host copies of a step's storages by path (None beyond ``base_cache_bytes``); with
         ``copy=False`` CPU ``raws`` are kept as they are (a snapshot, or pinned copies).
-        ``source``: :func:`_source` of the state, kept for a keyframe copy."""
+        ``source``: :func:`state_source` of the state, kept for a keyframe copy."""
         total = sum(r.numel() for r in raws)
         if self.base_cache_bytes is not None and total > self.base_cache_bytes:
             return None
@@ -1757,7 +1772,7 @@ class CheckpointStore:
                 continue
             ref = {"object": obj, "storage": i, "checksum": s["checksum"]}
             storages[s["path"]] = (t.view(-1), ref, s["dtype"])
-        return _CachedBase(step, obj, storages, total, pooled, hosts, source)
+        return CachedBase(step, obj, storages, total, pooled, hosts, source)
 
     def _remember(
         self,
@@ -1766,16 +1781,17 @@ class CheckpointStore:
         raws: builtins.list[torch.Tensor],
         fill: _async.HostFill | None = None,
     ) -> None:
-        """Keep copies of a committed step's storages (within ``base_cache_bytes``), the next
-        save's delta base (see :meth:`_base_copies`); ``fill``: the load's copies, made while it
-        loaded."""
+        """Keep copies of a committed step's storages (within ``base_cache_bytes``), the bytes the
+        next save re-encodes (see :meth:`_base_copies`); ``fill``: the load's copies, made while
+        it loaded."""
         old, self._cache = self._cache, None
         self._unpool(old)
         hosts = fill.finish(raws) if fill is not None else None
+        source = source_of_manifest(manifest)
         if hosts is not None:
-            self._cache = self._make_cache(rec.step, rec.object, manifest, hosts, copy=False, pooled=True)
+            self._cache = self._make_cache(rec.step, rec.object, manifest, hosts, copy=False, pooled=True, source=source)
         else:
-            self._cache = self._base_copies(rec.step, rec.object, manifest, raws, copy=True)
+            self._cache = self._base_copies(rec.step, rec.object, manifest, raws, copy=True, source=source)
 
     def _reserve_base(self, manifest: Mapping[str, Any], map_location: api.MapLocation) -> _async.HostFill | None:
         """For a step that loads onto a GPU: start allocating the pinned buffers that will hold
@@ -1813,7 +1829,7 @@ class CheckpointStore:
         *,
         copy: bool,
         source: Any = None,
-    ) -> _CachedBase | None:
+    ) -> CachedBase | None:
         """:meth:`_make_cache` of a step's storages; CUDA ones go to the pinned pool's buffers
         (one synchronize, one reused generation: the previous cache was given back first), which
         are ~5x faster to fill than pageable copies and to stage for the next save."""
@@ -1827,11 +1843,11 @@ class CheckpointStore:
     # ------------------------------------------------------------------ pins, retention, deletion
     def pin(self, step: int) -> None:
         """Exempt ``step`` from retention (persisted as a marker object)."""
-        self._record(_check_step(step), self._read_records())
-        self.backend.put(_pin_key(step), b"")
+        self._record(check_step(step), self._read_records())
+        self.backend.put(pin_key(step), b"")
 
     def unpin(self, step: int) -> None:
-        self.backend.delete(_pin_key(_check_step(step)))
+        self.backend.delete(pin_key(check_step(step)))
         self.pinned.discard(step)
 
     def apply_retention(self) -> builtins.list[int]:
@@ -1847,42 +1863,45 @@ class CheckpointStore:
         return doomed
 
     def delete(self, step: int, *, rebase: bool = False) -> None:
-        """Delete ``step``: it disappears from listings at once; its data is reclaimed unless a
-        kept step's chain still needs it.
+        """Delete ``step``: it disappears from listings at once and its data is reclaimed.  The
+        step just below it, when it is a delta against ``step``, is first re-coded against the
+        nearest step above ``step`` (or whole: when there is none, it is pinned, or the chain
+        bound says so); deleting the oldest step (nothing depends on it) re-codes nothing.
 
         Args:
             step: a committed step.
-            rebase: first re-code every kept step whose chain runs through ``step`` against the
-                nearest kept earlier step (or as a keyframe), so that ``step``'s data can be
+            rebase: for stores written by the first layout (forward deltas): first re-code, as
+                whole steps, the kept steps whose chain runs through ``step``, so that its data is
                 reclaimed now instead of when those deltas go.
         Raises:
             CheckpointNotFoundError: no such step.
         """
-        step = _check_step(step)
-        if rebase:  # re-coding steps: let a save in flight commit, and the keyframe copy behind it
-            self._pipe.settle()  # land (the re-coded step keeps it; a stale one would be dropped)
+        step = check_step(step)
+        if rebase:  # re-coding steps: let a save in flight and the re-encoding behind it land
+            self._pipe.settle()
         with self._lock:
             recs = self._read_records()
             rec = self._record(step, recs)
             before = self._all_objects()
+            recs = self._detach(step, recs)
             if rebase:
                 rebased = False
                 for s in sorted(recs):
-                    if s != step and rec.object in recs[s].objects:
+                    if s != step and rec.object in recs[s].objects[1:]:
                         self._rebase(s, exclude=step)
                         recs = self._read_records()
                         rebased = True
                 if rebased and self._tiers is not None:  # the slow tier's records still name ``step``'s data
                     _tiered.upload_missing(self)
             if self._tiers is not None:
-                self._tiers.fast.delete(_commit_key(step))
-                self._forget_record(self._tiers.fast, _commit_key(step))
-            self.backend.delete(_commit_key(step))  # the step is gone from here on
-            self.backend.delete(_pin_key(step))
+                self._tiers.fast.delete(commit_key(step))
+                self._forget_record(self._tiers.fast, commit_key(step))
+            self.backend.delete(commit_key(step))  # the step is gone from here on
+            self.backend.delete(pin_key(step))
             self.pinned.discard(step)
             if self._cache is not None and self._cache.step == step:
                 self._cache = None
-            self._forget_record(self.backend, _commit_key(step))
+            self._forget_record(self.backend, commit_key(step))
             self._reclaim(before)
 
     def _all_objects(self) -> set[str]:
@@ -1910,28 +1929,16 @@ class CheckpointStore:
             self._tiers.fast.delete(o)
 
     def _rebase(self, step: int, *, exclude: int) -> StepInfo:
-        """Re-code ``step`` against the newest kept step below it (never ``exclude``)."""
+        """Re-code ``step`` (a forward delta whose chain runs through ``exclude``) whole."""
         recs = self._read_records()
-        rec = recs[step]
-        state, _, _ = self._load_record(rec, "cpu", self.threads)
-        others = {s: r for s, r in recs.items() if s < step and s != exclude and recs[exclude].object not in r.objects}
-        saved_cache = self._cache
-        self._cache = None
-        try:
-            new = self._save(state, step, {**others, step: rec}, extra=rec.extra, keyframe=False, replace=True)
-            if rec.copy is not None and new.kind == "delta":  # same bytes re-coded: the copy stands
-                backend = self._tiers.fast if self._tiers is not None else self.backend
-                new = _replace(new, copy=rec.copy, copy_bytes=rec.copy_bytes)
-                self._put_record(backend, new, replace=True)
-            return new
-        finally:
-            self._cache = saved_cache if saved_cache is not None and saved_cache.step != step else self._cache
+        state, _, _ = self._decoded(recs[step], recs)
+        return self._recode(recs[step], state, None, recs)
 
     def gc(self, *, grace_seconds: float = 3600.0) -> int:
         """Delete data objects no commit record needs and leftovers of crashed writers older than
         ``grace_seconds`` (younger ones may belong to a save in progress). Returns bytes freed.
         With a fast tier, both tiers (see :meth:`_reclaim` for what is live where).  This store's
-        own save in flight and the keyframe copy behind it are waited for first (their objects
+        own save in flight and the re-encoding behind it are waited for first (their objects
         are unreferenced until they commit, whatever ``grace_seconds`` says)."""
         self._pipe.settle()
         recs = self._read_records()
@@ -1942,7 +1949,7 @@ class CheckpointStore:
         now = time.time()
         freed = 0
         for backend, live in places:
-            for o in backend.list(_DATA):
+            for o in backend.list(DATA):
                 if o.key in live:
                     continue
                 if o.mtime is not None and now - o.mtime < grace_seconds:
@@ -1954,9 +1961,9 @@ class CheckpointStore:
                 for o in tmps():
                     if o.mtime is not None and now - o.mtime >= grace_seconds:
                         backend.delete(o.key)
-        pins = self.backend.list(_PINS)
+        pins = self.backend.list(PINS)
         for o in pins:
-            m = _STEP_RE.match(o.key[len(_PINS) :])
+            m = STEP_RE.match(o.key[len(PINS) :])
             if m and int(m.group(1)) not in recs:
                 self.backend.delete(o.key)
         return freed
@@ -1970,280 +1977,8 @@ def _count_ops(manifest: Mapping[str, Any]) -> dict[str, int]:
     return ops
 
 
-def _replace(rec: StepInfo, **kw: Any) -> StepInfo:
-    import dataclasses
-
-    return dataclasses.replace(rec, **kw)
-
-
 class _Closer:
     def __init__(self, fn: Callable[[], None]) -> None:
         self.close = fn
 
 
-# ----------------------------------------------------------------------------- chains
-def _chain_device(manifest: Mapping[str, Any], map_location: api.MapLocation) -> torch.device | None:
-    """Where a chain's bases are decoded: the GPU when the step is coded with GPU-only codecs or
-    loads onto a GPU (and one is usable), else None (the CPU path)."""
-    gpu_codecs = any(not get_codec(c[0]).cpu_decodable for s in manifest["storages"] for c in s["chunks"])
-    to_gpu = any(api._target_device(s["device"], map_location).type == "cuda" for s in manifest["storages"])  # noqa: SLF001
-    if (gpu_codecs or to_gpu) and api._gpu() is not None:  # noqa: SLF001
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-class _Chain:
-    """Resolves delta bases while one step is decoded: opens each data object once, decodes only
-    the storages a delta needs (recursively, at most ``keyframe_every`` levels), and turns every
-    failure of a base into a BaseMismatchError naming the step and object."""
-
-    def __init__(self, store: CheckpointStore, rec: StepInfo, threads: int | None) -> None:
-        self.store = store
-        self.rec = rec
-        self.threads = threads
-        self.readers: dict[str, ContainerReader] = {}
-        self.allowed = set(rec.objects)
-        self._lock = threading.Lock()
-        self._depth = 0
-        self.memo: dict[tuple[str, int], torch.Tensor] = {}
-
-    def reader(self, key: str, expect: int | None = None, step: int | None = None) -> ContainerReader:
-        with self._lock:
-            r = self.readers.get(key)
-            if r is None:
-                what = f" (step {step})" if step is not None else f" (a base of step {self.rec.step})"
-                r = self.store._open(key, whole=True, expect=expect, what=what)  # noqa: SLF001
-                self.readers[key] = r
-            return r
-
-    def open_all(self, keys: Iterable[str]) -> None:
-        """Read the chain's data objects in parallel (I/O bound: a delta at depth d needs d+1 whole
-        objects). A key that fails to open is left for :meth:`reader` to open again, so its error
-        is raised where it is understood (a missing base becomes a BaseMismatchError)."""
-        todo = [k for k in dict.fromkeys(keys) if k not in self.readers]
-        if len(todo) < 2:
-            return
-
-        def one(key: str) -> tuple[str, ContainerReader | None]:
-            try:
-                return key, self.store._open(key, whole=True, what=f" (a base of step {self.rec.step})")  # noqa: SLF001
-            except S4WError:
-                return key, None
-
-        with ThreadPoolExecutor(max_workers=min(4, len(todo)), thread_name_prefix="s4w-read") as ex:
-            for key, r in ex.map(one, todo):
-                if r is not None:
-                    with self._lock:
-                        self.readers.setdefault(key, r)
-
-    def _entry(self, ref: Mapping[str, Any], nbytes: int) -> tuple[ContainerReader, dict[str, Any], str, int]:
-        """The base storage a delta names, checked against its reference (BaseMismatchError)."""
-        step = self.rec.step
-        if not isinstance(ref, Mapping) or not isinstance(ref.get("object"), str) or type(ref.get("storage")) is not int or not isinstance(ref.get("checksum"), str):
-            raise BaseMismatchError(f"step {step}: a delta names a malformed base {ref!r}")
-        obj, idx, ck = ref["object"], ref["storage"], ref["checksum"]
-        if obj not in self.allowed:
-            raise BaseMismatchError(
-                f"step {step}: a delta names base object {obj}, which its commit record does not list "
-                f"as part of its chain {sorted(self.allowed)}"
-            )
-        try:
-            reader = self.reader(obj)
-        except CheckpointNotFoundError as e:
-            raise BaseMismatchError(
-                f"step {step}: its delta base object {obj} is missing from {self.store.backend.url}; "
-                f"step {step} cannot be restored ({e})"
-            ) from e
-        except FormatError as e:
-            raise BaseMismatchError(f"step {step}: its delta base object {obj} is corrupt: {e}") from e
-        entries = reader.manifest["storages"]
-        if not 0 <= idx < len(entries):
-            raise BaseMismatchError(f"step {step}: base {obj} has no storage {idx}")
-        entry = entries[idx]
-        if entry["checksum"] != ck or entry["nbytes"] != nbytes:
-            raise BaseMismatchError(
-                f"step {step}: storage {idx} ({entry['path']!r}) of base {obj} is not the one the delta "
-                f"was made against (checksum {entry['checksum']} / {entry['nbytes']} bytes, "
-                f"expected {ck} / {nbytes} bytes)"
-            )
-        return reader, entry, obj, idx
-
-    def prefetch(self, entries: builtins.list[dict[str, Any]], device: torch.device | None) -> None:
-        """Decode every base the delta ``entries`` need, level by level from the oldest, each level
-        in one batched call (GPU decoders pay ~0.5 ms a call; a chain of N levels over a few hundred
-        tensors decoded one storage at a time costs seconds per level). ``device``: where the GPU
-        decodes (None: the CPU path). Afterwards :meth:`resolve` answers from memory."""
-        step = self.rec.step
-        refs = [(e["delta"].get("base"), e["nbytes"]) for e in entries if e.get("delta")]
-        levels: builtins.list[dict[str, dict[int, dict[str, Any]]]] = []
-        while refs:
-            if len(levels) > max(64, 2 * len(self.allowed) + 2):
-                raise BaseMismatchError(f"step {step}: delta chain is cyclic or too deep")
-            level: dict[str, dict[int, dict[str, Any]]] = {}
-            nxt: dict[tuple[str, int], tuple[Any, int]] = {}
-            for ref, nbytes in refs:
-                _reader, entry, obj, idx = self._entry(ref, nbytes)
-                if idx in level.setdefault(obj, {}):
-                    continue
-                level[obj][idx] = entry
-                if entry.get("delta"):
-                    base = entry["delta"].get("base")
-                    key = (base.get("object"), base.get("storage")) if isinstance(base, Mapping) else (repr(base), -1)
-                    nxt.setdefault(key, (base, entry["nbytes"]))  # type: ignore[arg-type]
-            levels.append(level)
-            refs = builtins.list(nxt.values())
-        memo: dict[tuple[str, int], torch.Tensor] = {}
-        for level in reversed(levels):
-            below = memo
-
-            def from_below(ref: Mapping[str, Any], nbytes: int, below: dict[tuple[str, int], torch.Tensor] = below) -> torch.Tensor:
-                _r, _e, obj, idx = self._entry(ref, nbytes)
-                return below[(obj, idx)]
-
-            memo = {}
-            for obj, items in level.items():
-                reader = self.readers[obj]
-                idxs = sorted(items)
-                ents = [items[i] for i in idxs]
-                try:
-                    raws = _decode_many(reader, ents, self.threads, from_below, device)
-                except BaseMismatchError:
-                    raise
-                except FormatError as e:
-                    raise BaseMismatchError(
-                        f"step {step}: its delta base object {obj} is corrupt ({type(e).__name__}: {e})"
-                    ) from e
-                memo.update({(obj, i): r for i, r in zip(idxs, raws)})
-        self.memo = memo
-
-    def resolve(self, ref: Mapping[str, Any], nbytes: int) -> torch.Tensor:
-        step = self.rec.step
-        reader, entry, obj, idx = self._entry(ref, nbytes)
-        hit = self.memo.get((obj, idx))
-        if hit is not None:
-            return hit
-        self._depth += 1
-        try:
-            if self._depth > max(64, 2 * len(self.allowed) + 2):
-                raise BaseMismatchError(f"step {step}: delta chain through {obj} is cyclic or too deep")
-            try:
-                return _decode_one(reader, entry, self.threads, self.resolve)
-            except BaseMismatchError:
-                raise
-            except FormatError as e:
-                raise BaseMismatchError(
-                    f"step {step}: its delta base object {obj} is corrupt ({type(e).__name__}: {e})"
-                ) from e
-        finally:
-            self._depth -= 1
-
-    def close(self) -> None:
-        for r in self.readers.values():
-            r.close()
-        self.readers.clear()
-
-
-def _decode_many(
-    reader: ContainerReader,
-    entries: builtins.list[dict[str, Any]],
-    threads: int | None,
-    resolve: engine.BaseResolver,
-    device: torch.device | None,
-) -> builtins.list[torch.Tensor]:
-    """Decode storage entries of one container: on ``device`` (a GPU) in one batched call when
-    given, else on the CPU path (GPU-only codecs still need the GPU: BackendUnavailableError)."""
-    if device is not None and device.type == "cuda":
-        gpu = api._gpu()  # noqa: SLF001
-        if gpu is not None:
-            with engine._executor(threads) as pool:  # noqa: SLF001
-                return gpu.decode_storages(reader, entries, device, resolve, pool)
-    return [_decode_one(reader, e, threads, resolve) for e in entries]
-
-
-#: what reading a delta base may raise that a save outlives (it codes those storages whole)
-_BASE_ERRORS = (FormatError, BaseMismatchError, CheckpointNotFoundError, StoreError, BackendUnavailableError)
-
-
-def _decode_one(
-    reader: ContainerReader, entry: dict[str, Any], threads: int | None, resolve: engine.BaseResolver
-) -> torch.Tensor:
-    """Decode one storage entry to a CPU uint8 tensor (GPU codecs through the GPU backend)."""
-    needs_gpu = any(not get_codec(c[0]).cpu_decodable for c in entry["chunks"])
-    if needs_gpu:
-        gpu = api._gpu()  # noqa: SLF001
-        if gpu is None:
-            raise BackendUnavailableError(
-                f"{reader.name}: base tensor {entry['path']!r} uses GPU-only codecs; load on a GPU machine"
-            )
-        dev = torch.device("cuda", torch.cuda.current_device())
-        return gpu.decode_storage(reader, entry, dev, resolve).cpu()
-    with engine._executor(threads) as pool:  # noqa: SLF001
-        return engine.decode_storage_cpu(reader, entry, pool, resolve, reader.name)
-
-
-class _BaseProvider:
-    """Supplies the previous step's bytes to the encoder: from the store's in-memory copy when it
-    holds that step, else by decoding the needed storage from the store (lazily, one at a time)."""
-
-    def __init__(self, store: CheckpointStore, base: StepInfo) -> None:
-        self.store = store
-        self.base = base
-        cache = store._cache  # noqa: SLF001
-        self.cache = cache if cache is not None and cache.object == base.object else None
-        self.chain: _Chain | None = None
-        self.by_path: dict[str, int] | None = None
-        #: why the base step's container cannot be read at all (then no storage is delta-coded)
-        self.unreadable: S4WError | None = None
-        self.warned = False
-
-    def lookup(self, path: str, nbytes: int, dtype: str) -> tuple[torch.Tensor, dict[str, Any]] | None:
-        """The base bytes of storage ``path`` and its reference, or None: no delta for it. A base
-        that cannot be read (missing, corrupt, GPU-only codecs on a machine without a GPU, a failed
-        read) is no reason to fail the save: that storage is coded whole, with a warning (a whole
-        step: a keyframe), and nothing read from the base is trusted unchecked (every storage's
-        checksum is verified as it is decoded)."""
-        if self.cache is not None:
-            hit = self.cache.storages.get(path)
-            if hit is None or hit[0].numel() != nbytes or hit[2] != dtype:
-                return None
-            return hit[0], dict(hit[1])
-        if self.unreadable is not None:
-            return None
-        try:
-            if self.chain is None:
-                self.chain = _Chain(self.store, self.base, self.store.threads)
-                try:
-                    reader = self.chain.reader(self.base.object, self.base.object_bytes, self.base.step)
-                except _BASE_ERRORS as e:
-                    self.unreadable = e
-                    raise
-                self.by_path = {}
-                for i, s in enumerate(reader.manifest["storages"]):
-                    self.by_path.setdefault(s["path"], i)
-            assert self.by_path is not None
-            idx = self.by_path.get(path)
-            if idx is None:
-                return None
-            reader = self.chain.readers[self.base.object]
-            entry = reader.manifest["storages"][idx]
-            if entry["nbytes"] != nbytes or entry["dtype"] != dtype:
-                return None
-            raw = _decode_one(reader, entry, self.store.threads, self.chain.resolve)
-        except _BASE_ERRORS as e:
-            self._warn(path, e)
-            return None
-        return raw, {"object": self.base.object, "storage": idx, "checksum": entry["checksum"]}
-
-    def _warn(self, path: str, e: S4WError) -> None:
-        if self.warned:
-            return
-        self.warned = True
-        what = "the whole step (a keyframe)" if self.unreadable is not None else f"{path!r} (and any other storage whose base cannot be read)"
-        log.warning(
-            "s4weights: %s: cannot read the delta base, step %d (%s: %s): coding %s without a delta",
-            self.store.backend.url, self.base.step, type(e).__name__, e, what,
-        )
-
-    def close(self) -> None:
-        if self.chain is not None:
-            self.chain.close()

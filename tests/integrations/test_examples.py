@@ -21,8 +21,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLES = [
     ("lightning", "examples/lightning_char_lm.py", [
         (r"Trains (\d+) steps", r"trained to step {0}\b"),
-        (r"in the default run that is the step-(\d+) checkpoint", r"resumed from epoch=\d+-step={0}\.ckpt"),
-        (r"a new\s+``/tmp/(s4w-lightning-)\*``", r"^run folder: \S*/{0}\w+$"),  # /tmp: TMPDIR here
+        (r"resumes from the oldest checkpoint top-3 kept", r"^resumed from epoch=\d+-step=\d+\.ckpt \(the oldest kept\)"),
+        (r"a new\s+``/tmp/(s4w-lightning-)\*``", r"^writing under \S*/{0}\w+ "),  # /tmp: TMPDIR here
     ]),
     ("transformers", "examples/hf_tiny_gpt2.py", [
         (r"\[--steps (\d+)\]", r"to step {0}\b"),

@@ -2,16 +2,19 @@
 
 A child process (a fresh interpreter, not a fork) opens the store, resumes at ``latest + 1`` and
 saves steps of a deterministic state in a loop (``keep_last`` so that retention deletes run),
-printing flushed lines: phase markers (``P data|published|commit|committed|delete``) and
-``committed K`` after each save returns. The parent kills it with SIGKILL after a random delay,
-then checks, with a fresh :class:`CheckpointStore`:
+printing flushed lines: phase markers (``P data|published|commit|committed|delete``; with a
+``re-`` prefix when the store's worker thread makes the call: the re-encoding of the step below
+the newest as a delta against it, which runs behind each save) and ``committed K`` after each
+save returns. The parent kills it with SIGKILL after a random delay, then checks, with a fresh
+:class:`CheckpointStore`:
 
 * every listed step was reported committed, or is the step in flight (its commit landed but the
   child died before saying so);
 * the listed steps are contiguous, at most one more than before the trial or ``keep_last + 1``
   (a kill between commit and retention leaves one extra), and include every reported
   step that retention had no reason to delete; the latest is >= the last step reported committed;
-* every listed step loads and equals the deterministic state of that step, byte for byte.
+* every listed step loads and equals the deterministic state of that step, byte for byte;
+* the newest listed step is whole, and every delta's base step is listed.
 
 The next trial's child resumes from the crashed store (so a save after a crash must work), and at
 the end the parent saves once more, runs ``gc(grace_seconds=0)`` and checks that exactly the data
@@ -103,8 +106,12 @@ def _worker(args: argparse.Namespace, fifo: str) -> None:
     out.write(f"pid {os.getpid()}\n")
     out.flush()
 
+    import threading
+
+    main = threading.main_thread()
+
     def mark(p: str) -> None:
-        out.write(f"P {p}\n")
+        out.write(f"P {'' if threading.current_thread() is main else 're-'}{p}\n")
         out.flush()
 
     store = CheckpointStore(args.url, keep_last=args.keep_last, keyframe_every=args.keyframe_every)
@@ -290,6 +297,12 @@ def _check(
             must = {s for s in reported if s > listed[-1] - args.keep_last}
             if not must <= set(listed):
                 fails.append(f"committed steps lost: {sorted(must - set(listed))}")
+        recs = {r.step: r for r in st.list()}
+        if listed and recs[listed[-1]].kind != "keyframe":
+            fails.append(f"the newest step {listed[-1]} is not whole: {recs[listed[-1]].kind}")
+        for r in recs.values():
+            if r.kind == "delta" and r.base_step not in recs:
+                fails.append(f"step {r.step} is a delta against step {r.base_step}, which is not listed")
         for s in listed:
             try:
                 got = st.load(s)
@@ -323,7 +336,11 @@ def _final(args: argparse.Namespace) -> list[str]:
     return fails
 
 
-_TARGETS = ["data", "publish", "published", "commit", "committed", "delete", "idle"]
+_TARGETS = [
+    "data", "publish", "published", "commit", "committed", "delete", "idle",
+    # the re-encoding behind a save: its data object, its record rewrite, the old object's removal
+    "re-data", "re-publish", "re-published", "re-commit", "re-committed", "re-delete",
+]
 
 
 def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:

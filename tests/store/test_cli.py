@@ -33,17 +33,17 @@ def test_ls_and_json(filled, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["ls", url, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in d["steps"]] == [0, 10, 20, 30, 100]
-    assert d["steps"][1]["kind"] == "delta" and d["steps"][1]["base_step"] == 0
+    assert d["steps"][1]["kind"] == "delta" and d["steps"][1]["base_step"] == 20  # against the next step
 
 
 def test_info_with_step(filled, capsys) -> None:  # type: ignore[no-untyped-def]
     url, _ = filled
-    assert main(["info", url, "--step", "20"]) == 0
+    assert main(["info", url, "--step", "0"]) == 0
     out = capsys.readouterr().out
-    assert "step 20: delta (depth 2, base step 10)" in out and "restoring from the chain reads 3 objects" in out
-    assert main(["info", url, "--step", "20", "--json"]) == 0
+    assert "step 0: delta (depth 2, base step 10)" in out and "restoring from the chain reads 3 objects" in out
+    assert main(["info", url, "--step", "0", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["step"]["step"] == 20 and d["container"]["delta_storages"] > 0
+    assert d["step"]["step"] == 0 and d["container"]["delta_storages"] > 0
     assert main(["info", url, "--step", "21"]) == 1
     assert "no committed step 21" in capsys.readouterr().err
 
@@ -158,16 +158,16 @@ def test_verify_a_delta_object_inside_its_store(tmp_path, capsys) -> None:  # ty
     no BaseMismatchError); the same bytes outside any store: one line saying how to verify it."""
     url = str(tmp_path / "store")
     run = make_run(3)
-    st = CheckpointStore(url, keyframe_copy=False)
+    st = CheckpointStore(url)
     for i, s in enumerate(run):
         st.save(s, i + 1)
-    rec = st.info(3)
-    st.close()
+    st.close()  # waits for step 2 to become a delta against step 3 (the newest step is whole)
+    rec = st.info(2)
     assert rec.kind == "delta"
     obj = os.path.join(url, *rec.object.split("/"))
     assert main(["verify", obj, "--no-progress"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("OK ") and "step 3 of the store" in out and err == ""
+    assert out.startswith("OK ") and "step 2 of the store" in out and err == ""
     alone = tmp_path / "alone.s4w"
     alone.write_bytes(open(obj, "rb").read())
     assert main(["verify", str(alone), "--no-progress"]) == 1

@@ -78,7 +78,8 @@ def test_special_patterns_roundtrip_through_a_store(tmp_path) -> None:  # type: 
         s = {dt: x.to(dt) for dt in ("float32", "bfloat16", "float16") for dt in [getattr(torch, dt)]}
         states.append({str(k): v for k, v in s.items()})
         st.save(states[-1], i)
-    assert st.info(1).kind == "delta" and st.info(1).delta_ops.get("sub", 0) >= 1
+    st.wait()  # step 0 becomes a delta against step 1 behind the save
+    assert st.info(0).kind == "delta" and st.info(0).base_step == 1 and st.info(0).delta_ops.get("sub", 0) >= 1
     fresh = CheckpointStore(str(tmp_path / "s"))
     for i, s in enumerate(states):
         got = fresh.load(i)

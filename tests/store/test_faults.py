@@ -17,7 +17,7 @@ from s4w_core.errors import (
     TruncatedError,
 )
 from s4w_core.store import CheckpointStore, open_backend
-from s4w_core.store.store import _DATA
+from s4w_core.store.records import DATA
 
 from .helpers import Crash, FaultyBackend, bits_equal, make_run
 
@@ -27,7 +27,7 @@ def _filled(url: str, n: int = 3) -> tuple[CheckpointStore, list]:
     st = CheckpointStore(url, profile="portable")
     for i in range(n):
         st.save(run[i], i)
-    st.wait()  # the newest step's keyframe copy is written behind the save: let it land
+    st.wait()  # the step below the newest is re-encoded behind the save: let it land
     return st, run
 
 
@@ -81,32 +81,41 @@ def test_crash_during_delete_keeps_everything_loadable(store_url: str) -> None:
     for i in (1, 2, 3):
         assert bits_equal(rd.load(i), run[i])
     rd.gc(grace_seconds=0)
-    assert {o.key for o in rd.backend.list(_DATA)} == {o for r in rd.list() for o in r.live_objects}
+    assert {o.key for o in rd.backend.list(DATA)} == {o for r in rd.list() for o in r.live_objects}
 
 
 def test_truncated_data_object(store_url: str) -> None:
     st, run = _filled(store_url)
-    obj = st.info(2).object
+    obj = st.info(1).object
     data = st.backend.get(obj)
     st.backend.put(obj, data[: len(data) // 2])
     with pytest.raises(TruncatedError, match=obj.split("/")[-1]):
-        CheckpointStore(store_url).load(2, from_copy=False)
-    assert bits_equal(CheckpointStore(store_url).load(0), run[0]), "other steps unaffected"
-    assert st.info(2).copy is not None
-    assert bits_equal(CheckpointStore(store_url).load(2), run[2]), "the newest step's keyframe copy is intact"
-    rep = CheckpointStore(store_url).verify(2)
+        CheckpointStore(store_url).load(1)
+    assert bits_equal(CheckpointStore(store_url).load(2), run[2]), "other steps unaffected"
+    rep = CheckpointStore(store_url).verify(1)
     assert not rep.ok and "TruncatedError" in rep.problems[0] and len(rep.problems) == 1
 
 
 def test_missing_base(store_url: str) -> None:
     st, run = _filled(store_url)
-    assert st.info(2).kind == "delta"
+    assert [(r.kind, r.base_step) for r in st.list()] == [("delta", 1), ("delta", 2), ("keyframe", None)]
     base_obj = st.info(1).object
     st.backend.delete(base_obj)
-    with pytest.raises(BaseMismatchError, match=r"step 2: its delta base object .* is missing"):
-        CheckpointStore(store_url).load(2, from_copy=False)
-    assert bits_equal(CheckpointStore(store_url).load(0), run[0])
-    assert bits_equal(CheckpointStore(store_url).load(2), run[2]), "its keyframe copy needs no base"
+    with pytest.raises(BaseMismatchError, match=r"step 0: its delta base object .* is missing"):
+        CheckpointStore(store_url).load(0)
+    assert bits_equal(CheckpointStore(store_url).load(2), run[2]), "the newest step needs no base"
+
+
+def test_base_step_no_longer_committed(store_url: str) -> None:
+    """A delta whose base step's commit record is gone (removed behind the store's back) is a
+    BaseMismatchError naming that step, even once its old data object is gone too."""
+    st, run = _filled(store_url)
+    old = st.info(1).object
+    st.backend.delete("commits/step_000000000001.json")
+    st.backend.delete(old)
+    with pytest.raises(BaseMismatchError, match="base object .* is missing|step 1, is no longer committed"):
+        CheckpointStore(store_url).load(0)
+    assert bits_equal(CheckpointStore(store_url).load(2), run[2])
 
 
 def test_corrupt_base(store_url: str) -> None:
@@ -116,24 +125,24 @@ def test_corrupt_base(store_url: str) -> None:
     data[100] ^= 0xFF  # inside the chunk data
     st.backend.put(base_obj, bytes(data))
     with pytest.raises(BaseMismatchError, match="corrupt"):
-        CheckpointStore(store_url).load(2, from_copy=False)
+        CheckpointStore(store_url).load(0)
     with pytest.raises(FormatError):
         CheckpointStore(store_url).load(1)
-    rep = CheckpointStore(store_url).verify(2)
+    rep = CheckpointStore(store_url).verify(0)
     assert not rep.ok and "BaseMismatchError" in rep.problems[0]
-    assert bits_equal(CheckpointStore(store_url).load(0), run[0])
+    assert bits_equal(CheckpointStore(store_url).load(2), run[2])
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt", "truncated"])
-def test_a_save_over_an_unreadable_base_codes_it_whole(
+def test_a_save_over_an_unreadable_newest_step_succeeds(
     store_url: str, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The next save of a store whose newest step cannot be read (its object missing, corrupt or
-    cut short; the store holds no copy of it in memory) does not fail: what it cannot delta-code
-    against that step it codes whole, says so at WARNING, and is bit-exact."""
+    cut short; the store holds no copy of it in memory) does not fail: the new step is whole,
+    and re-encoding the damaged step against it fails with a WARNING and leaves it as it was."""
     st, run = _filled(store_url)
     newest = st.info(2)
-    assert newest.kind == "delta"
+    assert newest.kind == "keyframe"
     data = st.backend.get(newest.object)
     if damage == "missing":
         st.backend.delete(newest.object)
@@ -143,21 +152,19 @@ def test_a_save_over_an_unreadable_base_codes_it_whole(
         st.backend.put(newest.object, bytes(buf))
     else:
         st.backend.put(newest.object, data[: len(data) // 2])
-    fresh = CheckpointStore(store_url, profile="portable")  # no base in memory: it reads step 2
+    fresh = CheckpointStore(store_url, profile="portable")  # no copy in memory: it reads step 2
     with caplog.at_level("WARNING", logger="s4w_core.store"):
         info = fresh.save(run[3], 3)
-    assert "cannot read the delta base, step 2" in caplog.text
-    if damage == "corrupt":  # one storage could not be read: the others still delta-code
-        assert info.kind == "delta" and info.base_step == 2
-    else:  # nothing could be read: a keyframe
-        assert info.kind == "keyframe" and info.depth == 0
-    fresh.wait()
-    assert bits_equal(CheckpointStore(store_url).load(3, from_copy=False), run[3])
+        fresh.wait()
+    assert info.kind == "keyframe" and info.depth == 0
+    assert "re-encoding step 2" in caplog.text and "it stays whole" in caplog.text
+    assert fresh.info(2) == newest, "the damaged step is left as it was"
+    assert bits_equal(CheckpointStore(store_url).load(3), run[3])
     assert CheckpointStore(store_url).verify(3).ok
 
 
-def test_a_save_over_an_unreadable_base_does_not_read_it_again(store_url: str) -> None:
-    """A base object that cannot be opened is tried once per save, not once per storage."""
+def test_a_save_over_an_unreadable_newest_step_reads_it_once(store_url: str) -> None:
+    """A data object that cannot be opened is tried once per save, not once per storage."""
     st, run = _filled(store_url)
     st.backend.delete(st.info(2).object)
     opened: list[str] = []
@@ -170,15 +177,30 @@ def test_a_save_over_an_unreadable_base_does_not_read_it_again(store_url: str) -
 
     fresh._open = spy  # type: ignore[method-assign]  # noqa: SLF001
     assert fresh.save(run[3], 3).kind == "keyframe"
+    fresh.wait()
     assert opened.count(st.info(2).object) == 1
 
 
 def test_replaced_base_is_detected(store_url: str) -> None:
     """A base object swapped for another valid container is caught by the recorded checksum."""
     st, run = _filled(store_url)
-    st.backend.put(st.info(1).object, st.backend.get(st.info(0).object))
+    st.backend.put(st.info(1).object, st.backend.get(st.info(2).object))
     with pytest.raises((BaseMismatchError, TruncatedError)):
-        CheckpointStore(store_url).load(2, from_copy=False)
+        CheckpointStore(store_url).load(0)
+
+
+def test_base_step_pointing_at_other_bytes_is_detected(store_url: str) -> None:
+    """A base found through its step's commit record (its first data object is gone) must decode
+    to the bytes the delta was made against: a record pointing elsewhere is a BaseMismatchError."""
+    st, run = _filled(store_url)
+    key = "commits/step_000000000001.json"
+    one, two = st.info(1), st.info(2)
+    rec = json.loads(st.backend.get(key))
+    rec.update(object=two.object, objects=[two.object], object_bytes=two.object_bytes, kind="keyframe", base_step=None)
+    st.backend.put(key, json.dumps(rec).encode())
+    st.backend.delete(one.object)
+    with pytest.raises(BaseMismatchError, match="other bytes|not the one the delta was made against"):
+        CheckpointStore(store_url).load(0)
 
 
 def test_commit_naming_missing_object(store_url: str) -> None:
@@ -189,7 +211,7 @@ def test_commit_naming_missing_object(store_url: str) -> None:
     st.backend.put(key, json.dumps(rec).encode())
     with pytest.raises(CheckpointNotFoundError, match="step 1: its data object data/step_000000000001.nothere.s4w is missing"):
         CheckpointStore(store_url).load(1)
-    assert bits_equal(CheckpointStore(store_url).load(0), run[0])
+    assert bits_equal(CheckpointStore(store_url).load(2), run[2])
 
 
 def test_corrupt_commit_record(store_url: str) -> None:

@@ -10,26 +10,29 @@ import torch
 import s4w_core
 from s4w_core.errors import CheckpointNotFoundError, ConflictError
 from s4w_core.store import CheckpointStore, load_checkpoint, save_checkpoint
-from s4w_core.store.store import _DATA
+from s4w_core.store.records import DATA
 
 from .helpers import bits_equal, make_run
 
 
 def data_keys(st: CheckpointStore) -> set[str]:
-    return {o.key for o in st.backend.list(_DATA)}
+    return {o.key for o in st.backend.list(DATA)}
 
 
 def test_chain_roundtrip_bit_exact_with_bounded_chain(store_url: str) -> None:
     run = make_run(11)
     st = CheckpointStore(store_url, keyframe_every=4, profile="portable")
     infos = [st.save(s, step=10 * i) for i, s in enumerate(run)]
+    assert all(i.kind == "keyframe" for i in infos), "every save writes its step whole"
+    st.wait()  # the step below the newest becomes a delta against it behind the save
     assert st.steps() == [10 * i for i in range(11)]
-    assert infos[0].kind == "keyframe"
-    assert max(i.depth for i in infos) <= 3, "keyframe_every=4 bounds the chain at 3 deltas"
-    assert any(i.kind == "delta" for i in infos)
-    for i in infos:
-        if i.kind == "delta":
-            assert i.base_step == i.step - 10 and len(i.objects) == i.depth + 1
+    recs = st.list()
+    assert recs[-1].kind == "keyframe"
+    assert max(r.depth for r in recs) <= 3, "keyframe_every=4 bounds the chain at 3 deltas"
+    assert [r.kind for r in recs] == (["delta"] * 3 + ["keyframe"]) * 2 + ["delta", "delta", "keyframe"]
+    for r in recs:
+        if r.kind == "delta":  # against the next step, found through its commit record
+            assert r.base_step == r.step + 10 and r.objects == (r.object,)
     # a fresh store object (no cache) reads every step back bit for bit
     st2 = CheckpointStore(store_url)
     for i, s in enumerate(run):
@@ -42,14 +45,18 @@ def test_chain_roundtrip_bit_exact_with_bounded_chain(store_url: str) -> None:
 def test_delta_is_smaller_than_keyframe_and_sizes_add_up(store_url: str) -> None:
     run = make_run(3, n=20000)
     st = CheckpointStore(store_url, profile="portable")
-    a, b, c = (st.save(s, step=i) for i, s in enumerate(run))
-    assert b.kind == "delta" and b.object_bytes < a.object_bytes
+    for i, s in enumerate(run):
+        st.save(s, step=i)
+    st.wait()
+    a, b, c = st.list()
+    assert b.kind == "delta" and b.object_bytes < c.object_bytes and c.kind == "keyframe"
     sz = st.sizes()
     assert sz["steps"] == 3 and sz["keyframes"] == 1
     assert sz["raw_bytes"] == a.raw_bytes + b.raw_bytes + c.raw_bytes
     assert sz["stored_bytes"] == sz["physical_bytes"] == a.object_bytes + b.object_bytes + c.object_bytes
+    assert sz["base_only_bytes"] == sz["copy_bytes"] == sz["unreferenced_bytes"] == 0
     assert set(sz["kinds"]) >= {"weights", "exp_avg", "exp_avg_sq"}
-    assert st.info(1).base_step == 0
+    assert (a.base_step, b.base_step, c.base_step) == (1, 2, None)
 
 
 def test_delta_ops_recorded(store_url: str) -> None:
@@ -57,12 +64,13 @@ def test_delta_ops_recorded(store_url: str) -> None:
     st = CheckpointStore(store_url, profile="portable")
     st.save(run[0], 0)
     st.save(run[1], 1)
-    m = st.container_info(1)
+    st.wait()
+    m = st.container_info(0)
     assert m["delta_storages"] >= 2
     import json
 
-    rec = st.backend.get("commits/step_000000000001.json")
-    assert json.loads(rec)["kind"] == "delta"
+    rec = json.loads(st.backend.get("commits/step_000000000000.json"))
+    assert rec["kind"] == "delta" and rec["base_step"] == 1 and rec["version"] == 2
 
 
 def test_existing_step_conflict_and_overwrite(store_url: str) -> None:
@@ -92,16 +100,27 @@ def test_missing_step_and_empty_store(store_url: str) -> None:
     assert st.latest() == 5
 
 
-def test_delete_keeps_dependents_and_reclaims(store_url: str) -> None:
+def test_delete_merges_dependents_and_reclaims(store_url: str) -> None:
     run = make_run(6)
     st = CheckpointStore(store_url, keyframe_every=10, profile="portable")
     for i, s in enumerate(run):
         st.save(s, i)
-    st.delete(0)  # the keyframe: its data stays as a base of 1..5
+    st.wait()
+    before = {r.step: r for r in st.list()}
+    assert [before[i].base_step for i in range(6)] == [1, 2, 3, 4, 5, None]
+    st.delete(0)  # the oldest: nothing depends on it, nothing is re-coded
     assert st.steps() == [1, 2, 3, 4, 5]
-    for i in range(1, 6):
+    assert {r.step: r.object for r in st.list()} == {i: before[i].object for i in range(1, 6)}
+    assert before[0].object not in data_keys(st) and st.sizes()["base_only_bytes"] == 0
+    st.delete(3)  # a middle step: step 2, a delta against it, is merged onto step 4
+    assert st.info(2).base_step == 4 and st.info(2).object != before[2].object
+    assert {r.step: r.object for r in st.list() if r.step != 2} == {i: before[i].object for i in (1, 4, 5)}
+    st.delete(5)  # the newest: step 4, a delta against it, becomes whole
+    assert st.info(4).kind == "keyframe" and st.info(4).base_step is None
+    for i in (1, 2, 4):
         assert bits_equal(st.load(i), run[i])
-    assert st.sizes()["base_only_bytes"] > 0
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+    assert data_keys(st) == {o for r in st.list() for o in r.live_objects}
     for s in list(st.steps()):
         st.delete(s)
     assert st.steps() == [] and data_keys(st) == set(), "all data reclaimed once nothing needs it"
@@ -114,14 +133,12 @@ def test_delete_with_rebase_reclaims_now(store_url: str) -> None:
         st.save(s, i)
     old0 = st.info(0).object
     st.delete(0, rebase=True)
-    assert old0 not in data_keys(st), "the deleted keyframe's data is gone at once"
-    assert st.info(1).kind == "keyframe"
+    assert old0 not in data_keys(st), "the deleted step's data is gone at once"
     for i in range(1, 5):
         assert bits_equal(st.load(i), run[i])
     assert data_keys(st) == {o for r in st.list() for o in r.live_objects}
-    # deleting a middle step rebases its dependents onto the step before it
     st.delete(2, rebase=True)
-    assert st.info(3).base_step == 1
+    assert st.info(1).base_step == 3
     for i in (1, 3, 4):
         assert bits_equal(st.load(i), run[i])
     assert data_keys(st) == {o for r in st.list() for o in r.live_objects}
@@ -134,14 +151,15 @@ def test_retention_keep_last_and_pins(store_url: str) -> None:
     st.pin(0)
     for i in range(1, 8):
         st.save(run[i], i)
+    st.wait()
     assert st.steps() == [0, 6, 7]
-    assert st.info(0).pinned
+    assert st.info(0).pinned and st.info(0).kind == "keyframe", "a pinned step stays whole"
+    assert st.info(6).base_step == 7 and st.info(7).kind == "keyframe"
     for i in (0, 6, 7):
         assert bits_equal(st.load(i), run[i])
     live = {o for r in st.list() for o in r.live_objects}
     assert data_keys(st) == live, "nothing but what kept steps need"
-    assert len(live) <= 2 + 3 + 1, "bounded by keep_last + keyframe_every, plus the newest step's keyframe copy"
-    assert [r.step for r in st.list() if r.copy is not None] == [7]
+    assert len(live) == 3, "one data object per kept step"
     st.unpin(0)
     st.apply_retention()
     assert st.steps() == [6, 7]
@@ -169,15 +187,19 @@ def test_resume_in_new_process_continues_chain(store_url: str) -> None:
     assert bits_equal(st2.load(), run[1])  # the load leaves the base cached
     assert st2._cache is not None and st2._cache.step == 1
     info = st2.save(run[2], 2)
-    assert info.kind == "delta" and info.base_step == 1
-    assert bits_equal(CheckpointStore(store_url).load(2), run[2])
+    assert info.kind == "keyframe"
+    st2.wait()
+    assert st2.info(1).kind == "delta" and st2.info(1).base_step == 2
+    fresh = CheckpointStore(store_url)
+    for i in range(3):
+        assert bits_equal(fresh.load(i), run[i])
 
 
 def test_module_functions(store_url: str) -> None:
     run = make_run(3)
     for i, s in enumerate(run):
         info = save_checkpoint(s, i * 100, store_url, profile="portable")
-    assert info.kind == "delta"
+    assert info.kind == "keyframe"
     assert bits_equal(load_checkpoint(store_url), run[-1])
     assert bits_equal(s4w_core.load_checkpoint(store_url, step=100), run[1])
 

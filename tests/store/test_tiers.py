@@ -104,10 +104,10 @@ def test_save_commits_on_fast_then_uploads_and_loads_read_fast(tiers: tuple[str,
     # the fast tier holds exactly what its steps' chains need; the record format is unchanged
     recs = {r.step: r for r in st.list()}
     assert _keys(fast, "data/") == set(recs[4].live_objects) | set(recs[5].live_objects)
-    # the newest step's keyframe copy landed on both tiers, and only the newest step has one
-    assert recs[5].copy is not None and [s for s in range(6) if recs[s].copy] == [5]
-    assert recs[5].copy in _keys(slow, "data/")
-    assert json.loads(slow.get("commits/step_000000000005.json"))["keyframe_copy"]["object"] == recs[5].copy
+    # the newest step is whole; the step below it, re-encoded on the fast tier, was uploaded too
+    assert recs[5].kind == "keyframe" and recs[4].base_step == 5
+    assert json.loads(slow.get("commits/step_000000000004.json"))["object"] == recs[4].object
+    assert _keys(slow, "data/") == {r.object for r in recs.values()}
     assert [recs[s].tiers for s in range(6)] == [("slow",)] * 4 + [("fast", "slow")] * 2
     assert "tiers" not in json.loads(slow.get("commits/step_000000000005.json"))
     assert recs[5].as_dict()["tiers"] == ["fast", "slow"]
@@ -138,8 +138,10 @@ def test_load_falls_back_to_slow_and_a_fresh_fast_tier_resumes(tiers: tuple[str,
     fresh = str(tmp_path / "fresh-fast")
     st2 = CheckpointStore(slow_url, fast_tier=fresh, fast_keep_last=3, profile="portable")
     st2.save(run[3], 3)
-    assert st2.info(3).kind == "delta" and st2.info(3).base_step == 2
-    assert bits_equal(st2.load(3), run[3])  # its own object from the fast tier, the bases from slow
+    st2.wait()  # step 2, only on the slow tier, becomes a delta against step 3 there
+    assert st2.info(3).kind == "keyframe" and st2.info(2).base_step == 3 and st2.info(2).tiers == ("slow",)
+    assert bits_equal(st2.load(3), run[3])
+    assert bits_equal(st2.load(2), run[2])  # its own object from the slow tier, its base from either
     st2.save_async(run[4], 4).result(timeout=120)
     _wipe(open_backend(fresh))
     for i in range(5):

@@ -149,12 +149,13 @@ def test_raw_chunks_are_hashed_only_when_their_storage_fails(monkeypatch: pytest
 
 
 def test_corrupt_raw_residual_of_a_delta_is_named(tmp_path: Any) -> None:
-    st = s4w_core.CheckpointStore(tmp_path / "s", profile="portable", keyframe_every=4, keyframe_copy=False)
+    st = s4w_core.CheckpointStore(tmp_path / "s", profile="portable", keyframe_every=4)
     g = torch.Generator().manual_seed(4)
     w = torch.randn(20_000, generator=g)
     st.save({"w": w}, step=0)
     st.save({"w": w + 1e-3 * torch.randn(20_000, generator=g)}, step=1)
-    rec = st.info(1)
+    st.wait()  # step 0 becomes a delta against step 1 behind the save
+    rec = st.info(0)
     assert rec.kind == "delta", rec
     path = tmp_path / "s" / rec.object
     blob = path.read_bytes()
@@ -165,7 +166,7 @@ def test_corrupt_raw_residual_of_a_delta_is_named(tmp_path: Any) -> None:
     path.write_bytes(_flip(blob, off + length // 2, 0x04))
     st.close()
     with pytest.raises(ChecksumMismatchError, match=rf"chunk {i} of tensor 'w'.* is corrupt"):
-        s4w_core.CheckpointStore(tmp_path / "s").load(step=1, threads=1)
+        s4w_core.CheckpointStore(tmp_path / "s").load(step=0, threads=1)
 
 
 def test_flip_of_every_byte_is_detected(small_blob: bytes) -> None:

@@ -150,11 +150,12 @@ def test_delta_round_trip_one_thread(op: str, monkeypatch: pytest.MonkeyPatch) -
     w1 = (w0.float() + 1e-3 * torch.randn(200_000, generator=g)).to(torch.bfloat16)
     with tempfile.TemporaryDirectory() as d:
         st_ = CheckpointStore(d, threads=1)
-        st_.save({"w": w0}, step=1)
-        st_.save({"w": w1}, step=2)
-        rec = st_.info(2)
+        st_.save({"w": w1}, step=1)
+        st_.save({"w": w0}, step=2)
+        st_.wait()  # step 1 becomes a delta against step 2 behind the save
+        rec = st_.info(1)
         assert rec.kind == "delta" and rec.delta_ops == {op: 1}, rec
-        assert torch.equal(st_.load(step=2, threads=1)["w"].view(torch.int16), w1.view(torch.int16))
+        assert torch.equal(st_.load(step=1, threads=1)["w"].view(torch.int16), w1.view(torch.int16))
         st_.close()
 
 

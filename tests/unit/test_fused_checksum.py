@@ -165,11 +165,12 @@ def test_fused_xor_delta_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_fused(monkeypatch)
     with tempfile.TemporaryDirectory() as d:
         st_ = CheckpointStore(d, threads=1)
-        st_.save({"w": w0}, step=1)
-        st_.save({"w": w1}, step=2)
-        rec = st_.info(2)
+        st_.save({"w": w1}, step=1)
+        st_.save({"w": w0}, step=2)
+        st_.wait()  # step 1 becomes a delta against step 2 behind the save
+        rec = st_.info(1)
         assert rec.kind == "delta" and rec.delta_ops == {"xor": 1}, rec
         calls.clear()
-        assert torch.equal(st_.load(step=2, threads=1)["w"].view(torch.int32), w1.view(torch.int32))
-        assert sum(calls) == w1.numel() * 4
+        assert torch.equal(st_.load(step=1, threads=1)["w"].view(torch.int32), w1.view(torch.int32))
+        assert sum(calls) == 2 * w1.numel() * 4  # the base (whole) and the delta, each merged and hashed once
         st_.close()

@@ -91,12 +91,12 @@ def test_store_load_records_step_kind_and_sizes(tmp_path: Path, events: list[obs
     st.load(20)
     (d,) = [x for x in _lines(caplog) if x["op"] == "load"]
     _check_line(d, "load")
-    assert d["step"] == 20 and d["kind"] == info.kind == "delta" and d["url"] == st.backend.url
-    # the load waited for the keyframe copy written behind the save, and read that one object
+    assert d["step"] == 20 and d["kind"] == info.kind == "keyframe" and d["url"] == st.backend.url
+    # the newest step is whole: one object read
     rec = st.info(20)
-    assert rec.copy is not None and d["extra"]["from"] == "copy"
-    assert d["raw_bytes"] == info.raw_bytes and d["stored_bytes"] == rec.copy_bytes
-    assert {"list", "decode"} <= set(d["stages"]) and d["extra"]["depth"] == 1
+    assert d["extra"]["from"] == "chain" and d["extra"]["chain_objects"] == 1
+    assert d["raw_bytes"] == info.raw_bytes and d["stored_bytes"] == rec.object_bytes
+    assert {"list", "decode"} <= set(d["stages"]) and d["extra"]["depth"] == 0
     with pytest.raises(s4w_core.CheckpointNotFoundError):
         st.load(30)
     bad = events[-1]

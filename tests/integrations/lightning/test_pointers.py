@@ -199,13 +199,17 @@ def _wchar() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
 def test_bytes_written_in_a_bf16_fit_vs_lightning_default(tmp_path):
-    """save_last=True and save_top_k: Lightning writes two whole files per save; we write one
-    step per global step and a pointer for the second name (issue target: <= 0.6x)."""
+    """save_last=True and save_top_k keeping the newest k (the framework benchmark's setting):
+    Lightning writes two whole files per save; we write one step per global step (whole, the step
+    below it re-coded as a delta where that pays) and a pointer for the second name, and removing
+    the oldest kept checkpoint rewrites nothing (issue target: <= 0.6x).  (Top-k by a loss removes
+    middle steps, whose delta below is then re-coded: not covered by this target.)"""
+    newest = {"monitor": "step", "mode": "max"}
     w0 = _wchar()
-    _fit(tmp_path / "torch", 12, None, precision="bf16-true", width=256)  # 132k parameters
+    _fit(tmp_path / "torch", 12, None, precision="bf16-true", width=256, **newest)  # 132k parameters
     default = _wchar() - w0
     w0 = _wchar()
-    _fit(tmp_path / "s4w", 12, S4CheckpointIO(), precision="bf16-true", width=256)
+    _fit(tmp_path / "s4w", 12, S4CheckpointIO(), precision="bf16-true", width=256, **newest)
     ours = _wchar() - w0
     print(f"bytes written: Lightning default {default:,} B, s4weights {ours:,} B ({ours / default:.2f}x)")
     assert ours <= 0.6 * default, (ours, default)

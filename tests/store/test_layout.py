@@ -1,0 +1,492 @@
+"""The store's layout (docs/STORE.md): each save writes its step whole; behind it the step below
+becomes a delta against it (re-encoded, checked, committed by rewriting its record, its whole
+object removed).  The newest step loads from one object, an older one reads only its chain;
+bytes written per save are one whole step and one delta.  Stores of the first layout (keyframe
+copies) are still read."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from typing import IO, Any, Iterator
+
+import pytest
+
+from s4w_core import obs
+from s4w_core.errors import ManifestError
+from s4w_core.store import CheckpointStore, open_backend
+from s4w_core.store.records import DATA
+from tests.compat.make_golden import describe
+from tests.compat.make_golden_store import STORE as GOLDEN_STORE
+
+from .helpers import FaultyBackend, bits_equal, make_run
+
+
+def _filled(url: str, saves: int, runs: int | None = None, **opts: Any) -> tuple[CheckpointStore, list[dict[str, Any]]]:
+    """A portable store with steps ``0..saves-1`` of a fake run of ``runs`` states, idle."""
+    run = make_run(runs if runs is not None else saves)
+    st = CheckpointStore(url, profile="portable", **opts)
+    for i in range(saves):
+        st.save(run[i], i)
+    st.wait()
+    return st, run
+
+
+def _data(st: CheckpointStore) -> set[str]:
+    return {o.key for o in st.backend.list(DATA)}
+
+
+def _live(st: CheckpointStore) -> set[str]:
+    return {o for r in st.list() for o in r.live_objects}
+
+
+@contextlib.contextmanager
+def _events() -> Iterator[list[obs.OpEvent]]:
+    got: list[obs.OpEvent] = []
+    obs.subscribe(got.append)
+    try:
+        yield got
+    finally:
+        obs.unsubscribe(got.append)
+
+
+class _Reads(FaultyBackend):
+    """Records the data objects a load reads whole (``reads``) and those it opens for ranged
+    reads (``ranged``: a manifest)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, lambda verb, key: False)
+        self.reads: list[str] = []
+        self.ranged: list[str] = []
+
+    def fetch(self, key: str) -> Any:
+        self.reads.append(key)
+        return super().fetch(key)
+
+    def open_range(self, key: str) -> Any:
+        self.ranged.append(key)
+        return super().open_range(key)
+
+
+class _Writes(FaultyBackend):
+    """Counts what is written: data objects (key, bytes), records put, objects deleted."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, lambda verb, key: False)
+        self.data: list[tuple[str, int]] = []
+        self.puts: list[str] = []
+        self.deletes: list[str] = []
+
+    @contextlib.contextmanager
+    def writer(self, key: str) -> Iterator[IO[bytes]]:
+        with self.inner.writer(key) as f:
+            outer, n = self, [0]
+
+            class _W:
+                def write(self, data: Any) -> int:
+                    n[0] += len(data)
+                    return int(f.write(data))
+
+            yield _W()  # type: ignore[misc]
+        outer.data.append((key, n[0]))
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self.puts.append(key)
+        super().put(key, data, if_absent=if_absent)
+
+    def delete(self, key: str) -> None:
+        self.deletes.append(key)
+        self.inner.delete(key)
+
+
+def test_the_newest_step_loads_from_one_object_an_older_one_from_its_chain(store_url: str) -> None:
+    run = make_run(4)
+    st = CheckpointStore(store_url, profile="portable")
+    with _events() as ev:
+        for i in range(4):
+            assert st.save(run[i], i).kind == "keyframe"
+        st.wait()
+    recs = {r.step: r for r in st.list()}
+    assert [(recs[s].kind, recs[s].base_step, recs[s].depth) for s in range(4)] == [
+        ("delta", 1, 3), ("delta", 2, 2), ("delta", 3, 1), ("keyframe", None, 0)]
+    assert _data(st) == _live(st) == {r.object for r in recs.values()}, "one object per step, nothing else"
+    re = [e for e in ev if e.op == "reencode"]
+    assert [(e.step, e.extra["outcome"], e.extra["base_step"]) for e in re] == [(0, "written", 1), (1, "written", 2), (2, "written", 3)]
+    rec = json.loads(st.backend.get("commits/step_000000000001.json"))
+    assert rec["version"] == 2 and rec["base_step"] == 2 and rec["objects"] == [rec["object"]]
+
+    spy = _Reads(open_backend(store_url))
+    reader = CheckpointStore(store_url, _backend=spy)
+    with _events() as ev:
+        assert bits_equal(reader.load(3), run[3])
+    assert spy.reads == [recs[3].object] and spy.ranged == [], "one object read, no chain walk"
+    assert [(e.extra["from"], e.stored_bytes) for e in ev if e.op == "load"] == [("chain", recs[3].object_bytes)]
+    spy.reads.clear()
+    assert bits_equal(reader.load(2), run[2])
+    assert sorted(spy.reads) == sorted([recs[2].object, recs[3].object]), "a delta reads its chain only"
+    spy.reads.clear()
+    assert bits_equal(reader.load(0), run[0])
+    assert sorted(spy.reads) == sorted(r.object for r in recs.values())
+    for s in range(4):
+        assert reader.verify(s).ok
+    sizes = reader.sizes()
+    assert sizes["physical_bytes"] == sizes["stored_bytes"] == sum(r.object_bytes for r in recs.values())
+
+
+def test_bytes_written_per_save_are_one_whole_step_and_one_delta(store_url: str) -> None:
+    run = make_run(5, n=20000)
+    spy = _Writes(open_backend(store_url))
+    st = CheckpointStore(store_url, profile="portable", _backend=spy)
+    st.save(run[0], 0)
+    for i in range(1, 5):
+        spy.data.clear(), spy.puts.clear(), spy.deletes.clear()
+        before = {r.step: r for r in st.list()}
+        new = st.save(run[i], i)
+        st.wait()
+        prev = st.info(i - 1)
+        assert [k for k, _ in spy.data] == [new.object, prev.object], "the new step whole, then one delta"
+        assert dict(spy.data) == {new.object: new.object_bytes, prev.object: prev.object_bytes}
+        assert prev.kind == "delta" and prev.object_bytes < new.object_bytes
+        assert spy.puts == [f"commits/step_{i:012d}.json", f"commits/step_{i - 1:012d}.json"]
+        assert spy.deletes == [before[i - 1].object], "the old whole object, nothing else"
+        assert {s: r.object for s, r in {r.step: r for r in st.list()}.items() if s < i - 1} == {
+            s: r.object for s, r in before.items() if s < i - 1}, "older steps untouched"
+
+
+def test_a_delta_that_does_not_pay_writes_nothing_and_the_step_stays_whole(store_url: str) -> None:
+    """Two unrelated states (a far-apart save): the step below would be a delta no smaller than its
+    whole object, so it stays whole and no data object is written for it."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    a = {"w": torch.randn(20000, generator=g).to(torch.bfloat16), "m": torch.randn(20000, generator=g)}
+    b = {"w": torch.randn(20000, generator=g).to(torch.bfloat16), "m": torch.randn(20000, generator=g)}
+    spy = _Writes(open_backend(store_url))
+    st = CheckpointStore(store_url, profile="portable", _backend=spy)
+    first = st.save(a, 0)
+    spy.data.clear(), spy.puts.clear(), spy.deletes.clear()
+    new = st.save(b, 1)
+    st.wait()
+    assert [k for k, _ in spy.data] == [new.object], "only the new step"
+    assert spy.deletes == [] and st.info(0).kind == "keyframe" and st.info(0).object == first.object
+    assert _data(st) == {first.object, new.object}
+    for step, want in ((0, a), (1, b)):
+        got = st.load(step)
+        assert all(bits_equal(got[k], want[k]) for k in want)
+    st.close()
+
+
+def test_a_resumed_run_reencodes_the_loaded_step_from_memory(store_url: str) -> None:
+    """A fresh store that loaded the newest step keeps its bytes (and what it needs to re-encode
+    them, rebuilt from the manifest): the first save re-encodes it without reading it again."""
+    _st, run = _filled(store_url, 2, 3)
+    spy = _Reads(open_backend(store_url))
+    st = CheckpointStore(store_url, profile="portable", _backend=spy)
+    assert bits_equal(st.load(), run[1])
+    one = st.info(1).object
+    st.save(run[2], 2)
+    st.wait()
+    assert spy.reads.count(one) == 1, "read by the load only"
+    assert st.info(1).kind == "delta" and st.info(1).base_step == 2
+    fresh = CheckpointStore(store_url)
+    for i in range(3):
+        assert bits_equal(fresh.load(i), run[i])
+
+
+def test_keyframe_every_bounds_the_chains(store_url: str) -> None:
+    run = make_run(9)
+    st = CheckpointStore(store_url, profile="portable", keyframe_every=3)
+    for i in range(9):
+        st.save(run[i], i)
+    st.wait()
+    assert [r.kind[0] for r in st.list()] == list("ddkddkddk")
+    assert max(r.depth for r in st.list()) == 2
+    fresh = CheckpointStore(store_url)
+    for i in range(9):
+        assert bits_equal(fresh.load(i), run[i])
+
+
+def test_async_saves_reencode_too(store_url: str) -> None:
+    run = make_run(3)
+    st = CheckpointStore(store_url, profile="portable")
+    for i in range(3):
+        st.save_async(run[i], i)
+    st.wait()
+    assert [r.kind for r in st.list()] == ["delta", "delta", "keyframe"]
+    for i in range(3):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+    assert _data(st) == _live(st)
+    st.close()
+
+
+class _Gated(FaultyBackend):
+    """The second data object written for ``prefix`` (the re-encoded step; the first is the
+    save's own) blocks in its first write until ``gate`` opens; ``entered`` says it got there."""
+
+    def __init__(self, inner: Any, prefix: str) -> None:
+        super().__init__(inner, lambda verb, key: False)
+        self.prefix = prefix
+        self.n = 0
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    @contextlib.contextmanager
+    def writer(self, key: str) -> Iterator[IO[bytes]]:
+        if key.startswith(self.prefix):
+            self.n += 1
+        gated = key.startswith(self.prefix) and self.n == 2
+        with self.inner.writer(key) as f:
+            if not gated:
+                yield f
+                return
+            outer = self
+
+            class _W:
+                def write(self, data: Any) -> int:
+                    outer.entered.set()
+                    assert outer.gate.wait(60), "gate never opened"
+                    return int(f.write(data))
+
+            yield _W()  # type: ignore[misc]
+
+
+
+
+def test_the_next_save_waits_for_the_reencoding_in_flight(store_url: str) -> None:
+    run = make_run(3)
+    gated = _Gated(open_backend(store_url), "data/step_000000000000.")
+    st = CheckpointStore(store_url, profile="portable", _backend=gated)
+    st.save(run[0], 0)
+    st.save(run[1], 1)
+    assert gated.entered.wait(30), "the re-encoding of step 0 started"
+    saver = threading.Thread(target=st.save, args=(run[2], 2))
+    saver.start()
+    saver.join(0.3)
+    assert saver.is_alive() and st.steps() == [0, 1], "the save waits for the re-encoding"
+    gated.gate.set()
+    saver.join(60)
+    st.wait()
+    assert [r.kind for r in st.list()] == ["delta", "delta", "keyframe"]
+    assert _data(st) == _live(st)
+    for i in range(3):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+def test_gc_waits_for_the_reencoding_in_flight(store_url: str) -> None:
+    """gc(grace_seconds=0) must not take the object being written for an unreferenced leftover."""
+    run = make_run(2)
+    gated = _Gated(open_backend(store_url), "data/step_000000000000.")
+    st = CheckpointStore(store_url, profile="portable", _backend=gated)
+    st.save(run[0], 0)
+    st.save(run[1], 1)
+    assert gated.entered.wait(30), "the re-encoding of step 0 started"
+    collector = threading.Thread(target=st.gc, kwargs={"grace_seconds": 0})
+    collector.start()
+    collector.join(0.3)
+    assert collector.is_alive(), "gc waits for the store's own background work"
+    gated.gate.set()
+    collector.join(60)
+    assert st.info(0).kind == "delta" and _data(st) == _live(st)
+    assert bits_equal(CheckpointStore(store_url).load(0), run[0])
+
+
+def test_a_failed_reencoding_is_logged_and_the_step_stays_whole(store_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    run = make_run(4)
+    n = {"data": 0}
+
+    def fail(verb: str, key: str) -> bool:
+        if verb == "writer" and key.startswith("data/step_000000000000."):
+            n["data"] += 1
+            return n["data"] == 2  # the re-encoded object, not the save's own
+        return False
+
+    st = CheckpointStore(store_url, profile="portable", _backend=FaultyBackend(open_backend(store_url), fail, 10))
+    st.save(run[0], 0)
+    with caplog.at_level(logging.WARNING, logger="s4w_core.store"), _events() as ev:
+        st.save(run[1], 1)
+        st.wait()  # no AsyncSaveError: the step is committed and whole
+    assert "re-encoding step 0" in caplog.text and "Crash" in caplog.text
+    bad = [e for e in ev if e.op == "reencode"]
+    assert len(bad) == 1 and not bad[0].ok and bad[0].extra["outcome"] == "failed"
+    assert st.info(0).kind == "keyframe" and bits_equal(st.load(0), run[0])
+    assert _data(st) == _live(st), "the failed object is gone"
+    st.save(run[2], 2)
+    st.wait()
+    assert [r.kind for r in st.list()] == ["keyframe", "delta", "keyframe"]
+
+
+def test_overwrite_of_a_base_step_merges_the_step_below(store_url: str) -> None:
+    st, run = _filled(store_url, 3, 4)
+    assert st.info(0).base_step == 1 and st.info(1).base_step == 2
+    st.save(run[3], 1, overwrite=True)
+    st.wait()
+    assert st.info(0).base_step == 2, "step 0 was re-coded against step 1's own base"
+    fresh = CheckpointStore(store_url)
+    for s, want in ((0, run[0]), (1, run[3]), (2, run[2])):
+        assert bits_equal(fresh.load(s), want)
+    assert _data(st) == _live(st)
+
+
+def test_overwrite_of_the_newest_step_reencodes_the_step_below_again(store_url: str) -> None:
+    st, run = _filled(store_url, 3, 4)
+    st.save(run[3], 2, overwrite=True)
+    st.wait()
+    assert [(r.kind, r.base_step) for r in st.list()] == [("delta", 1), ("delta", 2), ("keyframe", None)]
+    fresh = CheckpointStore(store_url)
+    for s, want in ((0, run[0]), (1, run[1]), (2, run[3])):
+        assert bits_equal(fresh.load(s), want)
+    assert _data(st) == _live(st)
+
+
+def test_deprecated_keyframe_copy_argument_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="keyframe_copy"):
+        CheckpointStore("memory://deprecated-kc", keyframe_copy=False)
+
+
+# ----------------------------------------------------------------------------- first layout
+def _golden(tmp_path: Any) -> str:
+    import shutil
+
+    dst = tmp_path / "store_v1"
+    shutil.copytree(GOLDEN_STORE, dst)
+    return str(dst)
+
+
+def test_a_missing_or_corrupt_copy_of_a_first_layout_store_falls_back_to_the_chain(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = _golden(tmp_path)
+    st = CheckpointStore(url)
+    want = describe(st.load(50, from_copy=False))
+    copy = st.info(50).copy
+    assert copy is not None
+    good = st.backend.get(copy)
+
+    bad = bytearray(good)
+    bad[100] ^= 0xFF  # inside the chunk data
+    st.backend.put(copy, bytes(bad))
+    with caplog.at_level(logging.WARNING, logger="s4w_core.store"):
+        assert describe(CheckpointStore(url).load(50)) == want
+    assert "keyframe copy" in caplog.text and "reading its chain" in caplog.text
+    rep = CheckpointStore(url).verify(50)
+    assert not rep.ok and len(rep.problems) == 1 and rep.problems[0].startswith("keyframe copy: ")
+
+    st.backend.put(copy, good[: len(good) // 2])  # truncated
+    assert describe(CheckpointStore(url).load(50)) == want
+
+    # another step's keyframe under the copy's name: a valid container that is not this step
+    st.backend.put(copy, st.backend.get(st.info(40).object))
+    fresh = CheckpointStore(url)
+    rec = json.loads(st.backend.get("commits/step_000000000050.json"))
+    rec["keyframe_copy"]["bytes"] = st.info(40).object_bytes
+    st.backend.put("commits/step_000000000050.json", json.dumps(rec).encode())
+    assert describe(fresh.load(50)) == want
+    with pytest.raises(ManifestError, match="not a keyframe copy of step 50"):
+        fresh._load_record(fresh.info(50), None, None, source="copy")  # noqa: SLF001
+
+    st.backend.delete(copy)  # gone
+    assert describe(CheckpointStore(url).load(50)) == want
+    assert CheckpointStore(url).verify(50).problems[0].startswith("keyframe copy: CheckpointNotFoundError")
+
+
+def test_the_first_save_into_a_first_layout_store_drops_its_copy(tmp_path: Any) -> None:
+    url = _golden(tmp_path)
+    st = CheckpointStore(url)
+    old = st.info(50)
+    assert old.copy is not None
+    st.save({"w": make_run(1)[0]["model"]["emb"]}, 60)
+    st.wait()
+    assert st.info(50).copy is None and old.copy not in _data(st) and _data(st) == _live(st)
+    assert st.info(50).object == old.object and st.info(50).base_step == 40, "a forward delta stays as it is"
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"object": "elsewhere/x.s4w", "bytes": 10},
+        {"object": "data/../x.s4w", "bytes": 10},
+        {"object": "data/x.s4w", "bytes": -1},
+        {"object": "data/x.s4w"},
+        "data/x.s4w",
+    ],
+)
+def test_a_malformed_copy_field_is_a_manifest_error(tmp_path: Any, field: Any) -> None:
+    st = CheckpointStore(str(tmp_path / "s"), profile="portable")
+    st.save(make_run(1)[0], 0)
+    rec = json.loads(st.backend.get("commits/step_000000000000.json"))
+    rec["keyframe_copy"] = field
+    st.backend.put("commits/step_000000000000.json", json.dumps(rec).encode())
+    with pytest.raises(ManifestError, match="keyframe_copy"):
+        CheckpointStore(str(tmp_path / "s")).steps()
+    rec["keyframe_copy"] = {"object": rec["object"], "bytes": 10}  # its own container is no copy
+    st.backend.put("commits/step_000000000000.json", json.dumps(rec).encode())
+    with pytest.raises(ManifestError, match="keyframe_copy"):
+        CheckpointStore(str(tmp_path / "s")).steps()
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize(("profile", "blocking"), [("auto", True), ("auto", False), ("portable", False)])
+def test_gpu_saves_reencode_from_the_pinned_copies(tmp_path: Any, profile: str, blocking: bool) -> None:
+    """CUDA state: the step below is re-encoded from the host copies the store keeps (pinned
+    buffers), against the new step's, while the caller changes the state."""
+    import torch
+
+    from s4w_core import api
+
+    if api._gpu() is None:  # noqa: SLF001
+        pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    run = [
+        {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in s["model"].items()} | {"step": s["step"]}
+        for s in make_run(4, n=200_000)
+    ]
+    st = CheckpointStore(str(tmp_path / "s"), profile=profile)
+    expected = []
+    for i, s in enumerate(run):
+        expected.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
+        st.save(s, i, blocking=blocking)
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1)  # the caller goes on; the re-encoding must not see it
+    st.wait()
+    assert [r.kind for r in st.list()] == ["delta", "delta", "delta", "keyframe"]
+    fresh = CheckpointStore(str(tmp_path / "s"))
+    for i in range(4):
+        assert bits_equal(fresh.load(i, map_location="cpu"), expected[i])
+        assert fresh.verify(i).ok
+    on_gpu = fresh.load(3)  # kept as the bytes the next save re-encodes
+    assert all(v.device.type == "cuda" for v in on_gpu.values() if isinstance(v, torch.Tensor))
+    nxt = {k: (v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in on_gpu.items()}
+    want = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in nxt.items()}
+    assert fresh.save(nxt, 4).kind == "keyframe"
+    fresh.wait()
+    assert fresh.info(3).kind == "delta" and fresh.info(3).base_step == 4
+    again = CheckpointStore(str(tmp_path / "s"))
+    assert bits_equal(again.load(4, map_location="cpu"), want)
+    assert bits_equal(again.load(3, map_location="cpu"), expected[3])
+
+
+def test_checksums_of_other_algorithms_are_checked_on_the_bytes() -> None:
+    """The GPU writer sums device data with fold64 and hashes host data with xxh3: a copy coded
+    from the host stands for a step coded on the device when the step's checksum holds for the
+    host bytes the copy came from."""
+    import torch
+
+    from s4w_core import checksum as ck
+    from s4w_core.store.store import _same_storages
+
+    raw = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+    entry = {"path": "w", "dtype": "int32", "nbytes": raw.numel()}
+    own = {"storages": [{**entry, "checksum": ck.compute_checksum("fold64", raw)}], "tree": 0, "tensors": []}
+    copy = {"storages": [{**entry, "checksum": ck.tensor_checksum(raw)}], "tree": 0, "tensors": []}
+    assert own["storages"][0]["checksum"] != copy["storages"][0]["checksum"]
+    assert _same_storages(copy, own, [raw], ["cpu"]) is None
+    assert "other bytes" in str(_same_storages(copy, own)), "without the bytes: not the same"
+    other = raw.clone()
+    other[5] ^= 1
+    assert "not the step's bytes" in str(_same_storages(copy, own, [other], ["cpu"]))
+    same_algo = {"storages": [{**entry, "checksum": ck.compute_checksum("fold64", other)}], "tree": 0, "tensors": []}
+    assert "other bytes" in str(_same_storages(same_algo, own, [raw], ["cpu"]))
+    assert "tree" in str(_same_storages({**copy, "tree": 1}, own, [raw], ["cpu"]))
