@@ -230,3 +230,41 @@ def test_validator_sets_width_and_counts(monkeypatch: pytest.MonkeyPatch) -> Non
     s = m["storages"][0]
     assert s["_width"] == 2
     assert engine.nonzero_chunk_lengths(s)[:3] == [(4093 + 7) // 8, s["nnz"][0], s["nnz"][0]]
+
+
+def test_format_md_worked_example() -> None:
+    """FORMAT.md 4.5c: bf16 [0.0, 1.0, 0.0, -2.0] -> bitmap 0A, planes 7F 80 / 00 01."""
+    words = np.frombuffer(bytes.fromhex("0000803f000000c0"), dtype=np.uint16)
+    bitmap, planes = nzt.split_nonzero(words, 2, rot=True)
+    assert (bitmap.tobytes().hex(), planes[0].tobytes().hex(), planes[1].tobytes().hex()) == ("0a", "7f80", "0001")
+    neg0 = np.array([0x8000, 0], dtype=np.uint16)  # -0.0 is a nonzero pattern
+    assert nzt.split_nonzero(neg0, 2, rot=True)[0].tobytes() == b"\x01"
+
+
+def test_gpu_reader_batches_nz_storages_alone() -> None:
+    """The GPU reader hands each nz storage to the CPU reader as a batch of its own."""
+    from s4w_core.gpu import _decode
+
+    def e(t: str, n: int) -> dict[str, Any]:
+        return {"transform": t, "nbytes": n}
+
+    groups = _decode._groups(
+        [e("planes-rotl1", 10), e("nz-planes-rotl1", 10), e("nz-planes", 5), e("planes", 3), e("bytes", 4)], 100
+    )
+    assert [[x["transform"] for x in g] for g in groups] == [
+        ["planes-rotl1"], ["nz-planes-rotl1"], ["nz-planes"], ["planes", "bytes"]
+    ]
+
+
+@pytest.mark.gpu
+def test_nz_file_loads_to_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setattr(engine, "SEGMENT_ELEMS", 4093)
+    monkeypatch.setattr(engine, "nonzero_pays", lambda *a: True)
+    x, d = sparse_rows(torch.bfloat16), torch.randn(5000)
+    buf = io.BytesIO()
+    s4w_core.save({"x": x, "d": d, "y": sparse_rows(torch.float32, seed=1)}, buf, profile="portable")
+    out = s4w_core.load(buf.getvalue(), map_location="cuda")
+    assert out["x"].is_cuda and torch.equal(bits(out["x"].cpu()), bits(x))
+    assert torch.equal(bits(out["d"].cpu()), bits(d))
