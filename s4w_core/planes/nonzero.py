@@ -23,6 +23,8 @@ from s4w_core.errors import DecodeError
 from s4w_core.planes.reference import merge_into
 
 __all__ = [
+    "split_nonzero_torch",
+    "merge_nonzero_torch",
     "WORD",
     "residual_words",
     "split_nonzero",
@@ -67,6 +69,51 @@ def split_nonzero(words: np.ndarray, w: int, *, rot: bool) -> tuple[np.ndarray, 
     for j in range(w):
         np.right_shift(nz, 8 * (w - 1 - j), out=planes[j], casting="unsafe")
     return bitmap, planes
+
+
+_ITYPE = {2: torch.int16, 4: torch.int32}
+_BIT: dict[torch.device, torch.Tensor] = {}  # device -> the weights 1, 2, 4, ..., 128 of a bitmap byte's bits
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    t = _BIT.get(device)
+    if t is None:
+        t = _BIT[device] = (1 << torch.arange(8, device=device, dtype=torch.int32)).to(torch.uint8)
+    return t
+
+
+def split_nonzero_torch(words: torch.Tensor, w: int, *, rot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`split_nonzero` with torch's element-wise kernels, on any device (the GPU writer's
+    path: compaction by the mask, bits packed by a weighted sum; bytes identical to the numpy
+    reference). ``words``: 1-D int16 (w=2) or int32 (w=4) tensor of the elements' bit patterns."""
+    m = words.numel()
+    mask = words != 0
+    pad = (-m) % 8
+    mb = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
+    bitmap = (mb * _bit_weights(words.device)).sum(1, dtype=torch.int32).to(torch.uint8)
+    nz = words[mask]
+    bits = 8 * w
+    r = (nz << 1) | ((nz >> (bits - 1)) & 1) if rot else nz
+    planes = torch.empty((w, nz.numel()), dtype=torch.uint8, device=words.device)
+    for j in range(w):
+        planes[j].copy_((r >> (8 * (w - 1 - j))) & 0xFF)
+    return bitmap, planes
+
+
+def merge_nonzero_torch(bitmap: torch.Tensor, planes: torch.Tensor, m: int, w: int, *, rot: bool) -> torch.Tensor:
+    """Inverse of :func:`split_nonzero_torch` on any device: the ``m`` words (int16/int32) of a
+    segment from its bitmap and ``(w, nnz)`` planes. The caller checks the bitmap's count and
+    padding (:func:`merge_nonzero` does, on the CPU)."""
+    it = _ITYPE[w]
+    mask = ((bitmap.view(-1, 1) & _bit_weights(bitmap.device)) != 0).view(-1)[:m]
+    r = planes[0].to(it) << (8 * (w - 1))
+    for j in range(1, w):
+        r |= planes[j].to(it) << (8 * (w - 1 - j))
+    bits = 8 * w
+    x = ((r >> 1) & ((1 << (bits - 1)) - 1)) | (r << (bits - 1)) if rot else r
+    out = torch.zeros(m, dtype=it, device=bitmap.device)
+    out[mask] = x
+    return out
 
 
 def merge_nonzero(

@@ -268,3 +268,31 @@ def test_nz_file_loads_to_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     out = s4w_core.load(buf.getvalue(), map_location="cuda")
     assert out["x"].is_cuda and torch.equal(bits(out["x"].cpu()), bits(x))
     assert torch.equal(bits(out["d"].cpu()), bits(d))
+
+
+@settings(max_examples=100, deadline=None)
+@given(words_st(), st.booleans())
+def test_torch_path_matches_reference(ww: tuple[np.ndarray, int], rot: bool) -> None:
+    """The device-agnostic torch split/merge (the GPU writer's building block) gives the
+    reference's bytes; on CPU here, on CUDA in test_torch_path_on_gpu."""
+    words, w = ww
+    t = torch.from_numpy(words.view({2: np.int16, 4: np.int32}[w]).copy())
+    bm, pl = nzt.split_nonzero_torch(t, w, rot=rot)
+    rbm, rpl = nzt.split_nonzero(words, w, rot=rot)
+    assert bm.numpy().tobytes() == rbm.tobytes() and np.array_equal(pl.numpy(), rpl)
+    back = nzt.merge_nonzero_torch(bm, pl, words.size, w, rot=rot)
+    assert back.numpy().tobytes() == words.tobytes()
+
+
+@pytest.mark.gpu
+def test_torch_path_on_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for w, dt in ((2, torch.bfloat16), (4, torch.float32)):
+        x = sparse_rows(dt)
+        words = bits(x).view({2: torch.int16, 4: torch.int32}[w])
+        for rot in (True, False):
+            bm, pl = nzt.split_nonzero_torch(words.cuda(), w, rot=rot)
+            rbm, rpl = nzt.split_nonzero(words.numpy().view(nzt.WORD[w]), w, rot=rot)
+            assert bm.cpu().numpy().tobytes() == rbm.tobytes() and np.array_equal(pl.cpu().numpy(), rpl)
+            assert torch.equal(nzt.merge_nonzero_torch(bm, pl, words.numel(), w, rot=rot).cpu(), words)
