@@ -294,6 +294,8 @@ def main() -> None:
         "zipnn": _version("zipnn"),
         "series": "all-MiniLM-L6-v2 sentence-embedding fine-tune, AdamW lr 2e-5 wd 0.01, snapshots at steps 5..25",
         "wall_s": round(time.time() - t_start, 1),
+        "note": "z4ai/ZipNN sizes are kept in CACHE/peer_sizes.json and reused by later runs on the same "
+        "cached series (wall_s then times s4weights only)",
     }
     md = table(results)
     print(md)
