@@ -49,6 +49,7 @@ __all__ = [
     "delta_pays",
     "choose_delta_op",
     "nonzero_pays",
+    "nonzero_chunk_lengths",
     "dtype_from_name",
     "dtype_name",
 ]

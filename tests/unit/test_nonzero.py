@@ -296,3 +296,21 @@ def test_torch_path_on_gpu() -> None:
             rbm, rpl = nzt.split_nonzero(words.numpy().view(nzt.WORD[w]), w, rot=rot)
             assert bm.cpu().numpy().tobytes() == rbm.tobytes() and np.array_equal(pl.cpu().numpy(), rpl)
             assert torch.equal(nzt.merge_nonzero_torch(bm, pl, words.numel(), w, rot=rot).cpu(), words)
+
+
+def test_flip_in_every_nz_chunk_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flipped byte in any chunk of an nz storage (bitmap or plane, coded or raw) is a
+    ChecksumMismatchError naming that chunk, never a wrong tensor or another error."""
+    blob = _nz_blob(monkeypatch)
+    m = split(blob)[2]
+    chunks = m["storages"][0]["chunks"]
+    tested = 0
+    for i, (_codec, off, length, _h) in enumerate(chunks):
+        if length == 0:
+            continue
+        tested += 1
+        b = bytearray(blob)
+        b[off + length // 2] ^= 0x10
+        with pytest.raises(s4w_core.ChecksumMismatchError, match=f"chunk {i} of tensor"):
+            s4w_core.load(bytes(b))
+    assert tested >= 3 * 3  # bitmaps and planes of several segments
