@@ -34,8 +34,9 @@ from s4w_core.errors import (
     UnsupportedTypeError,
 )
 from s4w_core.format.container import ContainerReader, ContainerWriter
-from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, ROTL1
+from s4w_core.format.manifest import NZ_TRANSFORMS, PLAIN, PLANE_TRANSFORMS, ROTL1
 from s4w_core.planes import PLANE_DTYPES, merge_planes, plane_width, split_planes
+from s4w_core.planes import nonzero as nzt
 from s4w_core.planes.reference import merge_hash_into, merge_into
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
     "choose_delta_op",
     "choose_delta_ops",
     "encode_storages_cpu",
+    "nonzero_pays",
+    "nonzero_chunk_lengths",
     "dtype_from_name",
     "dtype_name",
     "DTYPES",
@@ -353,11 +356,13 @@ def encode_storage_cpu(
     """Encode one storage on the CPU and append its chunks; returns its manifest entry.
 
     ``transform``: None for the default choice (:func:`transform_for`: ``planes-rotl1`` for
-    bf16/fp16/fp32, else ``bytes``), or the transform to write (``"planes"``, ``"planes-rotl1"``,
-    ``"bytes"``); ValueError if it does not apply to the storage's dtype and size."""
+    bf16/fp16/fp32, else ``bytes``; a byte-plane transform becomes its nonzero variant
+    ``nz-...`` where :func:`nonzero_pays`), or the transform to write (``"planes"``,
+    ``"planes-rotl1"``, ``"bytes"``); ValueError if it does not apply to the storage's dtype and size."""
     segment_elems = segment_elems or SEGMENT_ELEMS
     raw = job.raw.cpu() if job.raw.device.type != "cpu" else job.raw
     nbytes = raw.numel()
+    chosen = transform is None  # a transform named by the caller is written as it is (no nz variant)
     transform, w = transform_for(job.dtype, nbytes, transform=transform)
     n = nbytes // w
     entry: dict[str, Any] = {
@@ -376,6 +381,10 @@ def encode_storage_cpu(
     if op is not None:
         base = job.base.cpu()  # type: ignore[union-attr]
         entry["delta"] = {"op": op, "base": job.base_ref}
+    nz = chosen and transform in PLANE_TRANSFORMS and nonzero_pays(raw, base, job.dtype, transform, op)
+    if nz:  # the nonzero-element variant of the transform (docs/FORMAT.md 4.5c)
+        entry["transform"] = next(k for k, v in NZ_TRANSFORMS.items() if v == transform)
+        entry["nnz"] = []
 
     # encode segments in windows so memory stays bounded while all threads are busy
     window = max(2, pool._max_workers)  # noqa: SLF001 - sized to the pool
@@ -384,7 +393,13 @@ def encode_storage_cpu(
         calls: list[tuple[Any, ...]] = []
         for s0, s1 in segs[i : i + window]:
             b = base[s0 * w : s1 * w] if base is not None else None
-            planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
+            if nz:
+                words = nzt.residual_words(raw[s0 * w : s1 * w], job.dtype, b, op)
+                bitmap, planes = nzt.split_nonzero(words, w, rot=plane_rot(transform))
+                entry["nnz"].append(planes.shape[1])
+                calls.append((transform, BITMAP, bitmap))
+            else:
+                planes = _planes(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
             calls.extend((transform, j, planes[j]) for j in range(planes.shape[0]))
         coded = (_encode_chunk(*c) for c in calls) if nbytes <= INLINE_ENCODE_BYTES else _ordered(pool, _encode_chunk, calls)
         for codec_id, data in coded:
@@ -398,6 +413,43 @@ def encode_storages_cpu(jobs: list[StorageJob], writer: ContainerWriter, pool: T
     delta ops of all of them chosen first in one pass (:func:`choose_delta_ops`)."""
     choose_delta_ops(jobs)
     return [encode_storage_cpu(job, writer, pool) for job in jobs]
+
+
+#: the plane index :func:`_encode_chunk` is given for the bitmap chunk of a nonzero transform
+BITMAP = -1
+#: the nonzero transform is tried only where at least this fraction of the sampled elements is zero
+NZ_MIN_ZERO_FRAC = 1 / 64
+#: ... and used only if it codes the sample at least this fraction smaller than the plain transform
+NZ_MIN_GAIN = 0.02
+
+
+def nonzero_pays(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None
+) -> bool:
+    """Whether the nonzero variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5c) pays for
+    the CPU bytes ``raw`` (with ``base`` and delta ``op``, or plain): measured by coding the
+    sample of :func:`delta_sample_ranges` both ways with the chunk coder itself (its zstd finds
+    zero runs that an entropy estimate does not see), after a cheap check that the sample has
+    zeros at all (:data:`NZ_MIN_ZERO_FRAC`)."""
+    w = plane_width(dtype)
+    ranges = delta_sample_ranges(raw.numel() // w)
+    if not ranges:
+        return False
+    r = torch.cat([raw[a * w : z * w] for a, z in ranges]) if len(ranges) > 1 else raw
+    b = None
+    if base is not None and op is not None:
+        b = torch.cat([base[a * w : z * w] for a, z in ranges]) if len(ranges) > 1 else base
+    words = nzt.residual_words(r, dtype, b, op)
+    zeros = words.size - int(np.count_nonzero(words))
+    if zeros < NZ_MIN_ZERO_FRAC * words.size:
+        return False
+    rot = plane_rot(transform)
+    plain = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
+    plain_cost = sum(len(_encode_chunk(transform, j, plain[j])[1]) for j in range(w))
+    bitmap, planes = nzt.split_nonzero(words, w, rot=rot)
+    nz_cost = len(_encode_chunk(transform, BITMAP, bitmap)[1])
+    nz_cost += sum(len(_encode_chunk(transform, j, planes[j])[1]) for j in range(w))
+    return nz_cost < (1.0 - NZ_MIN_GAIN) * plain_cost
 
 
 #: elements sampled (in runs spread over a storage) to choose plain vs. a delta op.
@@ -711,6 +763,17 @@ def _drain(q: "collections.deque[Any]") -> Iterator[Any]:
 FUSED_HASH_MIN_BYTES = 1 << 20
 
 
+def nonzero_chunk_lengths(entry: dict[str, Any]) -> list[int]:
+    """The decoded length of each chunk of a (validated) nonzero-transform entry, in manifest
+    order: per segment its bitmap's bytes, then ``nnz`` for each of its ``w`` planes."""
+    w = entry["_width"]
+    out: list[int] = []
+    for (s0, s1), c in zip(_segments(entry["nbytes"] // w, entry["segment_elems"]), entry["nnz"]):
+        out.append(nzt.bitmap_bytes(s1 - s0))
+        out.extend([c] * w)
+    return out
+
+
 def chunk_layout(entry: dict[str, Any]) -> list[tuple[int, int, int]]:
     """``(segment_start_elem, segment_end_elem, plane)`` for each chunk, in manifest order."""
     w = entry["_width"]
@@ -747,6 +810,7 @@ def decode_storage_cpu(
     op = (entry.get("delta") or {}).get("op", "xor")
     seg = entry["segment_elems"]
     n = nbytes // w
+    nz_lens = nonzero_chunk_lengths(entry) if transform in NZ_TRANSFORMS else None
     read_chunk = reader.read_chunk
     decoders: dict[str, Callable[[Any, int], Any]] = {}
 
@@ -756,6 +820,11 @@ def decode_storage_cpu(
             f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: "
             "checksum mismatch"
         )
+
+    def check_raw_chunks() -> None:
+        for i, c in enumerate(chunks):  # name the corrupt chunk if it is a raw one (not checked above)
+            if c[0] == "raw" and xxh3_hexdigest(read_chunk(c[1], c[2])) != c[3]:
+                raise corrupt(i)
 
     def fetch_decode(i: int) -> Any:
         codec_id, off, length, h = chunks[i]
@@ -767,6 +836,8 @@ def decode_storage_cpu(
         dec = decoders.get(codec_id)
         if dec is None:
             dec = decoders[codec_id] = get_codec(codec_id).decode
+        if nz_lens is not None:
+            return dec(data, nz_lens[i])
         s0 = (i // w) * seg
         try:
             return dec(data, min(n, s0 + seg) - s0)
@@ -802,6 +873,19 @@ def decode_storage_cpu(
         if w == 1 and base is None:  # bytes transform: the chunk is the output
             out_np[s0:s1] = np.frombuffer(next(decoded), dtype=np.uint8)
             continue
+        if nz_lens is not None:  # bitmap and planes of the nonzero (residual) elements
+            bitmap = np.frombuffer(next(decoded), dtype=np.uint8)
+            parts = [np.frombuffer(next(decoded), dtype=np.uint8) for _j in range(w)]
+            where = f"{name}: tensor {entry['path']!r} segment {s0 // seg}"
+            rot_nz = plane_rot(NZ_TRANSFORMS[transform])
+            try:
+                nzt.merge_nonzero(bitmap, parts, s1 - s0, w, out_np[s0 * w : s1 * w], rot=rot_nz, where=where)
+            except DecodeError:
+                check_raw_chunks()  # a corrupt raw chunk is named as such
+                raise
+            if base is not None:
+                out[s0 * w : s1 * w] = delta.inverse(op, out[s0 * w : s1 * w], base[s0 * w : s1 * w], dtype)
+            continue
         parts = [np.frombuffer(next(decoded), dtype=np.uint8) for _j in range(w)]
         a, z = s0 * w, s1 * w
         if merge_fast:
@@ -828,9 +912,7 @@ def decode_storage_cpu(
     else:
         ok = ck.verify_tensor_checksum(expected, out)
     if not ok:
-        for i, c in enumerate(chunks):  # name the corrupt chunk if it is a raw one (not checked above)
-            if c[0] == "raw" and xxh3_hexdigest(read_chunk(c[1], c[2])) != c[3]:
-                raise corrupt(i)
+        check_raw_chunks()
         raise ChecksumMismatchError(
             f"{name}: tensor {entry['path']!r} decoded to bytes that do not match its recorded "
             f"checksum {expected}" + (" (is the delta base the right one?)" if base is not None else "")

@@ -13,7 +13,15 @@ from s4w_core.codecs import get_codec
 from s4w_core.errors import ManifestError, S4WError, UnsupportedVersionError
 from s4w_core.format.container import FORMAT_VERSION
 
-__all__ = ["validate_manifest", "MAX_EXPANSION", "MAX_SEGMENT_BYTES", "MAX_STORAGE_BYTES", "PLANE_TRANSFORMS"]
+__all__ = [
+    "validate_manifest",
+    "MAX_EXPANSION",
+    "MAX_SEGMENT_BYTES",
+    "MAX_STORAGE_BYTES",
+    "PLANE_TRANSFORMS",
+    "NZ_TRANSFORMS",
+    "nz_counts",
+]
 
 #: largest decoded/stored ratio a chunk of each codec may claim (deflate's format limit is
 #: ~1032:1; zstd and ANS can go further on constant data, capped here).
@@ -25,7 +33,11 @@ MAX_STORAGE_BYTES = 1 << 48
 #: The one definition of these names (s4w_core.engine, .delta and .gpu import them).
 ROTL1, PLAIN = "planes-rotl1", "planes"
 PLANE_TRANSFORMS = (ROTL1, PLAIN)
-_WIDTH = {ROTL1: None, PLAIN: None, "bytes": 1}
+#: the nonzero-element transforms (docs/FORMAT.md 4.5c): a bitmap of the nonzero elements, then
+#: those elements through the byte-plane transform each one names; ``nnz`` lists their count per segment.
+NZ_ROTL1, NZ_PLAIN = "nz-planes-rotl1", "nz-planes"
+NZ_TRANSFORMS = {NZ_ROTL1: ROTL1, NZ_PLAIN: PLAIN}
+_WIDTH = {ROTL1: None, PLAIN: None, NZ_ROTL1: None, NZ_PLAIN: None, "bytes": 1}
 #: delta ops (s4w_core.delta): "xor" for any storage, "sub" for byte-plane (planes-rotl1, planes) storages.
 _DELTA_OPS = ("xor", "sub")
 _PLANE_WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -35,6 +47,20 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     if type(v) is not int or not lo <= v <= hi:
         raise ManifestError(f"manifest: {what} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
+
+
+def nz_counts(s: dict[str, Any], n: int, seg: int, where: str) -> list[int]:
+    """The ``nnz`` list of a nonzero-transform storage entry of ``n`` elements in segments of
+    ``seg``, checked: one integer per segment, each at most the segment's elements."""
+    nnz = s.get("nnz")
+    nseg = -(-n // seg)
+    if not isinstance(nnz, list) or len(nnz) != nseg:
+        raise ManifestError(f"manifest: {where}: transform {s.get('transform')} needs 'nnz', one count per segment ({nseg})")
+    for k, c in enumerate(nnz):
+        m = min(seg, n - k * seg)
+        if type(c) is not int or not 0 <= c <= m:
+            raise ManifestError(f"manifest: {where}: nnz[{k}] must be an integer in [0, {m}], got {c!r}")
+    return nnz
 
 
 def validate_manifest(
@@ -74,7 +100,7 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
             raise ManifestError(f"manifest: {where} has unknown transform {tr!r}")
         if not isinstance(s.get("dtype"), str):
             raise ManifestError(f"manifest: {where} dtype must be a string")
-        w = _PLANE_WIDTH.get(s["dtype"]) if tr in PLANE_TRANSFORMS else 1
+        w = _PLANE_WIDTH.get(s["dtype"]) if tr in PLANE_TRANSFORMS or tr in NZ_TRANSFORMS else 1
         if w is None or nbytes % w:
             raise ManifestError(f"manifest: {where}: transform {tr} does not apply to {s['dtype']} x {nbytes} bytes")
         seg = _int(s.get("segment_elems"), f"{where} segment_elems", 1, MAX_SEGMENT_BYTES // w)
@@ -84,16 +110,18 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
         delta = s.get("delta")
         if delta is not None and (not isinstance(delta, dict) or delta.get("op") not in _DELTA_OPS):
             raise ManifestError(f"manifest: {where} has an unknown delta {delta!r}")
-        if delta is not None and delta["op"] == "sub" and tr not in PLANE_TRANSFORMS:
+        if delta is not None and delta["op"] == "sub" and tr not in PLANE_TRANSFORMS and tr not in NZ_TRANSFORMS:
             raise ManifestError(
                 f"manifest: {where}: delta op 'sub' applies only to byte-plane (planes-rotl1, planes) storages"
             )
         n = nbytes // w
         nseg = -(-n // seg)
+        nnz = nz_counts(s, n, seg, where) if tr in NZ_TRANSFORMS else None
+        per = w if nnz is None else w + 1  # a nz segment: its bitmap chunk, then its w plane chunks
         chunks = s.get("chunks")
-        if not isinstance(chunks, list) or len(chunks) != nseg * w:
+        if not isinstance(chunks, list) or len(chunks) != nseg * per:
             raise ManifestError(
-                f"manifest: {where} must have {nseg * w} chunks ({nseg} segments x {w} planes), "
+                f"manifest: {where} must have {nseg * per} chunks ({nseg} segments x {per} chunks), "
                 f"has {len(chunks) if isinstance(chunks, list) else chunks!r}"
             )
         # the per-chunk checks inline: this loop runs for every chunk of every load
@@ -108,8 +136,10 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
                 _int(off, f"{where} chunk {k} offset", data_start, data_end)
             if not (type(length) is int and 0 <= length <= data_end - off):
                 _int(length, f"{where} chunk {k} length", 0, data_end - off)
-            seg_i = k // w
+            seg_i = k // per
             raw_len = seg if (seg_i + 1) * seg <= n else n - seg_i * seg
+            if nnz is not None:
+                raw_len = nnz[seg_i] if k % per else (raw_len + 7) // 8
             if codec == "raw" and length != raw_len:
                 raise ManifestError(f"manifest: {where} chunk {k}: raw chunk of {length} bytes, expected {raw_len}")
             if raw_len > length * emax.get(codec, 1 << 16) + 64:  # an empty chunk: 64 bytes at most

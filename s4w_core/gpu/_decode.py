@@ -42,7 +42,7 @@ from s4w_core import engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW, get_codec
 from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
-from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS
+from s4w_core.format.manifest import NZ_TRANSFORMS, PLAIN, PLANE_TRANSFORMS
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._encode import TRACE_MARKS, _mark
 from s4w_core.gpu.kernels import fold64_finish, fold64_launch, fold64_programs, fold64_rows, gather_copy
@@ -102,18 +102,21 @@ def decode_storages(
     # where it could wait on tasks queued behind it
     depth = max(1, int(os.environ.get("S4W_STAGE_AHEAD", _STAGE_AHEAD)))
     stager = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="s4w-stage")
-    ahead: deque[Future[Staged]] = deque()
+    ahead: deque[Future[Staged | None]] = deque()
     try:
         groups = _groups(entries, _nvcomp.batch_bytes(device))
         outs: list[torch.Tensor] = []
         todo = iter(groups)
         for group in itertools.islice(todo, depth):
-            ahead.append(stager.submit(stage, reader, group, pool))
+            ahead.append(stager.submit(_stage_gpu, reader, group, pool))
         for group in groups:
             st = ahead.popleft().result()  # a failed read or check of this batch raises here, in batch order
             for later in itertools.islice(todo, 1):
-                ahead.append(stager.submit(stage, reader, later, pool))
-            done = _decode_group(reader, group, st, device, resolve_base)
+                ahead.append(stager.submit(_stage_gpu, reader, later, pool))
+            if st is None:  # a nonzero-transform storage (no GPU merge yet): the CPU reader, then copied
+                done = [engine.decode_storage_cpu(reader, e, pool, resolve_base, reader.name).to(device) for e in group]
+            else:
+                done = _decode_group(reader, group, st, device, resolve_base)
             if on_batch is not None:  # checked and complete: the next batch is being read meanwhile
                 on_batch(len(outs), done)
             outs.extend(done)
@@ -126,12 +129,23 @@ def decode_storages(
             pool.shutdown(wait=True)
 
 
+def _stage_gpu(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPoolExecutor) -> Staged | None:
+    """:func:`stage`, or None for a batch of a nonzero-transform storage (decoded on the CPU)."""
+    if entries[0].get("transform") in NZ_TRANSFORMS:
+        return None
+    return stage(reader, entries, pool)
+
+
 def _groups(entries: list[dict[str, Any]], budget: int) -> list[list[dict[str, Any]]]:
-    """``entries`` cut into batches of at most ``budget`` raw bytes (a larger entry alone)."""
+    """``entries`` cut into batches of at most ``budget`` raw bytes (a larger entry alone); a
+    nonzero-transform storage (``nz-*``, decoded by the CPU reader) is a batch of its own."""
     groups: list[list[dict[str, Any]]] = []
     size = 0
+    nz_last = False
     for e in entries:
-        if not groups or size + e["nbytes"] > budget:
+        nz = e.get("transform") in NZ_TRANSFORMS
+        if not groups or size + e["nbytes"] > budget or nz or nz_last:
+            nz_last = nz
             groups.append([])
             size = 0
         groups[-1].append(e)

@@ -273,7 +273,7 @@ def test_small_work_does_not_load_numba() -> None:
         b = io.BytesIO(); s4w_core.save({"x": torch.randn(1000).to(torch.bfloat16)}, b, profile="portable")
         s4w_core.load(b.getvalue())
         assert "numba" not in sys.modules and not _jit._started, "loaded for a small file"
-        b = io.BytesIO(); s4w_core.save({"x": torch.zeros(33 << 20, dtype=torch.bfloat16)}, b, profile="portable")
+        b = io.BytesIO(); s4w_core.save({"x": torch.randn(33 << 20).to(torch.bfloat16)}, b, profile="portable")
         assert _jit._started
         assert _jit.enabled()
         """

@@ -103,7 +103,7 @@ def test_store_load_records_step_kind_and_sizes(tmp_path: Path, events: list[obs
     assert bad.op == "load" and bad.ok is False and bad.step == 30 and "CheckpointNotFoundError" in (bad.error or "")
 
 
-def test_failed_save_is_recorded_and_reraised_unchanged(
+def test_failed_save_is_recorded_and_reraised_as_a_store_error(
     tmp_path: Path, events: list[obs.OpEvent], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     boom = OSError(28, "No space left on device")
@@ -112,11 +112,12 @@ def test_failed_save_is_recorded_and_reraised_unchanged(
         raise boom
 
     monkeypatch.setattr(api, "_encode", fail)
-    with pytest.raises(OSError) as exc:
+    with pytest.raises(s4w_core.StoreError) as exc:  # an OSError from storage: the store's error, the cause kept
         s4w_core.save({"x": torch.ones(3)}, tmp_path / "x.s4w", extra={"step": 7})
-    assert exc.value is boom and not (tmp_path / "x.s4w").exists()
+    assert isinstance(exc.value, OSError) and exc.value.__cause__ is boom and "ENOSPC" in str(exc.value)
+    assert not (tmp_path / "x.s4w").exists()
     (e,) = events
-    assert e.op == "save" and e.ok is False and e.step == 7 and e.error == f"OSError: {boom}"
+    assert e.op == "save" and e.ok is False and e.step == 7 and e.error == f"StoreError: {exc.value}"
     (rec,) = [r for r in caplog.records if r.name == obs.LOGGER_NAME]
     assert rec.levelno == logging.ERROR and json.loads(rec.getMessage())["ok"] is False
     with pytest.raises(s4w_core.UnsupportedTypeError):  # a real failure, through the real encoder
