@@ -80,6 +80,11 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # on xdist workers (every worker sorts alike): the ``slow`` tests first, so that the long ones
+        # (the examples at their default sizes) start at once on separate workers instead of being
+        # the last ones a single worker runs while the others sit idle
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device: see docs/DEVELOPING.md)")
