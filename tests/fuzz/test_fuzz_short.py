@@ -1,4 +1,5 @@
-"""Short fuzz runs for CI: hypothesis-driven structure-aware mutation, and atheris if installed."""
+"""Fuzz runs: hypothesis-driven structure-aware mutation, and atheris if installed. Short in CI;
+``python -m pytest --long`` runs them at full size (tests/fixtures/sizes.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fixtures.sizes import scaled
 from tests.fuzz import framework, harness
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -21,7 +23,7 @@ def test_seeds_decode_ok() -> None:
         assert harness.check_input(blob) == "ok"
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(150, 4000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2), st.integers(1, 3), st.binary(min_size=1, max_size=16))
 def test_mutated_containers_fail_cleanly(seed_idx: int, rounds: int, salt: bytes) -> None:
     rng = random.Random(salt)
@@ -31,7 +33,7 @@ def test_mutated_containers_fail_cleanly(seed_idx: int, rounds: int, salt: bytes
     harness.check_input(blob)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200, 4000), deadline=None)
 @given(st.binary(max_size=512))
 def test_arbitrary_bytes_fail_cleanly(data: bytes) -> None:
     assert harness.check_input(data) != "ok" or data in harness.seeds()
@@ -41,12 +43,13 @@ def test_every_mutation_kind_is_caught() -> None:
     """Each mutation that changes meaning must be detected (not decoded to different bytes)."""
     rng = random.Random(1)
     outcomes: dict[str, int] = {}
-    for _ in range(300):
+    n = scaled(150, 3000)
+    for _ in range(n):
         blob = harness.mutate(harness.seeds()[1], rng)
         r = harness.check_input(blob)
         outcomes[r] = outcomes.get(r, 0) + 1
     # the bulk of mutations must be rejected, with several distinct, specific error classes
-    assert sum(v for k, v in outcomes.items() if k != "ok") > 200, outcomes
+    assert sum(v for k, v in outcomes.items() if k != "ok") > 2 * n // 3, outcomes
     assert len([k for k in outcomes if k != "ok"]) >= 4, outcomes
 
 
@@ -63,13 +66,14 @@ def test_fuzz_regressions(name: str) -> None:
 @pytest.mark.slow
 def test_atheris_short_run(tmp_path: "os.PathLike[str]") -> None:
     pytest.importorskip("atheris")
+    runs = scaled(3000, 200_000)
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "fuzz", "fuzz_reader.py"), "-runs=3000",
+        [sys.executable, os.path.join(ROOT, "tests", "fuzz", "fuzz_reader.py"), f"-runs={runs}",
          "-rss_limit_mb=3072", "-timeout=30", "-max_len=4096", f"-artifact_prefix={tmp_path}/"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(900, 7200),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "Done 3000 runs" in r.stderr, r.stderr[-2000:]
+    assert f"Done {runs} runs" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -99,7 +103,7 @@ def test_framework_seeds_are_recognized() -> None:
     assert formats == ["torch-zip", "torch-zip", "torch-zip", "safetensors", "raw"], formats
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(150, 4000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 4), st.integers(1, 3), st.binary(min_size=1, max_size=16))
 def test_mutated_framework_files_round_trip(seed_idx: int, rounds: int, salt: bytes) -> None:
     """Any mutation of a framework file packs (falling back to raw bytes where it cannot parse)
@@ -111,7 +115,7 @@ def test_mutated_framework_files_round_trip(seed_idx: int, rounds: int, salt: by
     framework.check_framework_file(blob, through_container=rng.random() < 0.1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200, 4000), deadline=None)
 @given(st.binary(max_size=512))
 def test_arbitrary_bytes_pack_and_unpack(data: bytes) -> None:
     framework.check_framework_file(b"PK\x03\x04" + data)

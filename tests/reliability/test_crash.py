@@ -15,6 +15,7 @@ import pytest
 
 from s4w_core.errors import S4WError, StoreError
 from s4w_core.store.store import CheckpointStore
+from tests.fixtures.sizes import scaled
 from tests.reliability import crash_harness as ch
 
 NUMEL = 1 << 17  # a ~0.6 MB state
@@ -36,12 +37,12 @@ def _assert_clean(res: dict[str, Any]) -> None:
 
 
 def test_sigkill_local(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    _assert_clean(ch.run(_args(str(tmp_path / "store"), 25, seed=1)))
+    _assert_clean(ch.run(_args(str(tmp_path / "store"), scaled(15, 300), seed=1)))
 
 
 @pytest.mark.s3
 def test_sigkill_s3(s3_url: str) -> None:
-    _assert_clean(ch.run(_args(s3_url, 10, seed=2)))
+    _assert_clean(ch.run(_args(s3_url, scaled(8, 100), seed=2)))
 
 
 # ----------------------------------------------------------------------------- disk full
