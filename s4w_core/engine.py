@@ -108,6 +108,9 @@ def check_views(m: dict[str, Any], name: str) -> None:
     decoded: a known dtype, and the view's last element inside the storage (docs/FORMAT.md 3.2).
     Raises ManifestError naming the tensor."""
     storages = m["storages"]
+    for k, s in enumerate(storages):  # a storage's dtype too (the GPU reader trusts it for its planes)
+        if not isinstance(s.get("dtype"), str) or s["dtype"] not in DTYPES:
+            raise ManifestError(f"{name}: manifest: storage {k} names unknown dtype {s.get('dtype')!r}")
     for i, t in enumerate(m["tensors"]):
         dt = dtype_from_name(t["dtype"])
         nbytes = storages[t["storage"]]["nbytes"]

@@ -334,6 +334,12 @@ def _cat_on(parts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     return torch.cat([p.to(dev, non_blocking=True) for p in parts])
 
 
+def _device_resident(job: engine.StorageJob) -> bool:
+    """Whether ``job``'s bytes or its delta base live on a GPU (both on the host: the host's
+    estimate, :func:`engine.choose_delta_ops`; the device's sampler moves host samples over)."""
+    return _on_device(job.raw) or (job.base is not None and _on_device(job.base))
+
+
 def _on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` already lives on a GPU (a hook: the CPU simulation in tests/parity overrides it)."""
     return t.device.type == "cuda"
@@ -387,8 +393,16 @@ def encode_storages(
             )
             plan.append((transform, w, cpu_path))
         cands = [(i, (job, plan[i][0], plan[i][1])) for i, job in enumerate(jobs) if job.base is not None and not plan[i][2]]
-        chosen = _choose_delta_ops([c for _, c in cands], pool, dev=dev) if cands else []
-        ops: dict[int, str | None] = {i: op for (i, _), op in zip(cands, chosen)}
+        # storages on the device: their samples estimated there; host copies (the store's re-encoding
+        # of a step from its pinned copy, against the pinned copy of the step above) on the host,
+        # where their bytes are, by the CPU writer's rule (the same estimate)
+        on_dev = [(i, c) for i, c in cands if _device_resident(c[0])]
+        on_host = [(i, c) for i, c in cands if not _device_resident(c[0])]
+        chosen = _choose_delta_ops([c for _, c in on_dev], pool, dev=dev) if on_dev else []
+        ops: dict[int, str | None] = {i: op for (i, _), op in zip(on_dev, chosen)}
+        if on_host:
+            host_ops = engine.choose_delta_ops([c[0] for _, c in on_host], [c[1] for _, c in on_host])
+            ops.update({i: op for (i, _), op in zip(on_host, host_ops)})
         # storages coded on the CPU path: their delta ops chosen in one pass too
         engine.choose_delta_ops([j for j, p in zip(jobs, plan) if p[2] and j.base is not None])
         batch = _Batch()

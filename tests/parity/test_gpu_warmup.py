@@ -119,6 +119,7 @@ import json, os, sys, torch
 from s4w_core import gpu, CheckpointStore
 warm = sys.argv[1] == "1"
 cache = os.environ["TRITON_CACHE_DIR"]
+os.makedirs(cache, exist_ok=True)  # Triton makes it at its first compile
 if warm:
     assert gpu.warm_up(wait=True) and gpu.warm_up_status()["cuda:0"] == "done", gpu.warm_up_status()
 before = sorted(os.listdir(cache))
