@@ -26,6 +26,7 @@ from s4w_core.errors import (
 from s4w_core.format.container import FORMAT_VERSION, ContainerReader, ContainerWriter
 from s4w_core.format.manifest import validate_manifest
 from s4w_core.skeleton import decode_tree, encode_tree
+from s4w_core.units import human_bytes as _h
 
 __all__ = ["save", "load", "info", "verify", "SaveReport", "VerifyReport", "PROFILES"]
 
@@ -91,14 +92,6 @@ class SaveReport:
         for k, g in self.groups.items():
             lines.append(f"  {k:<28} {_h(g.raw_bytes):>10} -> {_h(g.stored_bytes):>10}  {g.ratio:.3f}x")
         return "\n".join(lines)
-
-
-def _h(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _kind(path: str) -> str:

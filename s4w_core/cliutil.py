@@ -21,6 +21,7 @@ from s4w_core.api import open_reader
 from s4w_core.errors import BadMagicError, CheckpointNotFoundError
 from s4w_core.format.container import MAGIC, ContainerReader
 from s4w_core.pointer import is_pointer
+from s4w_core.units import human_bytes
 
 __all__ = [
     "add_progress_args",
@@ -143,15 +144,6 @@ def device_arg(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- text
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def printable(s: object) -> str:
     """``str(s)`` safe to print on a terminal, on one line: control characters (C0, DEL, C1,
     which carry terminal escape sequences), line and paragraph separators are written as
