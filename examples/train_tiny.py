@@ -126,6 +126,12 @@ class Checkpoints:
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.out.rglob("*") if p.is_file())
 
+    def count(self) -> int:
+        """How many checkpoints are kept."""
+        if self.store is not None:
+            return len(self.store.steps())
+        return len(list(self.out.glob("step_*.s4w")))
+
 
 def capture(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, g: torch.Generator, step: int, loss: float) -> dict[str, Any]:
     return {
@@ -220,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     raw = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
         v.numel() * v.element_size() for s in opt.state_dict()["state"].values() for v in s.values() if isinstance(v, torch.Tensor))
+    kept = ckpts.count()
     print(f"done: {args.steps - first + 1} steps in {train_s:.1f}s, final loss {loss_v:.3f}; "
-          f"{args.out} holds {ckpts.total_bytes() / 2**20:.2f} MiB (one raw checkpoint: {raw / 2**20:.2f} MiB)")
+          f"{args.out} holds {ckpts.total_bytes() / 2**20:.2f} MiB (one raw checkpoint: {raw / 2**20:.2f} MiB; "
+          f"{ckpts.total_bytes() / max(kept * raw, 1):.2f}x the {kept} raw checkpoints it keeps)")
     return 0
 
 
