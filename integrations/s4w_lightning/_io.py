@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import io
 import os
 import threading
@@ -213,11 +212,6 @@ def _auto_location(orig: str) -> str:
     return orig
 
 
-#: store settings of this plugin unless ``store_options`` says otherwise: no keyframe copy behind
-#: each save (Lightning saves often and resumes rarely; the copy doubles the bytes written) where
-#: the store writes one by default (a store whose newest step is always whole has none)
-_COPY = inspect.signature(CheckpointStore).parameters.get("keyframe_copy")
-_STORE_DEFAULTS = {"keyframe_copy": False} if _COPY is not None and _COPY.default is True else {}
 
 
 # ----------------------------------------------------------------------------- a second name for a step
@@ -361,7 +355,7 @@ class _S4CheckpointIOImpl:
         with self._lock:
             st = self._stores.get(url)
             if st is None:
-                opts = {"profile": self.profile, "keyframe_every": self.keyframe_every, **_STORE_DEFAULTS}
+                opts = {"profile": self.profile, "keyframe_every": self.keyframe_every}
                 opts.update(self.store_options)
                 st = self._stores[url] = CheckpointStore(url, **opts)
             return st
