@@ -58,6 +58,12 @@ def main(out):
         )
         files = [f for f in files if not f.startswith(os.path.join("run", ".s4w"))]
         print(json.dumps({"steps": st.steps(), "rngs": len(st.load(0)["rng"]), "same": flags, "files": files}))
+        st.close()
+    # end cleanly: pending saves finished, the gloo group's threads stopped before the interpreter exits
+    # (left running, they can abort the process at exit: "terminate called without an active exception")
+    s4w_accelerate.finish_pending()
+    acc.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

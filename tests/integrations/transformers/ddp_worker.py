@@ -58,6 +58,12 @@ def main(out):
         st = CheckpointStore(os.path.join(out, "run", ".s4w"))
         files = sorted(os.listdir(os.path.join(out, "run")))
         print(json.dumps({"steps": st.steps(), "rngs": len(st.load(3)["rng"]), "same": same, "files": files}))
+        st.close()
+    # end cleanly: the gloo group's threads stopped before the interpreter exits (left running, they can
+    # abort the process at exit: "terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
