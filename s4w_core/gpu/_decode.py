@@ -44,7 +44,7 @@ from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import NZ_TRANSFORMS, PLAIN, PLANE_TRANSFORMS
 from s4w_core.gpu import _nvcomp
-from s4w_core.gpu._encode import TRACE_MARKS, _mark
+from s4w_core.gpu._encode import TRACE_MARKS, mark
 from s4w_core.gpu.kernels import fold64_finish, fold64_launch, fold64_programs, fold64_rows, gather_copy
 from s4w_core.planes.triton_kernels import (
     MERGE,
@@ -575,16 +575,16 @@ def decode_device(
     chunks nvCOMP failed on or decoded to another length (those are read back in full, for the
     message, only when there are any)."""
     TRACE_MARKS.clear()
-    _mark("start", dev)
+    mark("start", dev)
     plan = st.plan_for(entries, name)
-    _mark("plan", dev)
+    mark("plan", dev)
     if plan.staged_end > staged.numel():
         raise DecodeError(f"{name}: a staged chunk lies outside the staged buffer")
     planes = torch.empty(max(plan.planes_bytes, 1), dtype=torch.uint8, device=dev)
     pending = [_gpu_decode(call, dev, staged, planes, name) for call in plan.calls]
-    _mark("nvcomp_decode", dev)
+    mark("nvcomp_decode", dev)
     gather_copy(staged, planes, *plan.place, pad_ok=True)
-    _mark("place", dev)
+    mark("place", dev)
     k_n = plan.k
     out_addr = np.fromiter((o.data_ptr() for o in outs), dtype=np.int64, count=k_n)
     has = np.fromiter((b is not None for b in bases), dtype=bool, count=k_n)
@@ -623,7 +623,7 @@ def decode_device(
         ]
     dev_tables = tables.upload(dev)
     maps = plan.maps_host.to(dev, non_blocking=True) if dev.type == "cuda" else plan.maps_host
-    _mark("merge_tables", dev)
+    mark("merge_tables", dev)
     if plan.in_place:
         for g, t_rows, t_map in merges:
             launch_items(MERGE_CHUNKS, g.w, g.op, dev_tables[t_rows], maps[t_map:], g.programs,
@@ -642,7 +642,7 @@ def decode_device(
             outs[i].copy_(src)
         else:
             torch.bitwise_xor(src, base, out=outs[i])
-    _mark("merge", dev)
+    mark("merge", dev)
     # one read-back: the fold64 sums, then per nvCOMP call the chunks that failed on the device
     acc = torch.zeros(k_n + len(pending), dtype=torch.int64, device=dev)
     if fold_words_ok:
@@ -657,13 +657,13 @@ def decode_device(
         if f is not None:
             acc[k_n + m : k_n + m + 1].copy_(f)
         counted.append(f is not None)
-    _mark("fold64", dev)
+    mark("fold64", dev)
     vals = acc.cpu().tolist()
-    _mark("readback", dev)
+    mark("readback", dev)
     for m, pd in enumerate(pending):
         if not counted[m] or vals[k_n + m]:
             pd.check()
-    _mark("checks", dev)
+    mark("checks", dev)
     return vals[:k_n]  # ints already (tolist)
 
 

@@ -109,7 +109,7 @@ TRACE: bool | str = False
 TRACE_MARKS: list[tuple[str, float, Any]] = []
 
 
-def _mark(name: str, dev: torch.device) -> None:
+def mark(name: str, dev: torch.device) -> None:
     if TRACE:
         import time
 
@@ -855,7 +855,7 @@ class EncodePlan:
         read-back (a check that may raise while the GPU works)."""
         dev, pieces, n = self.dev, self.pieces, self.n
         TRACE_MARKS.clear()
-        _mark("start", dev)
+        mark("start", dev)
         if self.keep:
             assert self.out is not None and self.comp is not None and self.cols_init is not None
             out, comp = self.out, self.comp
@@ -866,7 +866,7 @@ class EncodePlan:
             table = self._upload_cols(out, comp)
         cols = {name: table[i * n : (i + 1) * n] for i, name in enumerate(_COLS)}
         cols["status"] = cols["status"].view(torch.int32)[:n]
-        _mark("tables", dev)
+        mark("tables", dev)
         # 1. planes of every piece (one launch per element width and delta op); the layout probe
         #    first chooses, on the device, the transform of each piece whose flag is 0
         staged: dict[int, torch.Tensor] = {}
@@ -904,13 +904,13 @@ class EncodePlan:
         del staged
         if self.host_bases and not self.keep:
             self._staged = None  # the staged bases go once their kernels are enqueued (the plan runs once)
-        _mark("split", dev)
+        mark("split", dev)
         # 2. one coder call over every chunk; the probe, on the device, zeroes the length handed to
         #    the coder of each chunk whose sample looks near random (it is then stored raw)
         if self.prof.probe:
             probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], PROBE_BYTES,
                        8.0 * (1.0 - probe_min_gain(bool(self.ops.any()))))
-        _mark("probe", dev)
+        mark("probe", dev)
         if isinstance(self.coder, _nvcomp._AnsC):  # noqa: SLF001 - sizes and statuses stay on the device
             self.coder.encode_cols(cols["in_ptr"], cols["gate"], cols["out_ptr"], cols["size"], cols["status"],
                                    self.maxlen, self.total)
@@ -922,12 +922,12 @@ class EncodePlan:
                 got = np.full(n, -1, dtype=np.int64)
                 got[todo] = sizes
                 cols["size"].copy_(torch.from_numpy(got).to(dev, non_blocking=True))
-        _mark("nvcomp_encode", dev)
+        mark("nvcomp_encode", dev)
         # 3. per chunk on the device: coded only if smaller (first plane) or MIN_GAIN smaller (other
         #    planes); coded chunks and first planes compacted after the planes, in chunk order
         words = self.words and (out.data_ptr() | comp.data_ptr()) % 16 == 0
         res = choose_and_gather(cols, out, comp, self.c0, self.maxlen, words)
-        _mark("choose+compact", dev)
+        mark("choose+compact", dev)
         if before_readback is not None:
             before_readback()
         nf = len(self.flag_order) if flags is not None else 0
@@ -942,7 +942,7 @@ class EncodePlan:
         else:
             back = res.cpu().numpy()
             got = flags[:nf].cpu().numpy() if flags is not None else np.zeros(0, dtype=np.int64)
-        _mark("readback", dev)
+        mark("readback", dev)
         layout = self.layout.copy()
         if nf:
             if got.min() < LAYOUT_ROTL1 or got.max() > LAYOUT_PLAIN:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from s4w_core.planes.triton_kernels import _fwd16, _fwd32, item_table, upload
+from s4w_core.planes.triton_kernels import fwd16, fwd32, item_table, upload
 
 __all__ = [
     "gather_copy",
@@ -312,7 +312,7 @@ def _layout_probe_kernel(items_ptr, flags_ptr, margin, W: tl.constexpr, OP: tl.c
             v = u
             if (OP & 3) != 0:
                 v = tl.load(base.to(tl.pointer_type(tl.int16)) + e).to(tl.int32) & 0xFFFF
-            x = _fwd16(u, v, (OP & 3) | 4, zero)  # the residual, not rotated
+            x = fwd16(u, v, (OP & 3) | 4, zero)  # the residual, not rotated
             plain = (x >> 8) & 0xFF
             rot = (((x << 1) | (x >> 15)) >> 8) & 0xFF
         else:
@@ -320,7 +320,7 @@ def _layout_probe_kernel(items_ptr, flags_ptr, margin, W: tl.constexpr, OP: tl.c
             v = u
             if (OP & 3) != 0:
                 v = tl.load(base.to(tl.pointer_type(tl.int32)) + e).to(tl.int64) & 0xFFFFFFFF
-            x = _fwd32(u, v, (OP & 3) | 4, zero)
+            x = fwd32(u, v, (OP & 3) | 4, zero)
             plain = ((x >> 24) & 0xFF).to(tl.int32)
             rot = ((((x << 1) | (x >> 31)) >> 24) & 0xFF).to(tl.int32)
         better = _entropy256(plain, RUNS * RUN) + margin < _entropy256(rot, RUNS * RUN)

@@ -85,7 +85,7 @@ def _item_of(items_ptr, map_ptr, pid, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fwd16(u, v, OP: tl.constexpr, plain):
+def fwd16(u, v, OP: tl.constexpr, plain):
     """Delta residual of 16-bit patterns ``u`` against ``v`` (int32 holding 0..65535), rotated left by 1
     unless ``OP`` has the :data:`OP_PLAIN` bit or ``plain`` (a run-time scalar) is non-zero."""
     if (OP & 3) == 1:
@@ -104,7 +104,7 @@ def _fwd16(u, v, OP: tl.constexpr, plain):
 
 @triton.jit
 def _inv16(r, v, OP: tl.constexpr):
-    """Inverse of :func:`_fwd16` (the transform given by ``OP`` alone)."""
+    """Inverse of :func:`fwd16` (the transform given by ``OP`` alone)."""
     u = r
     if (OP & 4) == 0:
         u = ((r >> 1) | (r << 15)) & 0xFFFF
@@ -119,8 +119,8 @@ def _inv16(r, v, OP: tl.constexpr):
 
 
 @triton.jit
-def _fwd32(u, v, OP: tl.constexpr, plain):
-    """As :func:`_fwd16` for 32-bit patterns held in int64 (0 .. 2**32-1)."""
+def fwd32(u, v, OP: tl.constexpr, plain):
+    """As :func:`fwd16` for 32-bit patterns held in int64 (0 .. 2**32-1)."""
     if (OP & 3) == 1:
         u = u ^ v
     elif (OP & 3) == 2:
@@ -159,7 +159,7 @@ def _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, mask, W: tl.co
         v = u
         if (OP & 3) != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        r = _fwd16(u, v, OP, plain)
+        r = fwd16(u, v, OP, plain)
         tl.store(o, (r >> 8).to(tl.uint8), mask=mask)
         tl.store(o + ps, (r & 0xFF).to(tl.uint8), mask=mask)
     else:
@@ -167,7 +167,7 @@ def _split_elems(src_addr, base_addr, out_ptr, out_off, ps, offs, mask, W: tl.co
         v = u
         if (OP & 3) != 0:
             v = tl.load(base_addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-        r = _fwd32(u, v, OP, plain)
+        r = fwd32(u, v, OP, plain)
         tl.store(o, ((r >> 24) & 0xFF).to(tl.uint8), mask=mask)
         tl.store(o + ps, ((r >> 16) & 0xFF).to(tl.uint8), mask=mask)
         tl.store(o + 2 * ps, ((r >> 8) & 0xFF).to(tl.uint8), mask=mask)
@@ -236,13 +236,13 @@ def _split_kernel(items_ptr, map_ptr, out_ptr, flags_ptr, W: tl.constexpr, OP: t
         o = (out_ptr + out_off).to(tl.pointer_type(tl.int32)) + q
         ps4 = ps // 4
         if W == 2:
-            r0, r1 = _fwd16(u0, v0, OP, plain), _fwd16(u1, v1, OP, plain)
-            r2, r3 = _fwd16(u2, v2, OP, plain), _fwd16(u3, v3, OP, plain)
+            r0, r1 = fwd16(u0, v0, OP, plain), fwd16(u1, v1, OP, plain)
+            r2, r3 = fwd16(u2, v2, OP, plain), fwd16(u3, v3, OP, plain)
             tl.store(o, _pack4(_byte(r0, 8), _byte(r1, 8), _byte(r2, 8), _byte(r3, 8)), mask=m)
             tl.store(o + ps4, _pack4(_byte(r0, 0), _byte(r1, 0), _byte(r2, 0), _byte(r3, 0)), mask=m)
         else:
-            r0, r1 = _fwd32(u0, v0, OP, plain), _fwd32(u1, v1, OP, plain)
-            r2, r3 = _fwd32(u2, v2, OP, plain), _fwd32(u3, v3, OP, plain)
+            r0, r1 = fwd32(u0, v0, OP, plain), fwd32(u1, v1, OP, plain)
+            r2, r3 = fwd32(u2, v2, OP, plain), fwd32(u3, v3, OP, plain)
             for j in tl.static_range(4):
                 sh = 24 - 8 * j
                 tl.store(o + j * ps4, _pack4(_byte(r0, sh), _byte(r1, sh), _byte(r2, sh), _byte(r3, sh)), mask=m)
