@@ -13,8 +13,9 @@ Entry points used by :mod:`s4w_core.api`:
   every chunk's xxh3 is checked on the host before any GPU decoder sees its bytes.
 * :func:`warm_up` -- compile the codec's Triton kernels in a background thread (a
   ``CheckpointStore`` and the framework adapters start it when they are created, before the first
-  save), so the first save does not pay the compilation; :func:`encode_storages` and
-  :func:`decode_storages` wait for one running. (A DCP ``S4StorageWriter`` is made for each save:
+  save), so the first save does not pay the compilation; :func:`encode_storages` waits only for
+  the warm-up stages its storages need (a plain bf16 save: the 2-byte plain stage),
+  :func:`decode_storages` for the whole warm-up. (A DCP ``S4StorageWriter`` is made for each save:
   call ``s4w_core.gpu.warm_up()`` once the model is on the GPU.)
 """
 
@@ -115,9 +116,15 @@ def encode_storages(
     Returns:
         One manifest entry per job.
     """
-    from s4w_core.gpu import _encode
+    from s4w_core.gpu import _encode, _warmup
 
-    wait_warm_up()
+    need = set()
+    for j in jobs:
+        key = _warmup.stage_key(j.dtype)
+        need.add(("plain", key))
+        if j.base is not None:
+            need.add(("delta", key))
+    wait_warm_up(need=need)
     return _encode.encode_storages(jobs, writer, pool, profile)
 
 
@@ -173,6 +180,8 @@ WARM_UP_WAIT_S = 120.0
 _warm_lock = threading.Lock()
 _warm_threads: dict[str, threading.Thread] = {}
 _warm_state: dict[str, str] = {}  # device -> "running" / "done" / "failed: ..."
+_warm_stages: dict[str, set[tuple[str, Any]]] = {}  # device -> stages finished, e.g. ("plain", 2)
+_warm_cond = threading.Condition(_warm_lock)
 
 
 def warm_up(
@@ -247,12 +256,20 @@ def _warm_main(dev: Any, dtypes: Iterable[Any] | None, when_cuda_used: bool) -> 
     try:
         from s4w_core.gpu import _warmup
 
-        _warmup.run(dev, _warmup.DEFAULT_DTYPES if dtypes is None else tuple(dtypes))
+        def on_stage(stage: tuple[str, Any]) -> None:
+            with _warm_cond:
+                _warm_stages.setdefault(key, set()).add(stage)
+                _warm_cond.notify_all()
+
+        _warmup.run(dev, _warmup.DEFAULT_DTYPES if dtypes is None else tuple(dtypes), on_stage=on_stage)
     except Exception as e:  # the first real save compiles instead
-        _warm_state[key] = f"failed: {type(e).__name__}: {e}"
+        state = f"failed: {type(e).__name__}: {e}"
         _log.warning("s4w_core.gpu.warm_up on %s failed (the first save compiles instead): %s", key, e)
     else:
-        _warm_state[key] = "done"
+        state = "done"
+    with _warm_cond:
+        _warm_state[key] = state
+        _warm_cond.notify_all()
 
 
 def warm_up_status() -> dict[str, str]:
@@ -261,13 +278,28 @@ def warm_up_status() -> dict[str, str]:
         return dict(_warm_state)  # "waiting for CUDA" too
 
 
-def wait_warm_up(timeout: float | None = WARM_UP_WAIT_S) -> None:
+def wait_warm_up(timeout: float | None = WARM_UP_WAIT_S, need: Iterable[tuple[str, Any]] | None = None) -> None:
     """Wait for the warm-ups in progress (not from a warm-up thread itself, and not for one still
-    waiting for CUDA), at most ``timeout`` s."""
+    waiting for CUDA), at most ``timeout`` s. ``need``: wait only until these stages are done
+    (e.g. ``{("plain", 2)}`` for a plain save of 2-byte floats: see :func:`s4w_core.gpu._warmup.run`),
+    not for the whole warm-up."""
     me = threading.current_thread()
     with _warm_lock:
-        running = [
-            t for k, t in _warm_threads.items() if t.is_alive() and t is not me and _warm_state.get(k) == "running"
-        ]
-    for t in running:
-        t.join(timeout)
+        running = {
+            k: t for k, t in _warm_threads.items() if t.is_alive() and t is not me and _warm_state.get(k) == "running"
+        }
+    if not running:
+        return
+    if need is None:
+        for t in running.values():
+            t.join(timeout)
+        return
+    want = set(need)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _warm_cond:
+        for k in running:
+            while _warm_state.get(k) == "running" and not want <= _warm_stages.get(k, set()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                _warm_cond.wait(left)

@@ -6,7 +6,10 @@ on load): seconds with an empty Triton cache, inside the training loop. :func:`r
 synthetic state of each plane width with the GPU writer -- a plain step, then a delta step against
 it (``xor`` and ``sub`` residuals, storages that stay plain), a byte storage above the writer's
 CPU threshold and one below it -- into a container in memory, and decodes both with the GPU
-reader, checking every byte. Nothing of the user's is touched, and the bytes any later save writes
+reader, checking every byte. Each plane width (and the byte storages) runs on its own thread and
+stream, so their kernels compile side by side, and reports its stages as it goes: a save waits only
+for the stages it needs (a plain save of bf16 tensors, the 2-byte plain stage), not for the rest.
+Nothing of the user's is touched, and the bytes any later save writes
 are the same (the kernels are deterministic; warming changes only when they are compiled). Triton
 keeps what it compiled in its on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
 so a later process finds them there. :func:`s4w_core.gpu.warm_up` runs this on a background thread.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import io
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -24,9 +27,10 @@ from s4w_core import engine
 from s4w_core.codecs import CODECS
 from s4w_core.format.container import FORMAT_VERSION, ContainerReader, ContainerWriter
 from s4w_core.format.manifest import validate_manifest
-from s4w_core.gpu import _decode, _encode
+from s4w_core.gpu import _decode as _decode_mod
+from s4w_core.gpu import _encode as _encode_mod
 
-__all__ = ["DEFAULT_DTYPES", "run", "synthetic_states"]
+__all__ = ["DEFAULT_DTYPES", "run", "stage_key", "synthetic_states"]
 
 #: plane dtypes warmed when none are named: the two plane widths (bf16 and fp16 share the 2-byte kernels)
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
@@ -60,45 +64,92 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _round_trip(
-    state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | None, device: torch.device, pool: ThreadPoolExecutor
-) -> None:
-    """``state`` coded by the GPU writer (``fast``) as plain storages, or as deltas against
-    ``bases``, into a container in memory; decoded by the GPU reader and compared byte for byte."""
+def _jobs(state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | None) -> list[engine.StorageJob]:
     jobs = []
     for path, t in state.items():
         base = None if bases is None else _bytes(bases[path])
         jobs.append(engine.StorageJob(_bytes(t), t.dtype, path, str(t.device), base, None if base is None else {"path": path}))
+    return jobs
+
+
+def _encode(jobs: list[engine.StorageJob], pool: ThreadPoolExecutor) -> ContainerReader:
+    """``jobs`` coded by the GPU writer (``fast``) into a container in memory, read back and validated."""
     buf = io.BytesIO()
     writer = ContainerWriter(buf)
-    storages = _encode.encode_storages(jobs, writer, pool, "fast")
+    storages = _encode_mod.encode_storages(jobs, writer, pool, "fast")
     writer.finish({"format": "s4weights", "version": FORMAT_VERSION, "storages": storages, "tensors": [], "tree": None})
     reader = ContainerReader.from_bytes(buf.getvalue())
     validate_manifest(reader.manifest, reader.data_start, reader.data_end, set(CODECS))
+    return reader
+
+
+def _decode(reader: ContainerReader, jobs: list[engine.StorageJob], bases: dict[str, torch.Tensor] | None,
+            device: torch.device, pool: ThreadPoolExecutor) -> None:
+    """The GPU reader on ``reader``; every storage compared byte for byte with its job."""
 
     def resolve(ref: dict[str, Any], nbytes: int) -> torch.Tensor:
         assert bases is not None
         return _bytes(bases[ref["path"]])
 
-    outs = _decode.decode_storages(reader, reader.manifest["storages"], device, resolve if bases else None, pool)
+    outs = _decode_mod.decode_storages(reader, reader.manifest["storages"], device, resolve if bases else None, pool)
     for out, job in zip(outs, jobs):
         if not torch.equal(out.to(job.raw.device), job.raw):
             raise RuntimeError(f"warm-up: {job.path} did not decode to its bytes")
 
 
-def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES) -> None:
+def _sequence(s0: dict[str, torch.Tensor], s1: dict[str, torch.Tensor] | None, key: Any, device: torch.device,
+              pool: ThreadPoolExecutor, on_stage: Callable[[tuple[str, Any]], None]) -> None:
+    """Plain step, then (with ``s1``) a delta step against it, then both decoded; ``on_stage`` after each."""
+    plain = _jobs(s0, None)
+    r0 = _encode(plain, pool)
+    on_stage(("plain", key))
+    if s1 is not None:
+        delta = _jobs(s1, s0)
+        r1 = _encode(delta, pool)
+        on_stage(("delta", key))
+    _decode(r0, plain, None, device, pool)
+    if s1 is not None:
+        _decode(r1, delta, s0, device, pool)
+    on_stage(("decode", key))
+
+
+def stage_key(dtype: torch.dtype) -> Any:
+    """The warm-up stage group a storage of ``dtype`` belongs to: its plane width for the float
+    dtypes the planes kernels serve (2 or 4), else ``"bytes"``."""
+    if dtype.is_floating_point and dtype.itemsize in (2, 4):
+        return dtype.itemsize
+    return "bytes"
+
+
+def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
+        on_stage: Callable[[tuple[str, Any]], None] | None = None) -> None:
     """Code two synthetic steps (plain, then deltas) with the GPU writer on ``device`` and decode
-    them with the GPU reader, on a side stream. Raises what the codec raises, or RuntimeError if a
-    byte differs."""
+    them with the GPU reader. One thread per plane width (and one for the byte storages), each on
+    its own stream, so that their kernels compile side by side (Triton's compiler releases the GIL);
+    ``on_stage((stage, key))`` is called as each group finishes a stage: ``("plain", 2)`` once the
+    2-byte kernels of a plain save are compiled, then ``("delta", 2)``, then ``("decode", 2)`` (keys
+    from :func:`stage_key`). Raises what the codec raises, or RuntimeError if a byte differs."""
     s0, s1 = synthetic_states(device, tuple(dtypes))
+    groups: dict[Any, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+    for path, t in s0.items():
+        key = stage_key(t.dtype)
+        g0, g1 = groups.setdefault(key, ({}, {}))
+        g0[path] = t
+        g1[path] = s1[path]
+    note = on_stage or (lambda stage: None)
     cuda = device.type == "cuda"
-    stream = torch.cuda.Stream(device) if cuda else None
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="s4w-warm-up") as pool:
-        if stream is not None:
+        if not cuda:  # the tests' simulated GPU (TRITON_INTERPRET=1, a stand-in for nvCOMP): one after another
+            for key, (g0, g1) in groups.items():
+                _sequence(g0, g1, key, device, pool, note)
+            return
+
+        def one(key: Any) -> None:
+            stream = torch.cuda.Stream(device)
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                _round_trip(s0, None, device, pool)
-                _round_trip(s1, s0, device, pool)
+                _sequence(groups[key][0], groups[key][1], key, device, pool, note)
             stream.synchronize()
-        else:  # the tests' simulated GPU (TRITON_INTERPRET=1, a stand-in for nvCOMP)
-            _round_trip(s0, None, device, pool)
-            _round_trip(s1, s0, device, pool)
+
+        with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="s4w-warm-up-group") as par:
+            for f in [par.submit(one, key) for key in groups]:
+                f.result()

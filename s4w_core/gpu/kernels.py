@@ -13,6 +13,12 @@ choice, a batched gather-copy and fold64.
   of a storage into an int64 slot of a device tensor with atomics: many storages, one read-back.
   The torch definition in :mod:`s4w_core.checksum` is the oracle; the parity tests check every
   length class (``nbytes % 4``) against it.
+
+Specialization: the kernels take small device tables (item rows, program maps, chunk columns)
+whose addresses are views at any 8-byte offset of one uploaded buffer, and counts of any value.
+They are declared with ``do_not_specialize_on_alignment`` / ``do_not_specialize`` for those
+arguments, so one compiled variant per set of constexprs serves every call: what the warm-up
+(:mod:`s4w_core.gpu._warmup`) compiles is exactly what later saves and loads run.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ _FOLD_BLOCK = 2048  # words per program
 _KLEN = 0x94D049BB133111EB
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['src_off_ptr', 'dst_off_ptr', 'len_ptr'])
 def _gather_copy_kernel(
     src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, len_ptr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -64,7 +70,7 @@ def _gather_copy_kernel(
     tl.store(dst_ptr + do + offs, v, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['src_off_ptr', 'dst_off_ptr', 'len_ptr'])
 def _gather_words_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, len_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """As :func:`_gather_copy_kernel` on 16-byte granules (offsets in int64 words, lengths rounded
     up to whole granules): 8-byte accesses instead of single bytes, ``ITERS`` tiles per program."""
@@ -160,7 +166,7 @@ def fold64(flat_u8: torch.Tensor) -> int:
     return fold64_finish(int(acc.item()), flat_u8.numel())
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['items_ptr', 'map_ptr', 'acc_ptr'])
 def _fold64_batched_kernel(items_ptr, map_ptr, acc_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     item = tl.load(map_ptr + b)
@@ -255,7 +261,7 @@ def _sample_bits(buf_ptr, st, RUNS: tl.constexpr, RUN: tl.constexpr):
     return _entropy256(tl.reshape(x, (RUNS * RUN,)), RUNS * RUN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['len_ptr', 'off_ptr', 'first_ptr', 'gate_ptr'])
 def _probe_gate_kernel(buf_ptr, len_ptr, off_ptr, first_ptr, gate_ptr, thr, RUNS: tl.constexpr, RUN: tl.constexpr):
     c = tl.program_id(0)
     ln = tl.load(len_ptr + c)
@@ -294,7 +300,7 @@ LAYOUT_RUN = 128
 LAYOUT_MARGIN = 0.125
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['items_ptr', 'flags_ptr'])
 def _layout_probe_kernel(items_ptr, flags_ptr, margin, W: tl.constexpr, OP: tl.constexpr, RUNS: tl.constexpr,
                          RUN: tl.constexpr):
     i = tl.program_id(0)
@@ -349,7 +355,7 @@ def layout_probe(table: torch.Tensor, flags: torch.Tensor, w: int, op: int, marg
                                    num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['gate_ptr', 'size_ptr', 'status_ptr', 'len_ptr', 'limit_ptr', 'first_ptr', 'off_ptr', 'res_ptr'], do_not_specialize=['n', 'c0'])
 def _choose_chunks_kernel(gate_ptr, size_ptr, status_ptr, len_ptr, limit_ptr, first_ptr, off_ptr, res_ptr, n, c0,
                           BLOCK: tl.constexpr):
     run = tl.full((), 0, tl.int64) + c0
@@ -385,7 +391,7 @@ def _copy_tiles(src_ptr, dst_ptr, so, do, units, base, BLOCK: tl.constexpr, ITER
         tl.store(dst_ptr + do + offs, tl.load(src_ptr + so + offs, mask=mk), mask=mk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['res_ptr', 'first_ptr', 'off_ptr', 'comp_off_ptr'], do_not_specialize=['n'])
 def _gather_chosen_kernel(res_ptr, first_ptr, off_ptr, comp_off_ptr, n, out_ptr, comp_ptr, WORDS: tl.constexpr,
                           BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Per chunk (program row): a coded chunk's bytes from ``comp``, a first plane's raw chunk from

@@ -20,6 +20,9 @@ program-to-item map is built on the device, so no host work grows with the numbe
 Arithmetic.  bf16/fp16 patterns are widened to int32 and masked to 16 bits, fp32 patterns to int64
 and masked to 32 bits, so neither sign extension nor narrow-shift semantics can differ between the
 GPU and the interpreter.
+
+The table and map arguments are not specialized on alignment (see the note in
+:mod:`s4w_core.gpu.kernels`): one compiled variant per set of constexprs.
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ def _pack4(a, b, c, d):
     return (a | (b << 8) | (c << 16) | (d << 24)).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['items_ptr', 'map_ptr', 'flags_ptr'])
 def _split_kernel(items_ptr, map_ptr, out_ptr, flags_ptr, W: tl.constexpr, OP: tl.constexpr, FLAGS: tl.constexpr,
                   ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """The split of the items of ``items_ptr`` (rows: see :func:`launch_rows`); with ``FLAGS``, item
@@ -285,7 +288,7 @@ def _merge_quads(a, b, c, d, out_addr, base_addr, q, m, W: tl.constexpr, OP: tl.
         tl.store(op + 2 * q + 1, xb, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['items_ptr', 'map_ptr'])
 def _merge_kernel(items_ptr, map_ptr, planes_ptr, W: tl.constexpr, OP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     row, start = _item_of(items_ptr, map_ptr, tl.program_id(0), BLOCK)
     out_addr = tl.load(row)
@@ -340,7 +343,7 @@ def _merge_elems_at(out_addr, base_addr, q0, q1, q2, q3, offs, mask, W: tl.const
         tl.store(out_addr.to(tl.pointer_type(tl.int32)) + offs, x.to(tl.int32), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=['items_ptr', 'map_ptr', 'chunks_ptr'])
 def _merge_chunks_kernel(items_ptr, map_ptr, chunks_ptr, W: tl.constexpr, OP: tl.constexpr, ALIGNED: tl.constexpr,
                          BLOCK: tl.constexpr):
     """:func:`_merge_kernel` reading every chunk where it lies: item row = (out, base, index of the

@@ -58,7 +58,7 @@ def test_warm_up_sequence_on_the_simulated_gpu() -> None:
         "_warmup._SIZES, _warmup._INT_SIZES = (3, 1000, 5000), (100, 3000)  # interpreted kernels are slow\n"
         "with simulated_gpu(batch_bytes=1 << 14):\n"
         "    _warmup.run(torch.device('cpu'), (torch.bfloat16,))\n"
-        "assert len(seen) == 2 and not any(seen[0]) and all(seen[1]), seen\n"
+        "assert [any(x) for x in seen] == [False, True, False, True] and all(seen[1]) and all(seen[3]), seen\n"
         "print('ok warm-up')\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -73,7 +73,7 @@ def test_a_failed_warm_up_is_reported_and_harmless(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(gpu, "_warm_state", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
-    def boom(device: torch.device, dtypes: object) -> None:
+    def boom(device: torch.device, dtypes: object, on_stage: object = None) -> None:
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(_warmup, "run", boom)
@@ -98,7 +98,7 @@ def test_when_cuda_used_waits_for_the_process_to_start_cuda(monkeypatch: pytest.
     inited = threading.Event()
     monkeypatch.setattr(torch.cuda, "is_initialized", inited.is_set)
     ran: list[torch.device] = []
-    monkeypatch.setattr(_warmup, "run", lambda device, dtypes: ran.append(device))
+    monkeypatch.setattr(_warmup, "run", lambda device, dtypes, on_stage=None: ran.append(device))
     assert gpu.warm_up(when_cuda_used=True) is True
     time.sleep(0.1)
     assert ran == [] and gpu.warm_up_status() == {"cuda:1": "waiting for CUDA"}
@@ -106,6 +106,39 @@ def test_when_cuda_used_waits_for_the_process_to_start_cuda(monkeypatch: pytest.
     inited.set()
     gpu.warm_up(when_cuda_used=True, wait=True)
     assert ran == [torch.device("cuda", 1)] and gpu.warm_up_status() == {"cuda:1": "done"}
+
+
+def test_a_save_waits_only_for_the_stages_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain save of 2-byte floats waits for the warm-up's ("plain", 2) stage, not for the delta
+    and decode stages after it; a wait without ``need`` waits for the whole warm-up."""
+    import threading
+    import time
+
+    monkeypatch.setattr(gpu, "available", lambda: True)
+    monkeypatch.setattr(gpu, "_warm_threads", {})
+    monkeypatch.setattr(gpu, "_warm_state", {})
+    monkeypatch.setattr(gpu, "_warm_stages", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    release = threading.Event()
+
+    def staged(device: torch.device, dtypes: object, on_stage=None) -> None:
+        on_stage(("plain", 2))
+        release.wait(10)
+        on_stage(("delta", 2))
+
+    monkeypatch.setattr(_warmup, "run", staged)
+    assert gpu.warm_up("cuda:0") is True
+    t0 = time.monotonic()
+    gpu.wait_warm_up(need={("plain", 2)})  # reached: returns while the warm-up still runs
+    assert time.monotonic() - t0 < 5 and gpu.warm_up_status() == {"cuda:0": "running"}
+    t0 = time.monotonic()
+    gpu.wait_warm_up(timeout=0.2, need={("delta", 2)})  # not reached: waits out its timeout
+    assert time.monotonic() - t0 >= 0.2 and gpu.warm_up_status() == {"cuda:0": "running"}
+    release.set()
+    gpu.wait_warm_up()
+    assert gpu.warm_up_status() == {"cuda:0": "done"}
+    assert _warmup.stage_key(torch.bfloat16) == 2 and _warmup.stage_key(torch.float32) == 4
+    assert _warmup.stage_key(torch.int64) == "bytes" and _warmup.stage_key(torch.float64) == "bytes"
 
 
 @pytest.mark.gpu
