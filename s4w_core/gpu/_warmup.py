@@ -12,13 +12,19 @@ for the stages it needs (a plain save of bf16 tensors, the 2-byte plain stage), 
 Nothing of the user's is touched, and the bytes any later save writes
 are the same (the kernels are deterministic; warming changes only when they are compiled). Triton
 keeps what it compiled in its on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
-so a later process finds them there. :func:`s4w_core.gpu.warm_up` runs this on a background thread.
+so a later process finds them there; a warm-up that finished leaves a marker file beside them
+(:func:`marker_path`: named by the Triton version, the kernels' source, the GPU's compute capability,
+the dtypes and the ``S4W_*``/``TRITON_*`` settings), and a later warm-up that finds it does no work.
+:func:`s4w_core.gpu.warm_up` runs this on a background thread.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,8 +35,10 @@ from s4w_core.format.container import FORMAT_VERSION, ContainerReader, Container
 from s4w_core.format.manifest import validate_manifest
 from s4w_core.gpu import _decode as _decode_mod
 from s4w_core.gpu import _encode as _encode_mod
+from s4w_core.gpu import kernels as _gpu_kernels
+from s4w_core.planes import triton_kernels as _plane_kernels
 
-__all__ = ["DEFAULT_DTYPES", "run", "stage_key", "synthetic_states"]
+__all__ = ["DEFAULT_DTYPES", "marker_path", "run", "stage_key", "synthetic_states"]
 
 #: plane dtypes warmed when none are named: the two plane widths (bf16 and fp16 share the 2-byte kernels)
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
@@ -121,6 +129,26 @@ def stage_key(dtype: torch.dtype) -> Any:
     return "bytes"
 
 
+def marker_path(capability: tuple[int, int], dtypes: Iterable[torch.dtype]) -> Path | None:
+    """The file in Triton's cache directory that a finished warm-up leaves for GPUs of ``capability``
+    and ``dtypes``; None where Triton's cache directory is unknown. The name changes with anything
+    that changes what Triton compiles: its version, the kernels' source files, the capability, the
+    dtypes and every ``S4W_*`` / ``TRITON_*`` setting (block sizes, warps, ...)."""
+    try:
+        import triton
+
+        cache_dir = Path(triton.knobs.cache.dir)
+    except Exception:  # an older Triton without knobs, or no Triton
+        return None
+    h = hashlib.sha256(triton.__version__.encode())
+    for mod in (_plane_kernels, _gpu_kernels):
+        h.update(Path(str(mod.__file__)).read_bytes())
+    h.update(repr((tuple(capability), sorted(str(d) for d in dtypes))).encode())
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("S4W_", "TRITON_")) and k != "TRITON_CACHE_DIR")
+    h.update(repr(env).encode())
+    return cache_dir / f"s4w-warm-up-{h.hexdigest()[:32]}"
+
+
 def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         on_stage: Callable[[tuple[str, Any]], None] | None = None) -> None:
     """Code two synthetic steps (plain, then deltas) with the GPU writer on ``device`` and decode
@@ -129,14 +157,21 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
     ``on_stage((stage, key))`` is called as each group finishes a stage: ``("plain", 2)`` once the
     2-byte kernels of a plain save are compiled, then ``("delta", 2)``, then ``("decode", 2)`` (keys
     from :func:`stage_key`). Raises what the codec raises, or RuntimeError if a byte differs."""
-    s0, s1 = synthetic_states(device, tuple(dtypes))
+    dtypes = tuple(dtypes)
+    note = on_stage or (lambda stage: None)
+    marker = marker_path(torch.cuda.get_device_capability(device), dtypes) if device.type == "cuda" else None
+    if marker is not None and marker.exists():  # an earlier warm-up compiled all of it into this cache
+        for key in {stage_key(d) for d in dtypes} | {"bytes"}:
+            for stage in ("plain", "delta", "decode"):
+                note((stage, key))
+        return
+    s0, s1 = synthetic_states(device, dtypes)
     groups: dict[Any, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     for path, t in s0.items():
         key = stage_key(t.dtype)
         g0, g1 = groups.setdefault(key, ({}, {}))
         g0[path] = t
         g1[path] = s1[path]
-    note = on_stage or (lambda stage: None)
     cuda = device.type == "cuda"
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="s4w-warm-up") as pool:
         if not cuda:  # the tests' simulated GPU (TRITON_INTERPRET=1, a stand-in for nvCOMP): one after another
@@ -153,3 +188,9 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="s4w-warm-up-group") as par:
             for f in [par.submit(one, key) for key in groups]:
                 f.result()
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:  # a read-only cache: the next warm-up does the work again
+            pass
