@@ -124,6 +124,11 @@ if hasattr(os, "register_at_fork"):
 #: ~0.7 ms per MB over numpy, so a few MB per save never win it back; a large checkpoint starts it
 #: during its first save)
 START_AFTER_BYTES = 64 << 20
+#: only calls of at least this many bytes count toward :data:`START_AFTER_BYTES`: the encoder's
+#: probes transform samples of <= 512 KiB of every storage (also in a GPU run, whose re-encodes
+#: from host copies probe on the CPU), and those must not make a GPU training process load numba
+#: (1.7 s of a save's foreground time measured on an H100, most of it holding the GIL)
+COUNT_FROM_BYTES = 1 << 20
 _seen = 0
 
 
@@ -137,7 +142,8 @@ def _get(wait: bool = False, nbytes: int = 0) -> dict[str, Any] | None:
         return None
     if not _ready.is_set():
         if not _started:
-            _seen += nbytes
+            if nbytes >= COUNT_FROM_BYTES:
+                _seen += nbytes
             if not wait and _seen < START_AFTER_BYTES:
                 return None
             with _lock:

@@ -8,6 +8,7 @@ of skipping.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 from pathlib import Path
@@ -303,3 +304,29 @@ def test_exit_while_loading_is_clean(tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "terminate called" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+
+
+def test_probe_sized_calls_do_not_load_numba() -> None:
+    """The encoder's probes transform samples of at most 512 KiB per storage, in GPU runs too: any
+    number of them never starts loading numba (1.5-2 s of CPU, mostly holding the GIL); calls of a
+    whole large storage do, once they add up to START_AFTER_BYTES."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from s4w_core.planes import _jit\n"
+        "for _ in range(2 * _jit.START_AFTER_BYTES // (512 << 10)):\n"
+        "    _jit._get(nbytes=512 << 10)\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
+        "_jit._get(nbytes=_jit.START_AFTER_BYTES)\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
+    )
+    env = dict(os.environ)
+    env.pop("S4W_NUMBA", None)
+    r = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after = r.stdout.strip().splitlines()[-2:]
+    assert "s4w-numba" not in before
+    if importlib.util.find_spec("numba") is not None:  # a whole large storage starts the loader (import: > 0.2 s)
+        assert "s4w-numba" in after
