@@ -267,7 +267,7 @@ def bench_s4w_gpu(
     from concurrent.futures import ThreadPoolExecutor
 
     import s4w_core.gpu as gpu
-    from s4w_core.gpu import _decode, _encode, _nvcomp
+    from s4w_core.gpu import _coder, _decode, _encode, _nvcomp
 
     assert gpu.available(), gpu.unavailable_reason()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -291,10 +291,10 @@ def bench_s4w_gpu(
             encd = _encode.encode_tensors_device(tl, profile)
             r["ratio_chunks"] = raw / encd.stored_bytes
             r["codec_chunks"] = {c: encd.codec_ids.count(c) for c in set(encd.codec_ids)}
-            _encode.TRACE = True
+            _coder.TRACE = True
             _encode.encode_tensors_device(tl, profile)
-            _encode.TRACE = False
-            marks = _encode.TRACE_MARKS
+            _coder.TRACE = False
+            marks = _coder.TRACE_MARKS
             r["enc_device_stages_ms"] = {b[0]: round(1e3 * (b[1] - a[1]), 3) for a, b in zip(marks, marks[1:])}
             r["enc_device_GBps"] = raw / cuda_time(lambda: _encode.encode_tensors_device(tl, profile), repeats) / GB
             budget.flush()
@@ -327,10 +327,10 @@ def bench_s4w_gpu(
             for e, o, t in zip(entries, outs, ts_gpu.values()):
                 assert torch.equal(o, t.view(-1).view(torch.uint8)), e["path"]
             r["dec_device_GBps"] = raw / cuda_time(dec, repeats) / GB
-            _encode.TRACE = True
+            _coder.TRACE = True
             dec()
-            _encode.TRACE = False
-            m = _encode.TRACE_MARKS
+            _coder.TRACE = False
+            m = _coder.TRACE_MARKS
             r["dec_device_stages_ms"] = {b[0]: round((b[1] - a[1]) * 1e3, 3) for a, b in zip(m, m[1:])}
             staged = outs = None  # free device memory before the end-to-end runs
             budget.flush()

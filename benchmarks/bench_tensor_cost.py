@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from s4w_core import CheckpointStore, engine  # noqa: E402
+from s4w_core.codecs.chunk import entropy_ratio  # noqa: E402
 
 
 def old_choose(job: engine.StorageJob, transform: str) -> str | None:
@@ -47,13 +48,13 @@ def old_choose(job: engine.StorageJob, transform: str) -> str | None:
 
     def est(planes: torch.Tensor) -> float:
         arr = planes.numpy()
-        return sum(arr.shape[1] / engine._entropy_ratio(arr[j]) for j in range(arr.shape[0]))  # noqa: SLF001
+        return sum(arr.shape[1] / entropy_ratio(arr[j]) for j in range(arr.shape[0]))
 
     best: str | None = None
-    best_cost = est(engine._planes(raw, job.dtype, transform, None))  # noqa: SLF001
+    best_cost = est(engine.planes_of(raw, job.dtype, transform, None))
     limit = (1.0 - engine.DELTA_MIN_GAIN) * best_cost
     for op in engine.delta.ops_for(job.dtype, transform):
-        c = est(engine._planes(raw, job.dtype, transform, base, op))  # noqa: SLF001
+        c = est(engine.planes_of(raw, job.dtype, transform, base, op))
         if c < limit and c < best_cost:
             best, best_cost = op, c
     return best

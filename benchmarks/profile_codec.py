@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import _train_gpt  # noqa: E402
 import bench_peers  # noqa: E402
 
-from s4w_core.gpu import _encode  # noqa: E402
+from s4w_core.gpu import _coder, _encode  # noqa: E402
 
 GB = 1e9
 
@@ -56,12 +56,12 @@ def wall(fn: Callable[[], Any], repeats: int, dev: torch.device) -> float:
 
 
 def marks(fn: Callable[[], Any]) -> dict[str, float]:
-    _encode.TRACE = True
+    _coder.TRACE = True
     try:
         fn()
-        m = list(_encode.TRACE_MARKS)
+        m = list(_coder.TRACE_MARKS)
     finally:
-        _encode.TRACE = False
+        _coder.TRACE = False
     return {name: round((t - m[i][1]) * 1e3, 3) for i, (name, t, _e) in enumerate(m[1:])}
 
 
@@ -71,7 +71,7 @@ def timeline(fn: Callable[[], Any], dev: torch.device) -> dict[str, list[float]]
     waiting for the host; the last row is the call's return (host) and the GPU's finish."""
     fn()
     torch.cuda.synchronize(dev)
-    _encode.TRACE = "timeline"
+    _coder.TRACE = "timeline"
     try:
         t0 = time.perf_counter()
         fn()
@@ -79,9 +79,9 @@ def timeline(fn: Callable[[], Any], dev: torch.device) -> dict[str, list[float]]
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(dev))
         torch.cuda.synchronize(dev)
-        m = list(_encode.TRACE_MARKS)
+        m = list(_coder.TRACE_MARKS)
     finally:
-        _encode.TRACE = False
+        _coder.TRACE = False
     h0, e0 = m[0][1], m[0][2]
     out = {name: [round((t - h0) * 1e3, 3), round(e0.elapsed_time(ev), 3)] for name, t, ev in m[1:]}
     out["(return / GPU done)"] = [round((t_ret - h0) * 1e3, 3), round(e0.elapsed_time(end), 3)]
@@ -176,7 +176,7 @@ def run_s4w(
         later = enc.coded & (enc.owner_ci % width != 0)  # coded chunks of planes after the first
         return {
             "segment_elems": seg,
-            "probe_min_gain": _encode.probe_min_gain(),  # S4W_PROBE_MIN_GAIN, else the module's value
+            "probe_min_gain": _coder.probe_min_gain(),  # S4W_PROBE_MIN_GAIN, else the module's value
             "later_planes_coded": int(later.sum()),
             # storages the layout probe wrote with ``planes`` (no rotation; absent from older trees)
             "planes_storages": sum(1 for v in getattr(enc, "transforms", {}).values() if v == "planes"),
@@ -265,14 +265,14 @@ def later_curve(tl: list[torch.Tensor], labels: list[str]) -> dict[str, Any]:
     samples coded (gate 0) against none coded (gate 1), chunk by chunk. Returns, for thresholds of
     the saving actually reached, the raw bytes an oracle selector would send to ANS and the bytes it
     would save, and the saving per tensor group (``labels``: one per tensor)."""
-    shipped = _encode.PROBE_MIN_GAIN
+    shipped = _coder.PROBE_MIN_GAIN
     try:
-        _encode.PROBE_MIN_GAIN = 0.0
+        _coder.PROBE_MIN_GAIN = 0.0
         every = _encode.encode_tensors_device(tl, "fast")
-        _encode.PROBE_MIN_GAIN = 1.0
+        _coder.PROBE_MIN_GAIN = 1.0
         none = _encode.encode_tensors_device(tl, "fast")
     finally:
-        _encode.PROBE_MIN_GAIN = shipped
+        _coder.PROBE_MIN_GAIN = shipped
     width = np.array([t.element_size() for t in tl], dtype=np.int64)[none.owner_ji]
     sampled = (none.owner_ci % width != 0) & ~none.coded  # later-plane chunks the gate left raw
     raw = none.out_len[sampled].astype(np.int64)
@@ -326,14 +326,14 @@ def main() -> int:
         if a.later_curve:
             v["later_curve"] = later_curve(tl, labels)
             print(f"[{variant}] later planes, chunk by chunk:", json.dumps(v["later_curve"]), flush=True)
-        shipped_gate = _encode.PROBE_MIN_GAIN
+        shipped_gate = _coder.PROBE_MIN_GAIN
         gates = [float(x) for x in a.gates.split(",")] if a.gates else [shipped_gate]
         for gate, seg in ((g, int(x)) for g in gates for x in a.segments.split(",")):
-            _encode.PROBE_MIN_GAIN = gate
+            _coder.PROBE_MIN_GAIN = gate
             try:
                 r = run_s4w(tl, seg, a.repeats, dev, a.cprofile)
             finally:
-                _encode.PROBE_MIN_GAIN = shipped_gate
+                _coder.PROBE_MIN_GAIN = shipped_gate
             v["s4w"].append(r)
             print(f"[{variant}] seg {seg} gate {r['probe_min_gain']}: ratio {r['ratio']:.4f} enc {r['enc_GBps']:.1f} GB/s "
                   f"dec {r['dec_GBps']:.1f} GB/s exact {r['bit_exact']} (dec with raw chunks placed first: "

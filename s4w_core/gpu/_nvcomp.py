@@ -143,14 +143,14 @@ def batch_bytes(device: torch.device) -> int:
 
 def codec(algorithm: str, device: torch.device, chunk_bytes: int, **opts: Any) -> Any:
     """A cached codec on our stream of ``device`` (one chunk per buffer): for ANS on bytes, the
-    low-level C API (:class:`_AnsC`: no Python step per chunk, sizes and statuses stay on the
+    low-level C API (:class:`AnsC`: no Python step per chunk, sizes and statuses stay on the
     device) where the loaded nvCOMP has it (``S4W_NVCOMP_C=0`` turns it off); otherwise nvCOMP's
     Python ``Codec`` with a RAW bitstream. Both write and read the same bitstream (tested)."""
     _use_torch_allocator()
     s = stream_for(device)
     idx = s.device.index
     if algorithm == "ANS" and opts == {"data_type": "|u1"} and _ans_c() is not None:
-        return _AnsC(idx, s)
+        return AnsC(idx, s)
     key = (algorithm, idx, s.cuda_stream, chunk_bytes, tuple(sorted(opts.items())))
     nvcomp = _nv()
     with _lock:
@@ -233,7 +233,7 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"nvCOMP {what} returned status {rc}")
 
 
-class _AnsC:
+class AnsC:
     """nvCOMP ANS (byte data) through the low-level batched C API: chunk pointers and sizes are
     built with numpy and go to the device in one copy; compressed sizes, decoded sizes and
     statuses stay on the device until the caller reads them back."""
@@ -317,7 +317,7 @@ class AnsDecodeTable:
     """The host half of one batched ANS decode, prepared ahead of the call (a load's decode plan,
     on the stager thread): a pinned table with the chunk lengths and output capacities filled in,
     the chunk and output offsets, the largest chunk and the total. The call adds the two buffers'
-    addresses and sends the table in one copy (:meth:`_AnsC.decode_table`). A table is reused only
+    addresses and sends the table in one copy (:meth:`AnsC.decode_table`). A table is reused only
     after the decode that used it has finished (the GPU reader reads back at the end of each batch)."""
 
     __slots__ = ("n", "src_off", "dst_off", "host", "filled", "maxlen", "total")
@@ -350,7 +350,7 @@ class _DeviceSizes:
 
     @classmethod
     def in_decode_table(cls, t: torch.Tensor, n: int, what: str) -> _DeviceSizes:
-        """Sizes, statuses and expected sizes where :meth:`_AnsC.decode_table` lays them out in
+        """Sizes, statuses and expected sizes where :meth:`AnsC.decode_table` lays them out in
         ``t``; the views are made when first used (after the rest of the batch is enqueued)."""
         obj = cls.__new__(cls)
         obj._parts, obj._table, obj.what = None, (t, n), what
@@ -403,9 +403,9 @@ _max_comp: dict[tuple[int, int], int] = {}
 
 def max_compressed(c: Any, raw_len: int, device: torch.device) -> int:
     """Upper bound of one chunk's compressed size, rounded up to :data:`ALIGN` (cached)."""
-    key = (id(c) if not isinstance(c, _AnsC) else -1, raw_len)
+    key = (id(c) if not isinstance(c, AnsC) else -1, raw_len)
     n = _max_comp.get(key)
-    if n is None and isinstance(c, _AnsC):
+    if n is None and isinstance(c, AnsC):
         n = _max_comp[key] = -(-c.max_compressed(raw_len) // ALIGN) * ALIGN
     if n is None:
         probe = torch.empty(max(raw_len, 1), dtype=torch.uint8, device=device)
@@ -428,7 +428,7 @@ def encode_batch(
     Offsets and lengths: sequences or int64 numpy arrays. Returns the compressed sizes (reading
     them back synchronizes our stream once).
     """
-    if isinstance(c, _AnsC):
+    if isinstance(c, AnsC):
         return list(c.encode(src, np.asarray(src_off, np.int64), np.asarray(lengths, np.int64), dst,
                              np.asarray(dst_off, np.int64)))
     sp = stream_for(src.device).cuda_stream
@@ -453,7 +453,7 @@ def decode_batch(
     (which synchronizes our stream), so the caller enqueues the rest of its work first and then
     compares them with ``raw_lengths``.
     """
-    if isinstance(c, _AnsC):
+    if isinstance(c, AnsC):
         return c.decode(src, np.asarray(src_off, np.int64), np.asarray(lengths, np.int64), dst,
                         np.asarray(dst_off, np.int64), np.asarray(raw_lengths, np.int64))
     sp = stream_for(src.device).cuda_stream

@@ -195,15 +195,15 @@ def encode_choice_vs_numpy(device: str = "cpu") -> None:
     per-chunk choice and compaction (``choose_and_gather``) -- against a numpy model of the rule,
     over more chunks than one block of the choice kernel (its running offset crosses blocks), in
     16-byte and byte copies."""
-    from s4w_core.gpu import _encode
+    from s4w_core.gpu import _coder
     from s4w_core.gpu import kernels as k
 
     rng = np.random.default_rng(5)
     n = 2300
-    runs, run = 16, _encode.PROBE_BYTES // 16
-    thr = 8.0 * (1.0 - _encode.probe_min_gain())
+    runs, run = 16, _coder.PROBE_BYTES // 16
+    thr = 8.0 * (1.0 - _coder.probe_min_gain())
     lengths = rng.integers(1, 9000, size=n).astype(np.int64)
-    lengths[:40] = _encode.PROBE_BYTES + np.arange(-20, 20)  # around the probe's minimum
+    lengths[:40] = _coder.PROBE_BYTES + np.arange(-20, 20)  # around the probe's minimum
     first = (rng.random(n) < 0.3).astype(np.int64)
     for words in (True, False):
         pad = np.zeros(n, np.int64) if words else rng.integers(0, 5, size=n)
@@ -214,7 +214,7 @@ def encode_choice_vs_numpy(device: str = "cpu") -> None:
         low = rng.random(n) < 0.5  # half the chunks low entropy (the probe keeps them), half random
         for c in np.nonzero(low)[0]:
             out_np[src_off[c] : src_off[c] + lengths[c]] = rng.integers(0, 6, size=int(lengths[c]), dtype=np.uint8)
-        for c in np.nonzero((first == 0) & (lengths >= _encode.PROBE_BYTES))[0][:3]:  # 0 bits: the edge of a 0 gate
+        for c in np.nonzero((first == 0) & (lengths >= _coder.PROBE_BYTES))[0][:3]:  # 0 bits: the edge of a 0 gate
             out_np[src_off[c] : src_off[c] + lengths[c]] = 7
         cap = int(-(-int(lengths.max()) // 16) * 16) + 32
         comp_off = np.arange(n, dtype=np.int64) * cap + (0 if words else 1)
@@ -227,7 +227,7 @@ def encode_choice_vs_numpy(device: str = "cpu") -> None:
         # numpy model: the probe
         gate = lengths.copy()
         sure = np.ones(n, dtype=bool)
-        for c in np.nonzero((first == 0) & (lengths >= _encode.PROBE_BYTES))[0]:
+        for c in np.nonzero((first == 0) & (lengths >= _coder.PROBE_BYTES))[0]:
             step = (lengths[c] - run) // (runs - 1)
             sample = np.concatenate([out_np[src_off[c] + step * r : src_off[c] + step * r + run] for r in range(runs)])
             p = np.bincount(sample, minlength=256) / sample.size
@@ -249,13 +249,13 @@ def encode_choice_vs_numpy(device: str = "cpu") -> None:
             ("gate", lengths.copy()), ("size", size.astype(np.int64)), ("length", lengths), ("limit", limit),
             ("first", first), ("src_off", src_off.astype(np.int64)), ("comp_off", comp_off))}
         cols["status"] = torch.from_numpy(status).to(device)
-        k.probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], _encode.PROBE_BYTES, thr)
+        k.probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], _coder.PROBE_BYTES, thr)
         got_gate = cols["gate"].cpu().numpy()
         assert (got_gate[sure] == gate[sure]).all(), np.nonzero((got_gate != gate) & sure)[0][:10]
         if not words:  # S4W_PROBE_MIN_GAIN=1 (threshold 0 bits): every later-plane chunk it samples stays raw
             g0 = torch.from_numpy(lengths.copy()).to(device)
-            k.probe_gate(out, cols["length"], cols["src_off"], cols["first"], g0, _encode.PROBE_BYTES, 0.0)
-            sampled = (first == 0) & (lengths >= _encode.PROBE_BYTES)
+            k.probe_gate(out, cols["length"], cols["src_off"], cols["first"], g0, _coder.PROBE_BYTES, 0.0)
+            sampled = (first == 0) & (lengths >= _coder.PROBE_BYTES)
             assert (g0.cpu().numpy() == np.where(sampled, 0, lengths)).all()
         cols["gate"] = torch.from_numpy(gate).to(device)  # the model's gate from here (unsure chunks)
         res = k.choose_and_gather(cols, out, comp, c0, int(lengths.max()), words).cpu().numpy()

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from s4w_core.gpu._encode import _Encoded  # noqa: E402
+from s4w_core.gpu._coder import Encoded as _Encoded  # noqa: E402
 
 
 def _enc(off: list[int], ln: list[int]) -> _Encoded:
@@ -49,7 +49,7 @@ def test_host_layout_one_run_for_adjacent_chunks() -> None:
 def test_probe_min_gain_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     """``S4W_PROBE_MIN_GAIN`` sets the probe's gate for later planes (1: every sampled later-plane
     chunk stays raw); anything but a number from 0 to 1 is refused, naming the variable."""
-    from s4w_core.gpu._encode import PROBE_MIN_GAIN, PROBE_MIN_GAIN_DELTA, probe_min_gain
+    from s4w_core.gpu._coder import PROBE_MIN_GAIN, PROBE_MIN_GAIN_DELTA, probe_min_gain
 
     monkeypatch.delenv("S4W_PROBE_MIN_GAIN", raising=False)
     assert probe_min_gain() == PROBE_MIN_GAIN

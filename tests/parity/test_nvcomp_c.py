@@ -1,4 +1,4 @@
-"""@gpu: nvCOMP ANS through the low-level C API (``_nvcomp._AnsC``) against nvCOMP's Python API.
+"""@gpu: nvCOMP ANS through the low-level C API (``_nvcomp.AnsC``) against nvCOMP's Python API.
 
 The writer and reader call ANS through the C API where it is available; files written before (or
 on a machine where only the Python API is usable) must decode either way, so both directions are
@@ -67,11 +67,11 @@ def test_c_and_python_api_read_each_others_chunks(nv, monkeypatch):
     dev = torch.device("cuda", torch.cuda.current_device())
     src, offs, lens = _chunks(1)
     c_api = nv.codec("ANS", dev, 1 << 19, data_type="|u1")
-    assert isinstance(c_api, nv._AnsC)
+    assert isinstance(c_api, nv.AnsC)
     monkeypatch.setenv("S4W_NVCOMP_C", "0")
     monkeypatch.setattr(nv, "_ans_c", lambda: None)
     py_api = nv.codec("ANS", dev, 1 << 19, data_type="|u1")
-    assert not isinstance(py_api, nv._AnsC)
+    assert not isinstance(py_api, nv.AnsC)
     monkeypatch.undo()
     for enc, dec in ((c_api, py_api), (py_api, c_api), (c_api, c_api)):
         comp, co, cl = _encode(nv, enc, src, offs, lens)

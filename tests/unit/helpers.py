@@ -108,30 +108,30 @@ def deflate_plane0() -> Iterator[None]:
     """While active, the CPU writer codes plane 0 of every float storage as raw deflate, as the
     GPU's portable profile (nvCOMP Deflate) and s4weights <= 0.4's CPU writer do; the other chunks
     as it chooses (zstd, raw). Lets CPU-only tests build files that hold every codec's chunks."""
-    from s4w_core import engine
-    from s4w_core.codecs import DEFLATE
+    from s4w_core.codecs import DEFLATE, chunk
+    from s4w_core.format.manifest import PLANE_TRANSFORMS
 
-    choose = engine._choose_codec
-    engine._choose_codec = lambda transform, j, plane: (  # type: ignore[assignment]
-        DEFLATE if transform in engine.PLANE_TRANSFORMS and j == 0 else choose(transform, j, plane)
+    choose = chunk.choose_codec
+    chunk.choose_codec = lambda transform, j, plane: (  # type: ignore[assignment]
+        DEFLATE if transform in PLANE_TRANSFORMS and j == 0 else choose(transform, j, plane)
     )
     try:
         yield
     finally:
-        engine._choose_codec = choose  # type: ignore[assignment]
+        chunk.choose_codec = choose  # type: ignore[assignment]
 
 
 def cpu_writer_with(transform: str) -> Callable[..., Any]:
     """``engine.encode_storage_cpu`` writing ``transform`` (e.g. ``"planes"``) for every storage of a
     byte-plane dtype (monkeypatch it over ``s4w_core.engine.encode_storage_cpu``)."""
     from s4w_core import engine
-    from s4w_core.planes import plane_width
+    from s4w_core.planes import PLANE_DTYPES, plane_width
 
     orig = engine.encode_storage_cpu
 
     @functools.wraps(orig)
     def enc(job: engine.StorageJob, writer: Any, pool: Any, segment_elems: int | None = None, **kw: Any) -> Any:
-        if job.dtype in engine.PLANE_DTYPES and job.raw.numel() % plane_width(job.dtype) == 0:
+        if job.dtype in PLANE_DTYPES and job.raw.numel() % plane_width(job.dtype) == 0:
             kw.setdefault("transform", transform)
         return orig(job, writer, pool, segment_elems, **kw)
 

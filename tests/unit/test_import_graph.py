@@ -39,9 +39,6 @@ KNOWN_PRIVATE: frozenset[tuple[str, str]] = frozenset(
         ("s4w_core.api", "s4w_core.engine._executor"),
         ("s4w_core.dcp", "s4w_core.api._gpu"),
         ("s4w_core.dcp", "s4w_core.store._async"),  # PinnedPool
-        ("s4w_core.gpu._decode", "s4w_core.gpu._nvcomp._AnsC"),
-        ("s4w_core.gpu._encode", "s4w_core.engine._DELTA_RUNS"),
-        ("s4w_core.gpu._encode", "s4w_core.gpu._nvcomp._AnsC"),
         ("s4w_core.store._async", "s4w_core.api._gpu"),
         ("s4w_core.store._async", "s4w_core.api._resolve_profile"),
         ("s4w_core.store.store", "s4w_core.api._build_tensors"),

@@ -18,6 +18,7 @@ import xxhash
 import s4w_core
 from s4w_core import delta, engine
 from s4w_core.codecs import get_codec
+from s4w_core.codecs.chunk import entropy_ratio
 from s4w_core.errors import ManifestError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import validate_manifest
@@ -95,7 +96,7 @@ def test_split_merge_plain_matches_definition(dtype: torch.dtype, op: str | None
     raw = _patterns(dtype)
     base = None if op is None else _base_for(raw, seed=5)
     want = oracle_planes(residual(op, raw.numpy(), None if base is None else base.numpy(), dtype), w)
-    planes = engine._planes(raw, dtype, "planes", base, op)
+    planes = engine.planes_of(raw, dtype, "planes", base, op)
     assert planes.shape == (w, raw.numel() // w)
     np.testing.assert_array_equal(planes.numpy(), want)
     if op in (None, "xor"):  # split_planes itself takes the XOR base
@@ -194,8 +195,8 @@ def test_format_md_worked_examples() -> None:
     # the sub example: 1.0078125 (3F81) against 1.0 (3F80) -> r = 0002 -> planes 00, 02 (rotl1: 00, 04)
     x = torch.tensor([1.0078125], dtype=torch.bfloat16)
     b = torch.tensor([1.0], dtype=torch.bfloat16)
-    assert [int(v) for v in engine._planes(bits(x), torch.bfloat16, "planes", bits(b), "sub")[:, 0]] == [0x00, 0x02]
-    assert [int(v) for v in engine._planes(bits(x), torch.bfloat16, "planes-rotl1", bits(b), "sub")[:, 0]] == [
+    assert [int(v) for v in engine.planes_of(bits(x), torch.bfloat16, "planes", bits(b), "sub")[:, 0]] == [0x00, 0x02]
+    assert [int(v) for v in engine.planes_of(bits(x), torch.bfloat16, "planes-rotl1", bits(b), "sub")[:, 0]] == [
         0x00,
         0x04,
     ]
@@ -290,7 +291,7 @@ def test_sign_plane_costs_less_for_non_negative() -> None:
     rot = split_planes(raw, torch.float32).numpy()
     assert not (plain[0] & 0x80).any()  # the sign bit, always 0
     assert not (rot[3] & 0x01).any()  # ... which rotl1 puts at the bottom of the last plane
-    assert engine._entropy_ratio(plain[0]) >= engine._entropy_ratio(rot[0]) * 0.999
+    assert entropy_ratio(plain[0]) >= entropy_ratio(rot[0]) * 0.999
 
 
 @pytest.mark.parametrize("op", ["xor", "sub"])
@@ -327,7 +328,7 @@ def test_encode_storage_cpu_transform_argument() -> None:
     from s4w_core.format.container import ContainerWriter
 
     x = torch.randn(100)
-    with engine._executor(1) as pool:
+    with engine.executor(1) as pool:
         w = ContainerWriter(io.BytesIO())
         job = engine.StorageJob(bits(x), torch.float32, "x", "cpu")
         assert engine.encode_storage_cpu(job, w, pool)["transform"] == "planes-rotl1"

@@ -1,0 +1,290 @@
+"""Which delta op (:mod:`s4w_core.delta`) and which transform variant a storage is coded with:
+the sampled estimates shared by the CPU and GPU writers."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from s4w_core import delta
+from s4w_core.codecs.chunk import BITMAP, SAMPLE, encode_chunk, estimate_bytes
+from s4w_core.errors import BaseMismatchError
+from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
+from s4w_core.planes import nonzero as nzt
+from s4w_core.planes import plane_width, split_planes
+
+__all__ = [
+    "DELTA_MIN_GAIN",
+    "DELTA_RUNS",
+    "DELTA_SAMPLE_ELEMS",
+    "NZ_MIN_GAIN",
+    "NZ_MIN_ZERO_FRAC",
+    "choose_delta_op",
+    "choose_delta_op_sampled",
+    "choose_delta_ops",
+    "delta_pays",
+    "delta_sample_ranges",
+    "nonzero_pays",
+]
+
+#: the nonzero transform is tried only where at least this fraction of the sampled elements is zero
+NZ_MIN_ZERO_FRAC = 1 / 64
+#: ... and used only if it codes the sample at least this fraction smaller than the plain transform
+NZ_MIN_GAIN = 0.02
+
+
+def nonzero_pays(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None
+) -> bool:
+    """Whether the nonzero variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5c) pays for
+    the CPU bytes ``raw`` (with ``base`` and delta ``op``, or plain): measured by coding the
+    sample of :func:`delta_sample_ranges` both ways with the chunk coder itself (its zstd finds
+    zero runs that an entropy estimate does not see), after a cheap check that the sample has
+    zeros at all (:data:`NZ_MIN_ZERO_FRAC`)."""
+    w = plane_width(dtype)
+    ranges = delta_sample_ranges(raw.numel() // w)
+    if not ranges:
+        return False
+    r = torch.cat([raw[a * w : z * w] for a, z in ranges]) if len(ranges) > 1 else raw
+    b = None
+    if base is not None and op is not None:
+        b = torch.cat([base[a * w : z * w] for a, z in ranges]) if len(ranges) > 1 else base
+    words = nzt.residual_words(r, dtype, b, op)
+    zeros = words.size - int(np.count_nonzero(words))
+    if zeros < NZ_MIN_ZERO_FRAC * words.size:
+        return False
+    rot = plane_rot(transform)
+    plain = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
+    plain_cost = sum(len(encode_chunk(transform, j, plain[j])[1]) for j in range(w))
+    bitmap, planes = nzt.split_nonzero(words, w, rot=rot)
+    nz_cost = len(encode_chunk(transform, BITMAP, bitmap)[1])
+    nz_cost += sum(len(encode_chunk(transform, j, planes[j])[1]) for j in range(w))
+    return nz_cost < (1.0 - NZ_MIN_GAIN) * plain_cost
+
+
+#: elements sampled (in runs spread over a storage) to choose plain vs. a delta op.
+DELTA_SAMPLE_ELEMS = 1 << 18
+#: a delta op is used only if the sample says it saves at least this fraction over plain coding.
+DELTA_MIN_GAIN = 0.03
+#: runs the sample of :func:`delta_sample_ranges` is taken in
+DELTA_RUNS = 16
+_DELTA_MIN_SAMPLE = 1 << 16  # storages above 8x this are sampled at 1/8 (up to DELTA_SAMPLE_ELEMS)
+
+
+def delta_sample_ranges(n: int) -> list[tuple[int, int]]:
+    """Element ranges ``(start, stop)`` that :func:`choose_delta_op` samples from a storage of
+    ``n`` elements: all of it when small, else 16 runs spread over it, together an eighth of it,
+    at least 2**16 and at most :data:`DELTA_SAMPLE_ELEMS` elements."""
+    if n <= _DELTA_MIN_SAMPLE:
+        return [(0, n)] if n else []
+    run = max(1, min(n, DELTA_SAMPLE_ELEMS, max(_DELTA_MIN_SAMPLE, n // 8)) // DELTA_RUNS)
+    starts = sorted({(n - run) * k // (DELTA_RUNS - 1) for k in range(DELTA_RUNS)})
+    return [(s0, s0 + run) for s0 in starts]
+
+
+def choose_delta_op_sampled(
+    raw: torch.Tensor, base: torch.Tensor, dtype: torch.dtype, transform: str, ops: tuple[str, ...] | None = None
+) -> str | None:
+    """:func:`choose_delta_op` on samples already gathered (CPU uint8 tensors of equal length,
+    the ranges of :func:`delta_sample_ranges` back to back). The GPU writer gathers the samples
+    of every storage of a batch on the device and copies them to the host once."""
+    if raw.numel() == 0:
+        return None
+    w = 1 if transform == "bytes" else plane_width(dtype)
+    return _choose_batch([(raw.numpy(), base.numpy(), dtype, transform, ops)], w, _rot_of(transform))[0]
+
+
+def _rot_of(transform: str) -> bool | None:
+    """The rotation of a transform's planes: True/False for the byte-plane transforms, None for ``bytes``."""
+    return None if transform == "bytes" else plane_rot(transform)
+
+
+_WORD: dict[int, type[np.unsignedinteger[Any]]] = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_SWORD: dict[int, type[np.signedinteger[Any]]] = {2: np.int16, 4: np.int32}
+#: storages whose sample (after the stride) has at most this many elements are estimated together
+#: (:func:`_choose_batch`); larger ones one by one: a histogram per storage then stays in the cache
+_BATCH_MAX_ELEMS = 1 << 13
+#: at most this many storages share one pass (bounds the histogram: 1.5 KiB of bins each for bf16)
+_BATCH_ITEMS = 64
+
+
+def _choose_batch(
+    items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]], w: int, rot: bool | None
+) -> list[str | None]:
+    """The rule of :func:`choose_delta_op` for many samples of the same plane width and rotation:
+    per sample, the order-0 entropy of every plane of plain coding and of each delta op's residual
+    (each plane estimated on at most :data:`SAMPLE` elements taken with a stride, as
+    ``entropy_ratio`` does), all histograms of a pass in one ``bincount``. Small samples share a
+    pass (a few numpy calls for up to :data:`_BATCH_ITEMS` storages instead of ~30 per storage: a
+    training state's many biases and norms cost microseconds); large ones get a pass each."""
+    out: list[str | None] = [None] * len(items)
+    small: list[int] = []
+    for i, it in enumerate(items):
+        m = it[0].size // w
+        if m // max(1, m // SAMPLE) <= _BATCH_MAX_ELEMS:
+            small.append(i)
+        else:
+            out[i] = _choose_one(*it)
+    for a in range(0, len(small), _BATCH_ITEMS):
+        idx = small[a : a + _BATCH_ITEMS]
+        for i, op in zip(idx, _choose_pass([items[i] for i in idx], w, rot)):
+            out[i] = op
+    return out
+
+
+def _choose_one(
+    raw: np.ndarray, base: np.ndarray, dtype: torch.dtype, transform: str, ops: tuple[str, ...] | None
+) -> str | None:
+    """:func:`_choose_batch` for one large sample: each candidate's planes split by
+    :func:`~s4w_core.planes.split_planes` (one compiled pass where numba is loaded) and each plane's
+    entropy estimated by :func:`entropy_ratio`."""
+    r, b = torch.from_numpy(raw), torch.from_numpy(base)
+    best: str | None = None
+    best_cost = estimate_bytes(planes_of(r, dtype, transform, None))
+    limit = (1.0 - DELTA_MIN_GAIN) * best_cost
+    for op in delta.ops_for(dtype, transform):
+        if ops is not None and op not in ops:
+            continue
+        c = estimate_bytes(planes_of(r, dtype, transform, b, op))
+        if c < limit and c < best_cost:
+            best, best_cost = op, c
+    return best
+
+
+def _choose_pass(
+    items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]], w: int, rot: bool | None
+) -> list[str | None]:
+    word = _WORD[w]
+    bits = 8 * w
+    xs: list[np.ndarray] = []
+    bs: list[np.ndarray] = []
+    full: list[int] = []  # elements per sample (the cost's scale)
+    for raw, base, _dt, _tr, _ops in items:
+        m = raw.size // w
+        step = max(1, m // SAMPLE)  # entropy_ratio's stride
+        xs.append(raw.view(word)[::step])
+        bs.append(base.view(word)[::step])
+        full.append(m)
+    lens = np.fromiter((x.size for x in xs), dtype=np.int64, count=len(xs))
+    x = np.concatenate(xs) if len(xs) > 1 else xs[0]
+    b = np.concatenate(bs) if len(bs) > 1 else bs[0]
+    cands: list[np.ndarray] = [x, x ^ b]
+    if w > 1:  # sub (s4w_core.delta), on the signed words: wrap-around arithmetic as torch's
+        sw = _SWORD[w]
+        mask = sw((1 << (bits - 1)) - 1)
+        xi, bi = x.view(sw), b.view(sw)
+        d = (xi ^ ((xi >> (bits - 1)) & mask)) - (bi ^ ((bi >> (bits - 1)) & mask))
+        cands.append(((d << 1) ^ (d >> (bits - 1))).view(word))
+    k_n = len(cands)
+    per = k_n * w * 256  # histogram bins per sample
+    total = x.size
+    seg = np.repeat(np.arange(len(items), dtype=np.int64) * per, lens)
+    idx = np.empty(total * k_n * w, dtype=np.int64)
+    pos = 0
+    for k, v in enumerate(cands):
+        r = (v << word(1)) | (v >> word(bits - 1)) if rot else v
+        for j in range(w):
+            plane = (r >> word(8 * (w - 1 - j))) & word(0xFF) if w > 1 else r
+            np.add(seg, plane, out=idx[pos : pos + total])
+            if k or j:
+                idx[pos : pos + total] += (k * w + j) * 256
+            pos += total
+    counts = np.bincount(idx, minlength=per * len(items)).reshape(len(items), k_n, w, 256)
+    p = counts / np.maximum(lens, 1)[:, None, None, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(counts > 0, p * np.log2(np.where(counts > 0, p, 1.0)), 0.0).sum(axis=3)
+    cost = (np.maximum(h, 1e-3) / 8.0).sum(axis=2) * np.asarray(full, dtype=np.float64)[:, None]  # (items, cands)
+    names = (None, "xor", "sub")
+    out: list[str | None] = []
+    for i, (_raw, _base, dtype, transform, ops) in enumerate(items):
+        allowed = delta.ops_for(dtype, transform)
+        best: str | None = None
+        best_cost = float(cost[i, 0])
+        limit = (1.0 - DELTA_MIN_GAIN) * best_cost
+        for k in range(1, k_n):
+            op = names[k]
+            if op not in allowed or (ops is not None and op not in ops):
+                continue
+            c = float(cost[i, k])
+            if c < limit and c < best_cost:
+                best, best_cost = op, c
+        out.append(best)
+    return out
+
+
+def _gather_sample(job: StorageJob, transform: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The sample of :func:`delta_sample_ranges` of ``job`` and of its base, as host bytes."""
+    assert job.base is not None
+    nbytes = job.raw.numel()
+    if job.base.numel() != nbytes:
+        raise BaseMismatchError(f"{job.path}: base has {job.base.numel()} bytes, tensor {nbytes}")
+    w = 1 if transform == "bytes" else plane_width(job.dtype)
+    ranges = delta_sample_ranges(nbytes // w)
+    if not ranges:
+        return None
+    if job.raw.device.type == "cpu" and job.base.device.type == "cpu":
+        rn, bn = job.raw.numpy(), job.base.numpy()
+        if len(ranges) == 1:
+            a, z = ranges[0]
+            return rn[a * w : z * w], bn[a * w : z * w]
+        return (np.concatenate([rn[a * w : z * w] for a, z in ranges]),
+                np.concatenate([bn[a * w : z * w] for a, z in ranges]))
+    raw = torch.cat([job.raw[a * w : z * w].cpu() for a, z in ranges])
+    base = torch.cat([job.base[a * w : z * w].cpu() for a, z in ranges])
+    return raw.numpy(), base.numpy()
+
+
+def choose_delta_ops(jobs: Iterable[StorageJob], transforms: Iterable[str | None] | None = None) -> list[str | None]:
+    """:func:`choose_delta_op` for many storages at once (those without a base give None), each
+    choice also recorded on its job, where :func:`choose_delta_op` returns it when asked again for
+    the same transform: writers call this once before coding a checkpoint's storages one by one.
+    ``transforms``: per job, the transform it will be coded with (None: :func:`transform_for`'s default).
+    Raises BaseMismatchError if a base has a different size."""
+    jobs = list(jobs)
+    trs = list(transforms) if transforms is not None else [None] * len(jobs)
+    out: list[str | None] = [None] * len(jobs)
+    groups: dict[tuple[int, bool | None], list[tuple[int, str, np.ndarray, np.ndarray]]] = {}
+    for i, (job, tr) in enumerate(zip(jobs, trs)):
+        if job.base is None:
+            continue
+        transform = transform_for(job.dtype, job.raw.numel(), transform=tr)[0]
+        sample = _gather_sample(job, transform)
+        if sample is None:
+            job.delta_choice = (transform, None)
+            continue
+        w = 1 if transform == "bytes" else plane_width(job.dtype)
+        groups.setdefault((w, _rot_of(transform)), []).append((i, transform, *sample))
+    for (w, rot), members in groups.items():
+        chosen = _choose_batch([(r, b, jobs[i].dtype, tr, None) for i, tr, r, b in members], w, rot)
+        for (i, tr, _r, _b), op in zip(members, chosen):
+            out[i] = op
+            jobs[i].delta_choice = (tr, op)
+    return out
+
+
+def choose_delta_op(job: StorageJob, transform: str, ops: tuple[str, ...] | None = None) -> str | None:
+    """The delta op (:mod:`s4w_core.delta`) to store ``job`` with against ``job.base``, or None
+    for plain coding.  Shared by the CPU and GPU writers.
+
+    Every candidate op (default: all that apply to the dtype, see :func:`delta.ops_for`) is
+    estimated on the same sample (:func:`delta_sample_ranges`), so a storage whose first rows are
+    atypical is judged on all of it.  An op wins if it beats plain by :data:`DELTA_MIN_GAIN`; the
+    smallest estimate wins.  A choice :func:`choose_delta_ops` recorded on the job for the same
+    transform (and all ops) is returned as it is.
+    Raises BaseMismatchError if the base has a different size.
+    """
+    assert job.base is not None
+    if ops is None and job.delta_choice is not None and job.delta_choice[0] == transform:
+        return job.delta_choice[1]
+    sample = _gather_sample(job, transform)
+    if sample is None:
+        return None
+    w = 1 if transform == "bytes" else plane_width(job.dtype)
+    return _choose_batch([(sample[0], sample[1], job.dtype, transform, ops)], w, _rot_of(transform))[0]
+
+
+def delta_pays(job: StorageJob, transform: str) -> bool:
+    """Whether an XOR delta pays for ``job`` (kept for writers that implement only ``xor``)."""
+    return choose_delta_op(job, transform, ("xor",)) is not None

@@ -1,0 +1,77 @@
+"""Coding one chunk (one plane of one segment) on the CPU: the codec measured best for it, never
+larger than raw; and the order-0 estimates the writers' choices use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from s4w_core.codecs import DEFLATE, RAW, ZSTD, zstd_encode_plane
+
+__all__ = ["BITMAP", "ZSTD_PLANE", "choose_codec", "encode_chunk", "entropy_ratio", "estimate_bytes"]
+
+#: elements of a plane sampled (with a stride) by :func:`entropy_ratio`
+SAMPLE = 1 << 16
+#: a plane chunk this many times smaller than its plane is also tried at zstd's level 3 (smaller wins).
+LOW_ENTROPY_RATIO = 4
+#: exponent-plane chunks smaller than this are also tried with Huffman-only deflate (smaller wins).
+SMALL_PLANE = 1 << 16
+#: the plane index :func:`encode_chunk` is given for the bitmap chunk of a nonzero transform
+BITMAP = -1
+
+
+def entropy_ratio(plane: np.ndarray) -> float:
+    """Estimated order-0 compression ratio of a uint8 array, from a strided sample."""
+    n = plane.size
+    if n == 0:
+        return 1.0
+    sample = plane[:: max(1, n // SAMPLE)]
+    counts = np.bincount(sample, minlength=256)
+    p = counts[counts > 0] / sample.size
+    h = float(-(p * np.log2(p)).sum())
+    return 8.0 / max(h, 1e-3)
+
+
+def estimate_bytes(planes: torch.Tensor) -> float:
+    arr = planes.numpy()
+    return sum(arr.shape[1] / entropy_ratio(arr[j]) for j in range(arr.shape[0]))
+
+
+#: marker for "zstd frame coded with the plane parameters" (codec id ``zstd``).
+ZSTD_PLANE = object()
+
+
+def choose_codec(transform: str, j: int, plane: np.ndarray) -> Any:
+    """The codec of one chunk: zstd at level 3 for ``bytes`` storages, else :data:`ZSTD_PLANE`
+    (zstd stores an incompressible block as it is, at memcpy speed). Tests replace it to write
+    other codecs' chunks (``tests/unit/helpers.deflate_plane0``)."""
+    return ZSTD if transform == "bytes" else ZSTD_PLANE
+
+
+def encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes]:
+    codec = choose_codec(transform, j, plane)
+    data = memoryview(plane)
+    if codec is ZSTD_PLANE:
+        cid, out = ZSTD.id, zstd_encode_plane(data)
+        if len(out) * LOW_ENTROPY_RATIO < plane.size:
+            # near-constant planes (delta residuals of unchanged or barely changed values) go far
+            # below a Huffman code's 1 bit a byte with zstd's matches at its default level.
+            assert ZSTD.encode_cpu is not None
+            z = ZSTD.encode_cpu(data)
+            if len(z) < len(out):
+                out = z
+        elif j == 0 and plane.size < SMALL_PLANE:
+            # deflate's Huffman header is smaller than zstd's: 6-16% smaller exponent chunks under
+            # 64 KiB (biases, norms, small models); mantissa planes gain < 1% there
+            assert DEFLATE.encode_cpu is not None
+            d = DEFLATE.encode_cpu(data)
+            if len(d) < len(out):
+                cid, out = DEFLATE.id, d
+    else:  # a codec with a CPU encoder
+        assert codec.encode_cpu is not None
+        cid, out = codec.id, codec.encode_cpu(data)
+    if len(out) < plane.size:
+        return cid, out
+    return RAW.id, bytes(data)
