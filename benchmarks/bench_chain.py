@@ -9,14 +9,20 @@ saved every ``--every`` steps, in two precision variants:
 
 Each checkpoint is written, as training produces it, to several stores side by side:
 
-* ``chain``     : CheckpointStore, deltas with every op (xor, sub), keyframe every ``-K`` saves;
+* ``chain``     : CheckpointStore with its default layout: each save writes its step whole and
+  the step below becomes a delta against it (a reverse delta; every op: xor, sub), a whole step
+  at least every ``-K`` steps;
 * ``chain_xor`` : the same with XOR deltas only (the baseline of issue 3 / FACTS.md);
 * ``plain``     : CheckpointStore without deltas (each checkpoint coded alone);
 * ``zipnn``     : ZipNN (bytearray_dtype per tensor) on each tensor of each checkpoint.
 
 Reported per variant and per tensor group (weights / exp_avg / exp_avg_sq): raw bytes / stored
-bytes over the whole chain; per step; save seconds; restore seconds of a keyframe and of the
-deepest delta; and a bit-exact check of every step read back from the chain (xxh3 of each tensor).
+bytes over the whole chain as the store holds it once its re-encodings are done (its commit
+records, summed); per step, the kind and size the step ends with and the save seconds; restore
+seconds by chain depth; a bit-exact check of every step read back (xxh3 of each tensor); and the
+load of the newest step (one object) and of the step ``--back`` saves before it, against
+``torch.load`` of the newest state from the same disk, each with the files' pages dropped from
+the page cache first (``posix_fadvise(DONTNEED)`` after an ``fsync``; ``--no-drop`` keeps them).
 
 Usage (CPU, small)::
 
@@ -164,6 +170,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     totals: dict[str, dict[str, list[int]]] = {n: {} for n in [*names, "zipnn"]}
     t_train = time.perf_counter()
     t_code = 0.0
+    last_state: Any = None
     try:
         for step, state in _snapshots(variant, args):
             t0 = time.perf_counter()
@@ -175,23 +182,15 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
                     t = time.perf_counter()
                     info = stores[name].save(state, step)
                     secs = time.perf_counter() - t
+                    # the re-encoding of the step below, behind the save: under the same delta ops,
+                    # and not beside the next store's save
+                    stores[name].wait()
                 row[name] = {
-                    "kind": info.kind,
-                    "depth": info.depth,
+                    "written": info.kind,
                     "raw_bytes": info.raw_bytes,
-                    "stored_bytes": info.object_bytes,
-                    "ratio": _ratio(info.raw_bytes, info.object_bytes),
+                    "written_bytes": info.object_bytes,
                     "save_s": round(secs, 3),
-                    "delta_ops": info.delta_ops,
-                    "groups": {k: {"raw": g["raw_bytes"], "stored": g["stored_bytes"]} for k, g in info.kinds.items()},
                 }
-                for k, g in info.kinds.items():
-                    acc = totals[name].setdefault(_group_kind(k), [0, 0])
-                    acc[0] += g["raw_bytes"]
-                    acc[1] += g["stored_bytes"]
-                tot = totals[name].setdefault("_all", [0, 0])
-                tot[0] += info.raw_bytes
-                tot[1] += info.object_bytes
             if "zipnn" in args.compare:
                 zs = _zipnn_sizes(state)
                 row["zipnn"] = {k: {"raw": v[0], "stored": v[1]} for k, v in zs.items()}
@@ -206,14 +205,36 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             t_code += time.perf_counter() - t0
             c = row["chain"]
             print(
-                f"  [{variant}] step {step:>6}: chain {c['kind']:<8} {c['ratio']:.3f}x  "
-                + "  ".join(f"{n} {row[n]['ratio']:.3f}x" for n in names[1:])
-                + f"  ({c['save_s']:.2f}s)",
+                f"  [{variant}] step {step:>6}: chain {c['written']:<8} {_ratio(c['raw_bytes'], c['written_bytes']):.3f}x "
+                f"written ({c['save_s']:.2f}s)",
                 file=sys.stderr,
                 flush=True,
             )
+            last_state = state
             del state
+        # what the stores hold once the re-encodings behind the saves are done
+        for name in names:
+            stores[name].wait()
+            for r in stores[name].list():
+                row = next(x for x in rows if x["step"] == r.step)
+                row[name].update(
+                    kind=r.kind, depth=r.depth, stored_bytes=r.object_bytes, ratio=_ratio(r.raw_bytes, r.object_bytes),
+                    delta_ops=r.delta_ops,
+                    groups={k: {"raw": g["raw_bytes"], "stored": g["stored_bytes"]} for k, g in r.kinds.items()},
+                )
+                for k, g in r.kinds.items():
+                    acc = totals[name].setdefault(_group_kind(k), [0, 0])
+                    acc[0] += g["raw_bytes"]
+                    acc[1] += g["stored_bytes"]
+                tot = totals[name].setdefault("_all", [0, 0])
+                tot[0] += r.raw_bytes
+                tot[1] += r.object_bytes
+            physical = stores[name].sizes()["physical_bytes"]
+            totals[name]["_physical"] = [physical, physical]
+            stores[name].close()
         wall = time.perf_counter() - t_train
+        loads = _load_times(os.path.join(work, "chain"), last_state, work, args)
+        del last_state
         # read every step back from the chain (a fresh store: no cached base) and compare bits
         reader = CheckpointStore(os.path.join(work, "chain"), base_cache_bytes=0)
         mismatches = []
@@ -237,6 +258,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         t = totals[name]
         d = {"all": {"raw_bytes": t.get("_all", [0, 0])[0], "stored_bytes": t.get("_all", [0, 0])[1],
                      "ratio": _ratio(*t.get("_all", [0, 1]))}}
+        if "_physical" in t:  # every data object on disk (the records' objects and any leftover)
+            d["all"]["physical_bytes"] = t["_physical"][0]
         for g in (*GROUPS, "other"):
             if g in t:
                 d[g] = {"raw_bytes": t[g][0], "stored_bytes": t[g][1], "ratio": _ratio(*t[g])}
@@ -251,7 +274,80 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         "seconds_coding_and_compare": round(t_code, 1),
         "summary": {n: summary(n) for n in [*names, *(["zipnn"] if "zipnn" in args.compare else [])]},
         "restore_s_by_depth": restore_summary,
+        "loads": loads,
         "steps": rows,
+    }
+
+
+def _drop_cache(paths: list[str]) -> bool:
+    """Write back and drop the pages of ``paths`` from the page cache (Linux; clean pages only,
+    hence the fsync first).  False where the platform cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def _files(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def _timed(fn: Any, device: str) -> tuple[Any, float]:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def _load_times(root: str, state: Any, work: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The newest step's load (a fresh store: one object) and the load of the step ``args.back``
+    saves before it, against ``torch.load`` of the same state written to the same disk; each
+    after dropping the files it reads from the page cache (unless ``--no-drop``)."""
+    if state is None:
+        return {}
+    dev = args.device if args.profile == "fast" else "cpu"
+    pt = os.path.join(work, "newest.pt")
+    torch.save(state, pt)
+    drop = not args.no_drop
+    dropped = drop and _drop_cache([pt])
+    _, torch_s = _timed(lambda: torch.load(pt, map_location=dev, weights_only=False), dev)
+    store = CheckpointStore(root, base_cache_bytes=0)  # keeps no host copy: the load alone is timed
+    recs = store.list()
+    newest = recs[-1]
+    back = recs[max(0, len(recs) - 1 - args.back)]
+    if drop:
+        _drop_cache(_files(root))
+    got, newest_s = _timed(lambda: store.load(newest.step, map_location=dev), dev)
+    same = _digest(got) == _digest(state)
+    del got
+    if drop:
+        _drop_cache(_files(root))
+    _, back_s = _timed(lambda: store.load(back.step, map_location=dev), dev)
+    store.close()
+    return {
+        "device": dev,
+        "raw_bytes": newest.raw_bytes,
+        "torch_file_bytes": os.path.getsize(pt),
+        "torch_load_s": round(torch_s, 4),
+        "newest_s": round(newest_s, 4),
+        "newest_bytes": newest.object_bytes,
+        "newest_bit_exact": same,
+        "newest_vs_torch": round(torch_s / newest_s, 3) if newest_s else None,
+        "back": len(recs) - 1 - recs.index(back),
+        "back_step": back.step,
+        "back_depth": back.depth,
+        "back_s": round(back_s, 4),
+        "back_over_newest": round(back_s / newest_s, 3) if newest_s else None,
+        "cache_dropped": bool(dropped),
     }
 
 
@@ -270,9 +366,16 @@ def _print_table(res: dict[str, Any]) -> None:
             cells.append(f"{v['ratio']:>11.3f}x" if v else f"{'-':>12}")
         print(f"{g:<12}" + "".join(cells))
     print("restore seconds by chain depth: " + ", ".join(f"{k}: {v['mean_s']}s (max {v['max_s']}s, n={v['n']})" for k, v in res["restore_s_by_depth"].items()))
+    ld = res["loads"]
+    if ld:
+        print(
+            f"newest step load {ld['newest_s']} s vs torch.load {ld['torch_load_s']} s ({ld['newest_vs_torch']}x); "
+            f"{ld['back']} saves back (depth {ld['back_depth']}) {ld['back_s']} s ({ld['back_over_newest']}x the newest); "
+            f"page cache {'dropped' if ld['cache_dropped'] else 'kept'}"
+        )
     ops: dict[str, int] = {}
     for r in res["steps"]:
-        for k, n in r["chain"]["delta_ops"].items():
+        for k, n in r["chain"].get("delta_ops", {}).items():
             ops[k] = ops.get(k, 0) + n
     print(f"delta storages by op over the chain: {ops}")
 
@@ -298,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the stores")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--back", type=int, default=5, help="also time the load of the step this many saves back")
+    p.add_argument("--no-drop", action="store_true", help="do not drop the files from the page cache before loads")
     args = p.parse_args(argv)
     args.compare = [c for c in args.compare.split(",") if c]
     if args.threads:

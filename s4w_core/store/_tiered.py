@@ -68,9 +68,9 @@ def upload_missing(store: Any, cancel: threading.Event | None = None) -> builtin
     (a newer one) is there before the delta's record.  Then apply the fast tier's retention.
     Returns the steps uploaded, ascending.  Caller holds ``store._lock``.  ``cancel``: see
     :func:`copy_object`."""
-    assert store._tiers is not None  # noqa: SLF001
+    assert store.tiers is not None
     slow_b = store.backend
-    fast, slow = store._tier_views()  # noqa: SLF001
+    fast, slow = store.tier_views()
     todo = [s for s, r in fast.items() if s not in slow or slow[s].object != r.object or slow[s].copy != r.copy]
     done: builtins.list[int] = []
     try:
@@ -97,7 +97,7 @@ def _upload_step(
     on_slow: set[str],
     cancel: threading.Event | None = None,
 ) -> None:
-    tiers = store._tiers  # noqa: SLF001
+    tiers = store.tiers
     assert tiers is not None
     fast_b, slow_b = tiers.fast, store.backend
     for key in reversed(rec.live_objects):  # the copy, bases, own; the commit record last
@@ -111,20 +111,20 @@ def _upload_step(
             ) from e
         on_slow.add(key)
     slow_b.put(commit_key(step), fast_b.get(commit_key(step)), if_absent=old is None)
-    store._forget_record(slow_b, commit_key(step))  # noqa: SLF001
+    store.forget_record(slow_b, commit_key(step))
     if old is not None:  # an overwrite: the old chain's objects may be free now
-        store._reclaim(old.live_objects)  # noqa: SLF001
+        store.reclaim(old.live_objects)
 
 
 def prune_fast(store: Any) -> builtins.list[int]:
     """Drop from the fast tier every step but its newest ``fast_keep_last``, only those the slow
     tier has committed (same data object); then reclaim fast-tier objects no fast commit lists.
     Returns the steps dropped from the fast tier."""
-    tiers = store._tiers  # noqa: SLF001
+    tiers = store.tiers
     assert tiers is not None
     if tiers.keep_last is None:
         return []
-    fast, slow = store._tier_views()  # noqa: SLF001
+    fast, slow = store.tier_views()
     keep = set(builtins.list(fast)[-tiers.keep_last :])
     doomed = [s for s, r in fast.items() if s not in keep and s in slow and slow[s].object == r.object]
     if not doomed:
@@ -132,6 +132,6 @@ def prune_fast(store: Any) -> builtins.list[int]:
     candidates = {o for s in doomed for o in fast[s].live_objects}
     for s in doomed:
         tiers.fast.delete(commit_key(s))
-        store._forget_record(tiers.fast, commit_key(s))  # noqa: SLF001
-    store._reclaim(candidates)  # noqa: SLF001
+        store.forget_record(tiers.fast, commit_key(s))
+    store.reclaim(candidates)
     return doomed

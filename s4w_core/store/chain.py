@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping, Protocol
 
 import torch
 
-from s4w_core import api, engine
 from s4w_core import checksum as ck
+from s4w_core import engine, pipeline
 from s4w_core.codecs import get_codec
 from s4w_core.errors import (
     BackendUnavailableError,
@@ -65,7 +65,7 @@ class CachedBase:
     #: re-encoding then decodes it)
     source: tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None = None
 
-    def collected(self, profile: str) -> api.Collected | None:
+    def collected(self, profile: str) -> pipeline.Collected | None:
         """The step as a collected state over the host copies (None without a source)."""
         if self.source is None or len(self.raws) != len(self.source[2]):
             return None
@@ -73,7 +73,7 @@ class CachedBase:
         col = engine.Collector(
             tensors=tensors, jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(self.raws, jobs)]
         )
-        return api.Collected(col, tree, profile)
+        return pipeline.Collected(col, tree, profile)
 
 
 def state_source(tree: Any, col: engine.Collector) -> tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]]:
@@ -93,12 +93,12 @@ def source_of_manifest(manifest: Mapping[str, Any]) -> tuple[Any, builtins.list[
         return None
 
 
-def chain_device(manifest: Mapping[str, Any], map_location: api.MapLocation) -> torch.device | None:
+def chain_device(manifest: Mapping[str, Any], map_location: pipeline.MapLocation) -> torch.device | None:
     """Where a chain's bases are decoded: the GPU when the step is coded with GPU-only codecs or
     loads onto a GPU (and one is usable), else None (the CPU path)."""
     gpu_codecs = any(not get_codec(c[0]).cpu_decodable for s in manifest["storages"] for c in s["chunks"])
-    to_gpu = any(api._target_device(s["device"], map_location).type == "cuda" for s in manifest["storages"])  # noqa: SLF001
-    if (gpu_codecs or to_gpu) and api._gpu() is not None:  # noqa: SLF001
+    to_gpu = any(pipeline.target_device(s["device"], map_location).type == "cuda" for s in manifest["storages"])
+    if (gpu_codecs or to_gpu) and pipeline.gpu_backend() is not None:
         return torch.device("cuda", torch.cuda.current_device())
     return None
 
@@ -312,9 +312,9 @@ def decode_many(
     """Decode storage entries of one container: on ``device`` (a GPU) in one batched call when
     given, else on the CPU path (GPU-only codecs still need the GPU: BackendUnavailableError)."""
     if device is not None and device.type == "cuda":
-        gpu = api._gpu()  # noqa: SLF001
+        gpu = pipeline.gpu_backend()
         if gpu is not None:
-            with engine._executor(threads) as pool:  # noqa: SLF001
+            with pipeline.executor(threads) as pool:
                 return gpu.decode_storages(reader, entries, device, resolve, pool)
     return [decode_one(reader, e, threads, resolve) for e in entries]
 
@@ -329,14 +329,14 @@ def decode_one(
     """Decode one storage entry to a CPU uint8 tensor (GPU codecs through the GPU backend)."""
     needs_gpu = any(not get_codec(c[0]).cpu_decodable for c in entry["chunks"])
     if needs_gpu:
-        gpu = api._gpu()  # noqa: SLF001
+        gpu = pipeline.gpu_backend()
         if gpu is None:
             raise BackendUnavailableError(
                 f"{reader.name}: base tensor {entry['path']!r} uses GPU-only codecs; load on a GPU machine"
             )
         dev = torch.device("cuda", torch.cuda.current_device())
         return gpu.decode_storage(reader, entry, dev, resolve).cpu()
-    with engine._executor(threads) as pool:  # noqa: SLF001
+    with pipeline.executor(threads) as pool:
         return engine.decode_storage_cpu(reader, entry, pool, resolve, reader.name)
 
 

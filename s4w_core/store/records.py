@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
+from s4w_core import pipeline
 from s4w_core.errors import ManifestError
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "pin_key",
     "replace_record",
     "step_of_object",
+    "new_record",
+    "count_ops",
 ]
 
 STORE_FORMAT = "s4weights-store"
@@ -228,3 +232,47 @@ def parse_record(body: bytes, key: str, where: str) -> StepInfo:
 def replace_record(rec: StepInfo, **kw: Any) -> StepInfo:
     """``rec`` with the fields ``kw`` changed."""
     return dataclasses.replace(rec, **kw)
+
+
+def new_record(
+    step: int,
+    key: str,
+    size: int,
+    manifest: dict[str, Any],
+    prof: str,
+    base: StepInfo | None,
+    extra: Mapping[str, Any] | None,
+) -> StepInfo:
+    """The commit record of a step whose container ``manifest`` was written to ``key``.  A delta
+    against a newer ``base`` (the reverse layout) lists only its own object: its chain is found
+    through ``base_step`` (:class:`Chain`); one against an older base lists its chain's objects."""
+    groups, _dtypes, kinds, raw, stored, ndelta = pipeline.summarize(manifest)
+    is_delta = ndelta > 0
+    assert base is not None or not is_delta
+    reverse = is_delta and base is not None and base.step > step
+    return StepInfo(
+        step=step,
+        kind="delta" if is_delta else "keyframe",
+        depth=base.depth + 1 if is_delta and base is not None else 0,
+        base_step=base.step if is_delta and base is not None else None,
+        object=key,
+        object_bytes=size,
+        raw_bytes=raw,
+        stored_bytes=stored,
+        objects=tuple([key, *(base.objects if is_delta and base is not None and not reverse else ())]),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        profile=prof,
+        kinds={k: v.as_dict() for k, v in kinds.items()},
+        groups={k: v.as_dict() for k, v in groups.items()},
+        extra=dict(extra or {}),
+        delta_ops=count_ops(manifest),
+    )
+
+
+def count_ops(manifest: Mapping[str, Any]) -> dict[str, int]:
+    ops: dict[str, int] = {}
+    for s in manifest["storages"]:
+        if s.get("delta"):
+            ops[s["delta"]["op"]] = ops.get(s["delta"]["op"], 0) + 1
+    return ops
+

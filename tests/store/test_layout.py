@@ -434,9 +434,9 @@ def test_gpu_saves_reencode_from_the_pinned_copies(tmp_path: Any, profile: str, 
     buffers), against the new step's, while the caller changes the state."""
     import torch
 
-    from s4w_core import api
+    from s4w_core import pipeline
 
-    if api._gpu() is None:  # noqa: SLF001
+    if pipeline.gpu_backend() is None:
         pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
     run = [
         {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in s["model"].items()} | {"step": s["step"]}
@@ -480,18 +480,18 @@ def test_checksums_of_other_algorithms_are_checked_on_the_bytes() -> None:
     import torch
 
     from s4w_core import checksum as ck
-    from s4w_core.store.store import _same_storages
+    from s4w_core.store.reencode_check import same_storages
 
     raw = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
     entry = {"path": "w", "dtype": "int32", "nbytes": raw.numel()}
     own = {"storages": [{**entry, "checksum": ck.compute_checksum("fold64", raw)}], "tree": 0, "tensors": []}
     copy = {"storages": [{**entry, "checksum": ck.tensor_checksum(raw)}], "tree": 0, "tensors": []}
     assert own["storages"][0]["checksum"] != copy["storages"][0]["checksum"]
-    assert _same_storages(copy, own, [raw], ["cpu"]) is None
-    assert "other bytes" in str(_same_storages(copy, own)), "without the bytes: not the same"
+    assert same_storages(copy, own, [raw], ["cpu"]) is None
+    assert "other bytes" in str(same_storages(copy, own)), "without the bytes: not the same"
     other = raw.clone()
     other[5] ^= 1
-    assert "not the step's bytes" in str(_same_storages(copy, own, [other], ["cpu"]))
+    assert "not the step's bytes" in str(same_storages(copy, own, [other], ["cpu"]))
     same_algo = {"storages": [{**entry, "checksum": ck.compute_checksum("fold64", other)}], "tree": 0, "tensors": []}
-    assert "other bytes" in str(_same_storages(same_algo, own, [raw], ["cpu"]))
-    assert "tree" in str(_same_storages({**copy, "tree": 1}, own, [raw], ["cpu"]))
+    assert "other bytes" in str(same_storages(same_algo, own, [raw], ["cpu"]))
+    assert "tree" in str(same_storages({**copy, "tree": 1}, own, [raw], ["cpu"]))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import s4w_core
-from s4w_core import api, obs
+from s4w_core import obs, pipeline
 from s4w_core.store import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def test_failed_save_is_recorded_and_reraised_as_a_store_error(
     def fail(*a: Any, **k: Any) -> Any:
         raise boom
 
-    monkeypatch.setattr(api, "_encode", fail)
+    monkeypatch.setattr(pipeline, "encode", fail)
     with pytest.raises(s4w_core.StoreError) as exc:  # an OSError from storage: the store's error, the cause kept
         s4w_core.save({"x": torch.ones(3)}, tmp_path / "x.s4w", extra={"step": 7})
     assert isinstance(exc.value, OSError) and exc.value.__cause__ is boom and "ENOSPC" in str(exc.value)
@@ -179,7 +179,7 @@ def test_metrics_and_healthz_over_http(tmp_path: Path, events: list[obs.OpEvent]
         def fail(*a: Any, **k: Any) -> Any:
             raise OSError("disk gone")
 
-        monkeypatch.setattr(api, "_encode", fail)
+        monkeypatch.setattr(pipeline, "encode", fail)
         with pytest.raises(OSError):
             s4w_core.save({"x": torch.ones(4), "step": 4}, tmp_path / "b.s4w")
         code, body = _get(srv.url + "/healthz")

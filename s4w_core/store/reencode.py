@@ -1,0 +1,285 @@
+"""Chain planning and re-encoding (docs/STORE.md, "Commit protocol", steps 4-7): behind each save
+the step just below the new newest step becomes a delta against it; deleting or replacing a step
+first re-codes the delta against it (:meth:`Reencoder._detach`).  The chain bound
+(``keyframe_every``) decides which steps stay whole."""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import io
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from s4w_core import engine, obs, pipeline
+from s4w_core.errors import S4WError, StoreError
+from s4w_core.store import _tiered
+from s4w_core.store._async import SaveHandle
+from s4w_core.store._backend import Backend
+from s4w_core.store.chain import BaseProvider, CachedBase, source_of_manifest
+from s4w_core.store.loads import Loads
+from s4w_core.store.records import StepInfo, data_key, new_record, replace_record
+from s4w_core.store.reencode_check import same_storages
+
+log = logging.getLogger("s4w_core.store")
+
+__all__ = ["Reencoder", "Reencode", "REENCODE_MIN_GAIN", "REENCODE_BUFFER_BYTES"]
+
+#: a re-encoded step (a delta against the step above it) replaces its whole object only when it is
+#: at least this much smaller; otherwise the step stays whole (deltas of far-apart or tiny states)
+REENCODE_MIN_GAIN = 0.05
+#: steps whose whole object is at most this large are re-encoded into memory first, so that a
+#: delta that does not pay writes nothing
+REENCODE_BUFFER_BYTES = 64 << 20
+
+
+@dataclass
+class Reencode:
+    """What re-encoding the previous newest step ``prev`` against the new one ``new`` needs:
+    ``old``, the host copy of ``prev``'s bytes when the store kept one (None: decode it), and
+    ``cache``, the host copy of ``new``'s, the delta base (None: decode it as the encoder asks)."""
+
+    prev: StepInfo
+    old: CachedBase | None
+    new: StepInfo
+    cache: CachedBase | None
+
+
+class _Stale(Exception):
+    """A re-encoding that no longer applies (the steps changed meanwhile, or no delta pays)."""
+
+
+
+class Reencoder(Loads):
+    """Turns whole steps into reverse deltas, and re-codes the deltas against a step that goes."""
+
+    # ------------------------------------------------------------------ re-encoding (reverse deltas)
+    def _schedule_reencode(self, todo: builtins.list[Reencode]) -> None:
+        """Start the re-encoding ``_save`` asked for, on the worker, behind what is queued.  The
+        next save waits for it (it is not cancelled: a step left whole would stay whole)."""
+        if not todo:
+            return
+        job = todo[0]
+        handle = SaveHandle(job.prev.step, "reencode", self.backend.url, what="re-encoding")
+        self._pipe.defer(handle, functools.partial(self._reencode, handle, job))
+
+    def _drop_copies(self) -> None:
+        """Remove the keyframe copies a store of the first layout kept for its newest step (the
+        record first, then the object, on each tier): the newest step is now whole.  Caller
+        holds ``self._lock``."""
+        backends = [self.backend] + ([self.tiers.fast] if self.tiers is not None else [])
+        freed: set[str] = set()
+        for b in backends:
+            for r in self._recs_on(b).values():
+                if r.copy is not None:
+                    self._put_record(b, replace_record(r, copy=None, copy_bytes=0), replace=True)
+                    freed.add(r.copy)
+        if freed:
+            self.reclaim(freed)
+
+    def _reencode_target(self, step: int, recs: Mapping[int, StepInfo]) -> StepInfo | None:
+        """The step a save of the new newest ``step`` turns into a delta against it: the step
+        just below, when it is whole, not pinned, and not the whole step that bounds the chains
+        below it (``keyframe_every``: at most ``keyframe_every - 1`` deltas in a row)."""
+        if not self._caching() or any(s > step for s in recs):  # (an overwritten newest step: again)
+            return None
+        below = sorted((s for s in recs if s < step), reverse=True)
+        if not below:
+            return None
+        prev = recs[below[0]]
+        if prev.kind != "keyframe" or prev.pinned:
+            return None
+        run, above = 0, prev.step
+        for s in below[1:]:
+            r = recs[s]
+            if not (r.reverse and r.base_step == above):
+                break
+            run, above = run + 1, s
+        return prev if run + 1 < self.keyframe_every else None
+
+    def _reencode(self, handle: SaveHandle, job: Reencode) -> None:
+        """Turn the whole step ``job.prev`` into a delta against the newer whole step
+        ``job.new``: encode it against ``job.new``'s bytes (the host copy kept as the cache),
+        write a new data object, check that it stands for the step (same storages, same bytes),
+        rewrite the step's commit record to point at it (the commit point), then remove the old
+        whole object.  A crash leaves the step whole (and an unreferenced object for ``gc()``)
+        or re-encoded (and the old object unreferenced); it loads bit-exactly either way.  Runs
+        on the worker after the save; a failure is logged, never raised (the step stays whole)."""
+        prev, new, cache = job.prev, job.new, job.cache
+        backend = self._home(prev.step)
+        t0 = time.perf_counter()
+        key: str | None = None
+        size = 0
+        outcome = "written"
+        error: str | None = None
+        try:
+            with self._lock:
+                recs = self._read_records()
+                if not self._still(backend, recs, prev, new):
+                    raise _Stale
+            t = time.perf_counter()
+            own: Mapping[str, Any] | None = None
+            devices: builtins.list[str] | None = None
+            state = job.old.collected(prev.profile) if job.old is not None else None
+            if state is not None and job.old is not None:
+                raws = job.old.raws
+                devices = [d for _, _, d in job.old.source[2]] if job.old.source is not None else None
+                own = self._own_manifest_of(prev)
+                if own is None:
+                    raise StoreError(f"cannot read the manifest of step {prev.step}")
+            else:  # no host copy of it: decode it (one whole object)
+                state, raws, own = self._decoded(prev, recs)
+            handle.stages["read"] = time.perf_counter() - t
+            provider = BaseProvider(
+                self._open, self.backend.url, new, recs, self.threads, cache if cache is not None else self._cache
+            )
+            t = time.perf_counter()
+            # a step small enough is coded into memory first and written only if the delta pays
+            # (nothing written for nothing); a larger one is streamed to its object, removed if not
+            buffered: io.BytesIO | None = io.BytesIO() if prev.object_bytes <= REENCODE_BUFFER_BYTES else None
+            if buffered is not None:
+                m, size, prof = self._encode_into(state, buffered, provider, prev.step, prev.extra)
+            else:
+                key = data_key(prev.step)
+                with backend.writer(key) as f:
+                    m, size, prof = self._encode_into(state, f, provider, prev.step, prev.extra)
+            handle.stages["encode"] = time.perf_counter() - t
+            del state
+            t = time.perf_counter()
+            why = same_storages(m, own, raws, devices, deltas=True)
+            handle.stages["check"] = time.perf_counter() - t
+            if why is not None:
+                raise StoreError(f"the re-encoded step {prev.step} does not stand for it: {why}")
+            if not any(e.get("delta") for e in m["storages"]) or size > prev.object_bytes * (1.0 - REENCODE_MIN_GAIN):
+                raise _Stale  # the delta does not pay: the step stays whole
+            if buffered is not None:
+                t = time.perf_counter()
+                key = data_key(prev.step)
+                with backend.writer(key) as f:
+                    f.write(buffered.getbuffer())
+                del buffered
+                handle.stages["write"] = time.perf_counter() - t
+            t = time.perf_counter()
+            with self._lock:
+                recs = self._read_records()
+                if not self._still(backend, recs, prev, new):
+                    raise _Stale  # deleted, replaced or overtaken meanwhile
+                assert key is not None  # written above
+                info = replace_record(new_record(prev.step, key, size, m, prof, recs[new.step], prev.extra), created=prev.created)
+                self._put_record(backend, info, replace=True)  # the commit point
+                key = None  # the record owns it now
+                if self.tiers is not None:
+                    _tiered.upload_missing(self)
+                self.reclaim(prev.live_objects)
+            handle.stages["commit"] = time.perf_counter() - t
+        except _Stale:
+            outcome = "skipped"
+        except BaseException as e:  # noqa: BLE001 - logged; the step itself is intact
+            # only the text: the exception's frames would keep this store alive (a cycle)
+            error, outcome = f"{type(e).__name__}: {e}", "failed"
+            log.warning(
+                "s4weights: re-encoding step %d of %s as a delta against step %d failed (%s); it stays whole",
+                prev.step, backend.url, new.step, error,
+            )
+        finally:
+            self._unpool(job.old)
+            if key is not None:
+                try:
+                    backend.delete(key)
+                except S4WError:
+                    pass  # gc() reclaims it
+            total = time.perf_counter() - t0
+            obs.record(
+                obs.OpEvent(
+                    op="reencode",
+                    url=self.backend.url,
+                    step=prev.step,
+                    raw_bytes=prev.raw_bytes if outcome == "written" else 0,
+                    stored_bytes=size if outcome == "written" else 0,
+                    blocked_s=0.0,
+                    total_s=total,
+                    stages=dict(handle.stages),
+                    kind="delta",
+                    mode="background",
+                    ok=error is None,
+                    error=error,
+                    extra={"outcome": outcome, "base_step": new.step},
+                )
+            )
+            handle.mode = outcome
+
+    def _still(self, backend: Backend, recs: Mapping[int, StepInfo], prev: StepInfo, new: StepInfo) -> bool:
+        """Are ``prev`` (whole, on ``backend``) and ``new`` (in ``recs``) as they were when the
+        re-encoding was planned, and is ``new`` the step just above ``prev``?"""
+        p, n = self._recs_on(backend).get(prev.step), recs.get(new.step)
+        if self.tiers is not None and backend is self.backend and (n is None or "slow" not in n.tiers):
+            return False  # its base is not on the slow tier yet (an upload failed): later
+        return (
+            p is not None and n is not None and p.object == prev.object and p.kind == "keyframe"
+            and n.object == new.object and not any(prev.step < s < new.step for s in recs)
+        )
+
+    def _decoded(self, rec: StepInfo, recs: Mapping[int, StepInfo]) -> tuple[Any, builtins.list[torch.Tensor], Mapping[str, Any]]:
+        """Step ``rec`` decoded to host memory, as a state to re-encode (its storages with the
+        devices, tree and tensor table its manifest records, so the re-encoded container restores
+        where the original did), its raw storages and its manifest."""
+        obj, raws, reader = self._load_record(rec, "cpu", self.threads, source="chain", recs=recs)
+        manifest = reader.manifest
+        src = source_of_manifest(manifest)
+        if src is not None and len(src[2]) == len(raws):
+            col = engine.Collector(
+                tensors=src[1], jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(raws, src[2])]
+            )
+            return pipeline.Collected(col, src[0], rec.profile if rec.profile in ("portable", "fast") else self.profile), raws, manifest
+        return obj, raws, manifest
+
+    def _recode(self, rec: StepInfo, state: Any, base: StepInfo | None, recs: Mapping[int, StepInfo]) -> StepInfo:
+        """Write ``state`` (the bytes of step ``rec``) as a new data object coded against
+        ``base`` (None: whole) and rewrite the step's commit record to it.  Caller holds the lock
+        and reclaims the old object."""
+        backend = self._home(rec.step)
+        provider = (
+            BaseProvider(self._open, self.backend.url, base, recs, self.threads, self._cache) if base is not None else None
+        )
+        key = data_key(rec.step)
+        try:
+            with backend.writer(key) as f:
+                m, size, prof = self._encode_into(state, f, provider, rec.step, rec.extra)
+            info = replace_record(new_record(rec.step, key, size, m, prof, base, rec.extra), created=rec.created)
+            self._put_record(backend, info, replace=True)
+        except BaseException:
+            try:
+                backend.delete(key)
+            except S4WError:
+                pass  # gc() reclaims it
+            raise
+        if self.tiers is not None:
+            _tiered.upload_missing(self)
+        return info
+
+    def _detach(self, step: int, recs: dict[int, StepInfo]) -> dict[int, StepInfo]:
+        """Before ``step`` is deleted or replaced: re-code every reverse delta against it (the
+        step just below) against the nearest step above ``step`` (the two deltas merged, or a
+        delta against the whole step that follows), or whole when there is none, the dependent is
+        pinned, or the chains through it would grow beyond ``keyframe_every - 1`` deltas.
+        Returns the records after.  Caller holds the lock."""
+        for d in [r for r in recs.values() if r.reverse and r.base_step == step]:
+            above = [s for s in recs if s > step]
+            base = recs[min(above)] if above and not d.pinned else None
+            if base is not None:
+                below, s = 0, d.step  # the deltas below ``d`` whose chains pass through it
+                for r in sorted((r for r in recs.values() if r.step < d.step), key=lambda r: -r.step):
+                    if not (r.reverse and r.base_step == s):
+                        break
+                    below, s = below + 1, r.step
+                if below + base.depth + 1 >= self.keyframe_every:
+                    base = None
+            state, _, _ = self._decoded(d, recs)
+            self._recode(d, state, base, recs)
+            del state
+            recs = self._read_records()
+        return recs
