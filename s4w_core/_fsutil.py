@@ -10,12 +10,13 @@ import secrets
 import tempfile
 from typing import IO, Any, Iterator, Sequence
 
+from s4w_core import config
 from s4w_core.errors import S4WError, StoreError, UnsafePathError
 
 __all__ = ["name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
 
 #: bytes written between two writeback starts (``S4W_WRITEBACK_BYTES``; 0 turns it off)
-WRITEBACK_BYTES = int(os.environ.get("S4W_WRITEBACK_BYTES", 64 << 20))
+WRITEBACK_BYTES = config.get_int("S4W_WRITEBACK_BYTES")
 
 
 class EarlyWriteback:

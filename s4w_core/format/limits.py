@@ -15,10 +15,11 @@ defaults that no checkpoint s4weights writes comes near; one knob raises them:
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import threading
 from dataclasses import dataclass
+
+from s4w_core import config
 
 __all__ = ["Limits", "get_limits", "set_limits", "ENV_VAR", "parse_limits"]
 
@@ -100,7 +101,7 @@ def get_limits() -> Limits:
     if cur is None:
         with _lock:
             if _current is None:
-                _current = parse_limits(os.environ.get(ENV_VAR, ""))
+                _current = parse_limits(config.get_str(ENV_VAR))
             cur = _current
     return cur
 
