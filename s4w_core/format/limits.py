@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from s4w_core import config
+from s4w_core.errors import ConfigError
 
 __all__ = ["Limits", "get_limits", "set_limits", "ENV_VAR", "parse_limits"]
 
@@ -67,7 +68,7 @@ class Limits:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if type(v) is not int or v < 1:
-                raise ValueError(f"s4weights limit {f.name} must be a positive integer, got {v!r}")
+                raise ConfigError(f"s4weights limit {f.name} must be a positive integer, got {v!r}")
 
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -76,13 +77,13 @@ _ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNO
 
 def parse_limits(text: str, base: Limits | None = None) -> Limits:
     """``base`` (default: the defaults) with the ``field=value,...`` of ``text`` applied.
-    Raises ValueError naming the bad item."""
+    Raises :class:`~s4w_core.errors.ConfigError` (a ValueError) naming the bad item."""
     known = {f.name for f in dataclasses.fields(Limits)}
     changes: dict[str, int] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         m = _ITEM.match(item)
         if m is None or m.group(1).lower() not in known:
-            raise ValueError(
+            raise ConfigError(
                 f"{ENV_VAR}: cannot read {item!r}; expected field=value with a field among {sorted(known)}"
             )
         changes[m.group(1).lower()] = int(m.group(2)) * _SUFFIX[m.group(3).upper()]

@@ -6,10 +6,12 @@ import os
 import re
 
 import pytest
+import torch
 
 import s4w_core
-from s4w_core import config
+from s4w_core import cli, config
 from s4w_core.errors import ConfigError, S4WError
+from s4w_core.format.limits import set_limits
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 #: variables of the test suite and CI, not of the library (docs/DEVELOPING.md)
@@ -110,3 +112,19 @@ def test_profiles_are_checked_once() -> None:
         with pytest.raises(ConfigError, match="profile must be one of"):
             config.check_profile(bad)
     assert tuple(s4w_core.PROFILES) == config.PROFILES
+
+
+def test_the_cli_names_a_bad_knob_in_one_line(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """A knob that does not parse is a ConfigError: ``s4w`` prints one line and exits 1 (not the
+    'unexpected error, a bug in s4w?' of an escaped ValueError)."""
+    path = tmp_path / "c.s4w"
+    s4w_core.save({"w": torch.ones(3)}, path)
+    set_limits(None)  # read S4W_LIMITS again
+    try:
+        monkeypatch.setenv("S4W_LIMITS", "manifest_bytes=lots")
+        assert cli.main(["info", str(path)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("s4w: error: ConfigError: S4W_LIMITS: cannot read 'manifest_bytes=lots'") and "\n" not in err
+    finally:
+        monkeypatch.delenv("S4W_LIMITS")
+        set_limits(None)
