@@ -12,7 +12,7 @@ import torch
 import s4w_core
 from s4w_core.codecs import CODECS
 from s4w_core.errors import ManifestError
-from s4w_core.format.container import HEADER_SIZE
+from s4w_core.format.container import HEADER_SIZE, ContainerReader
 from s4w_core.format.limits import set_limits
 from s4w_core.format.manifest import NVCOMP_ANS_MAX_CHUNK, validate_manifest
 from tests.attacks.generators import container, gpu_only_claims, manifest_of, storage_entry, xxh
@@ -82,3 +82,31 @@ def test_forged_ans_under_the_limit_costs_at_most_its_claim_on_the_gpu() -> None
         s4w_core.load(io.BytesIO(payload), map_location="cuda")
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base <= (1 << 27) + (256 << 20)
+
+
+@pytest.mark.gpu
+def test_constant_data_in_the_fast_profile_and_the_limit() -> None:
+    """What an honest fast-profile file of constant data claims: ANS codes a zero plane to a few
+    bytes per 512 KiB chunk (within the format's 65,536x and nvCOMP's 16 MiB per chunk), so a
+    zero storage counts against ``gpu_claim_bytes``: 64 MiB loads, 320 MiB needs the limit
+    raised (a clear ManifestError until then), and then loads bit-exact."""
+    small = {"z": torch.zeros(32 << 20, dtype=torch.bfloat16, device="cuda")}
+    buf = io.BytesIO()
+    s4w_core.save(small, buf, profile="fast")
+    m = ContainerReader.from_bytes(buf.getvalue()).manifest
+    ans = [c for s in m["storages"] for c in s["chunks"] if c[0] == "nvcomp-ans"]
+    assert ans, "the fast profile codes a zero bf16 plane with nvcomp-ans"
+    seg = m["storages"][0]["segment_elems"]
+    assert all(seg <= c[2] * 65536 + 64 and seg <= NVCOMP_ANS_MAX_CHUNK for c in ans)
+    assert torch.equal(s4w_core.load(buf.getvalue(), map_location="cuda")["z"], small["z"])
+
+    big = {"z": torch.zeros(160 << 20, dtype=torch.bfloat16, device="cuda")}
+    buf = io.BytesIO()
+    s4w_core.save(big, buf, profile="fast")
+    with pytest.raises(ManifestError, match="gpu_claim_bytes"):
+        s4w_core.load(buf.getvalue(), map_location="cuda")
+    old = set_limits(gpu_claim_bytes=1 << 30)
+    try:
+        assert torch.equal(s4w_core.load(buf.getvalue(), map_location="cuda")["z"], big["z"])
+    finally:
+        set_limits(old)
