@@ -358,6 +358,54 @@ def _zip_with_deflated(name: str, deflated: bytes, size: int) -> bytes:
     return local + deflated + cd + eocd
 
 
+# ----------------------------------------------------------------------------- codec streams
+def _plane_storage(data_chunks: list[tuple[str, bytes]], m: int) -> tuple[bytes, dict[str, Any]]:
+    """A bf16 storage of ``m`` elements in one segment, its two plane chunks ``(codec, bytes)``."""
+    data, chunks, off = b"", [], HEADER_SIZE
+    for codec, b in data_chunks:
+        chunks.append([codec, off, len(b), xxh(b)])
+        data += b
+        off += len(b)
+    st = storage_entry(2 * m, chunks, dtype="bfloat16", transform="planes-rotl1", seg=m)
+    return data, manifest_of([st], [tensor_entry(0, "bfloat16", [m], [1])], {"$t": 0})
+
+
+def codec_streams() -> Iterator[Case]:
+    """Chunks whose hash matches but whose coded bytes are forged: every decoder must refuse them
+    cleanly (``DecodeError``). On a GPU, deflate chunks go to nvCOMP's inflater and ANS chunks to
+    its ANS decoder (nvCOMP documents its Deflate decoder for valid input only): these cases are
+    what ``test_attack_family_gpu`` holds it to."""
+    m = 1 << 16
+    rnd = bytes((i * 131 + 7) % 251 for i in range(4096))
+    zeros = zlib.compressobj(9, zlib.DEFLATED, -15)
+    good = zeros.compress(b"\0" * m) + zeros.flush()
+    # random bytes as a raw deflate stream
+    yield Case("deflate_random_bytes", "load", container(*_plane_storage([("deflate", rnd), ("deflate", rnd[::-1])], m)))
+    # a stored block that declares 65,535 bytes but holds 123
+    stored = bytes([0b001]) + struct.pack("<HH", 0xFFFF, 0x0000) + b"x" * 123
+    yield Case("deflate_stored_block_short", "load", container(*_plane_storage([("deflate", stored), ("deflate", good)], m)))
+    # a stream that decodes to twice the chunk's length, and one cut in half
+    z2 = zlib.compressobj(9, zlib.DEFLATED, -15)
+    long = z2.compress(b"\0" * (2 * m)) + z2.flush()
+    yield Case("deflate_decodes_too_long", "load", container(*_plane_storage([("deflate", long), ("deflate", good)], m)))
+    z3 = zlib.compressobj(9, zlib.DEFLATED, -15)
+    noisy = z3.compress(bytes((i * i * 2654435761 >> 7) & 0xFF for i in range(m))) + z3.flush()
+    yield Case("deflate_truncated", "load", container(*_plane_storage([("deflate", noisy[: len(noisy) // 2]), ("deflate", good)], m)))
+    # dynamic-Huffman header with an over-subscribed code length set
+    yield Case("deflate_bad_huffman_table", "load",
+               container(*_plane_storage([("deflate", bytes([0b101]) + b"\xff" * 64), ("deflate", good)], m)))
+    # zstd frames: random bytes after a valid header, and a frame of another content size
+    zf = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * (m // 2))
+    yield Case("zstd_wrong_content_size", "load", container(*_plane_storage([("zstd", zf), ("zstd", zf)], m)))
+    yield Case("zstd_garbage_blocks", "load", container(*_plane_storage([("zstd", _zframe(m, rnd[:512])), ("zstd", zf)], m)))
+    # ANS chunks of random bytes, of a nvCOMP-like header with absurd counts, and empty
+    hdr = struct.pack("<QQQQII", 8, 1 << 40, m, 1 << 30, 255, 10) + rnd[:256]
+    yield Case("ans_random_bytes", "load", container(*_plane_storage([("nvcomp-ans", rnd), ("nvcomp-ans", rnd[::-1])], m)))
+    yield Case("ans_forged_header", "load", container(*_plane_storage([("nvcomp-ans", hdr), ("nvcomp-ans", hdr)], m)))
+    yield Case("ans_empty_chunks", "load",
+               container(*_plane_storage([("nvcomp-ans", b""), ("nvcomp-ans", b"")], 64)))
+
+
 # ----------------------------------------------------------------------------- garbage
 def garbage() -> Iterator[Case]:
     yield Case("empty", "load", b"")
@@ -375,6 +423,7 @@ GENERATORS: dict[str, Callable[[], Iterator[Case]]] = {
     "structure": structure,
     "tags": bad_tags,
     "framework": framework_files,
+    "codec_streams": codec_streams,
     "garbage": garbage,
 }
 
