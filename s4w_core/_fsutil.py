@@ -5,16 +5,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import tempfile
 from typing import IO, Any, Iterator, Sequence
 
+from s4w_core import config
 from s4w_core.errors import S4WError, StoreError, UnsafePathError
 
-__all__ = ["store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
+__all__ = ["name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
 
 #: bytes written between two writeback starts (``S4W_WRITEBACK_BYTES``; 0 turns it off)
-WRITEBACK_BYTES = int(os.environ.get("S4W_WRITEBACK_BYTES", 64 << 20))
+WRITEBACK_BYTES = config.get_int("S4W_WRITEBACK_BYTES")
 
 
 class EarlyWriteback:
@@ -53,6 +55,48 @@ class EarlyWriteback:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
 
+
+
+#: characters no name from a file or a caller may hold: NUL and the other C0 controls, DEL and the
+#: C1 controls (a terminal escape in a name, a NUL that the OS refuses with a ValueError)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def name_parts(name: Any, what: str = "name", error: type[S4WError] = UnsafePathError) -> list[str]:
+    """The ``/``-separated components of a relative ``name`` that a file or a caller gave and that
+    becomes a path under a folder the library owns (a store object key, a packed folder's file, a
+    pointer's store). Refused, as ``error(...)`` naming ``what`` and the name: not a non-empty
+    string, an absolute name, an empty, ``.`` or ``..`` component, a backslash, a NUL byte or any
+    other control character.
+
+    Example:
+        >>> name_parts("data/step_000000000001.ab12.s4w")
+        ['data', 'step_000000000001.ab12.s4w']
+    """
+    if not isinstance(name, str) or not name:
+        raise error(f"{what} must be a non-empty string, got {name!r}")
+    parts = name.split("/")
+    bad = (
+        "an absolute path" if name.startswith("/") else
+        "a '..' component" if ".." in parts else
+        "an empty or '.' component" if "" in parts or "." in parts else
+        "a backslash" if "\\" in name or (os.altsep and os.altsep in name) else
+        "a NUL byte" if "\x00" in name else
+        "a control character" if _CONTROL.search(name) else
+        None
+    )
+    if bad is not None:
+        raise error(f"{what} {name!r} is unsafe ({bad}): names must be relative, '/'-separated, printable")
+    return parts
+
+
+def is_safe_name(name: Any) -> bool:
+    """Whether :func:`name_parts` accepts ``name``."""
+    try:
+        name_parts(name)
+    except UnsafePathError:
+        return False
+    return True
 
 
 def _read_umask() -> int:

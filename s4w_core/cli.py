@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from s4w_core import pointer
+from s4w_core import config, pointer
 from s4w_core._fsutil import atomic_write
 from s4w_core._version import __version__
 from s4w_core.api import info, load, save, verify
@@ -46,6 +46,7 @@ from s4w_core.errors import (
     BackendUnavailableError,
     BadMagicError,
     CheckpointNotFoundError,
+    ConfigError,
     FormatError,
     S4WError,
     UnsupportedTypeError,
@@ -241,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("convert", help="re-encode a checkpoint file (e.g. fast GPU profile -> portable)")
     a.add_argument("src", help="the .s4w file to read")
     a.add_argument("dst", help="the .s4w file to write (folders above it are created)")
-    a.add_argument("--profile", default="portable", choices=["portable", "fast", "auto"],
+    a.add_argument("--profile", default="portable", choices=list(config.PROFILES),
                    help="codecs of the new file: portable (any machine), fast (GPU only), auto (default: portable)")
     a.add_argument("--map-location", default=None, type=device_arg, help="device to decode on (default: where the tensors were saved)")
     add_progress_args(a)
@@ -249,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("import", help="turn a torch.save or safetensors file into an .s4w file (never runs code from it)")
     a.add_argument("src", help="a torch.save file (read with weights_only=True) or a .safetensors file")
     a.add_argument("dst", help="the .s4w file to write (folders above it are created)")
-    a.add_argument("--profile", default="portable", choices=["portable", "fast", "auto"],
+    a.add_argument("--profile", default="portable", choices=list(config.PROFILES),
                    help="codecs of the new file (default: portable)")
     a.add_argument("--map-location", default="cpu", type=device_arg, help="device to read the tensors onto (default: cpu)")
     a.set_defaults(func=_cmd_import)
@@ -298,9 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         return _say("out of memory")
     except Exception as e:
-        if os.environ.get("S4W_TRACEBACK"):
+        if _wants_traceback():
             raise
         return _say(f"unexpected {type(e).__name__}: {e} (a bug in s4w? S4W_TRACEBACK=1 shows the traceback)")
+
+
+def _wants_traceback() -> bool:
+    """``S4W_TRACEBACK``: a value it cannot read still asks for the traceback."""
+    try:
+        return config.get_bool("S4W_TRACEBACK")
+    except ConfigError:
+        return True
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,6 +28,7 @@ __all__ = [
     "BackendUnavailableError",
     "DeviceUnavailableError",
     "UnsafePathError",
+    "ConfigError",
 ]
 
 
@@ -109,3 +110,8 @@ class DeviceUnavailableError(S4WError, RuntimeError):
 class UnsafePathError(S4WError, ValueError):
     """A write or delete would leave its target directory: a path that names a place outside it,
     or a symbolic link on the way (unpacking never follows one)."""
+
+
+class ConfigError(S4WError, ValueError):
+    """A setting is invalid: an ``S4W_*`` environment variable that does not parse (the message
+    names it and what it accepts), or an argument such as an unknown profile name."""

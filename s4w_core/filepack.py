@@ -29,7 +29,7 @@ from typing import IO, Any, Iterable, Mapping
 
 import torch
 
-from s4w_core._fsutil import NOFOLLOW_AT, atomic_write, atomic_write_at, open_dir_nofollow, storage_errors
+from s4w_core._fsutil import NOFOLLOW_AT, atomic_write, atomic_write_at, name_parts, open_dir_nofollow, storage_errors
 from s4w_core.errors import ChecksumMismatchError, ManifestError, UnsafePathError
 from s4w_core.format.limits import get_limits
 
@@ -440,14 +440,8 @@ def pack_folder(folder: str | os.PathLike[str], *, exclude: Any = None) -> dict[
 def safe_parts(rel: Any) -> list[str]:
     """The components of a packed folder's relative path ``rel`` (``/``-separated); ManifestError
     for a path that could leave the folder or is ambiguous: absolute, ``..``, ``.`` or empty
-    components, backslashes, NUL bytes."""
-    parts = rel.split("/") if isinstance(rel, str) else []
-    if (
-        not parts or not rel or rel.startswith("/") or ".." in parts or "." in parts or "" in parts
-        or "\\" in rel or "\x00" in rel or (os.altsep and os.altsep in rel)
-    ):
-        raise ManifestError(f"packed folder names an unsafe path {rel!r}")
-    return parts
+    components, backslashes, NUL bytes or other control characters (:func:`name_parts`)."""
+    return name_parts(rel, "packed folder names an unsafe path:", ManifestError)
 
 
 def unpack_folder(tree: dict[str, Any], dest: str | os.PathLike[str]) -> str:

@@ -47,6 +47,9 @@ from dataclasses import dataclass, field, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
+from s4w_core import config
+from s4w_core.errors import ConfigError
+
 __all__ = [
     "OpEvent",
     "record",
@@ -318,7 +321,7 @@ def _configure_from_env() -> None:
         if _env_done:
             return
         _env_done = True
-        level = os.environ.get("S4W_LOG", "").strip().upper()
+        level = config.get_str("S4W_LOG").upper()
         if level and level not in ("0", "OFF", "NONE", "FALSE"):
             lvl = logging.getLevelName("INFO" if level in ("1", "TRUE", "ON") else level)
             lg = logging.getLogger("s4w_core")
@@ -329,17 +332,25 @@ def _configure_from_env() -> None:
                 h._s4w_env = True  # type: ignore[attr-defined]
                 lg.addHandler(h)
                 lg.propagate = False  # our handler prints it; a configured root would print it twice
-        port = os.environ.get("S4W_METRICS_PORT", "").strip()
-        if port:
+        if config.raw("S4W_METRICS_PORT") is not None:
             try:
-                p = int(port) + (int(os.environ.get("LOCAL_RANK", "0") or 0) if int(port) else 0)
-                stale = os.environ.get("S4W_METRICS_STALE_S")
+                port = config.get_opt_int("S4W_METRICS_PORT") or 0
+                p = port + (int(os.environ.get("LOCAL_RANK", "0") or 0) if port else 0)
                 _env_server = serve(
-                    p, os.environ.get("S4W_METRICS_HOST", "127.0.0.1"), stale_after_s=float(stale) if stale else None
+                    p, config.get_str("S4W_METRICS_HOST"), stale_after_s=config.get_opt_float("S4W_METRICS_STALE_S")
                 )
                 _internal.info("s4w metrics endpoint at %s/metrics", _env_server.url)
-            except (OSError, ValueError) as e:
-                _internal.warning("S4W_METRICS_PORT=%s: cannot start the metrics endpoint: %s", port, e)
+            except (OSError, ValueError) as e:  # ConfigError is a ValueError
+                _internal.warning("S4W_METRICS_PORT=%s: cannot start the metrics endpoint: %s",
+                                  config.raw("S4W_METRICS_PORT"), e)
+
+
+def _log_format() -> str:
+    """``S4W_LOG_FORMAT``; a value it does not know keeps JSON (a log line is never lost to it)."""
+    try:
+        return config.get_str("S4W_LOG_FORMAT")
+    except ConfigError:
+        return "json"
 
 
 # ----------------------------------------------------------------------------- record
@@ -371,8 +382,7 @@ def record(event: OpEvent) -> None:
         level = logging.INFO if event.ok else logging.ERROR
         if _log.isEnabledFor(level):
             d = event_dict(event, ts)
-            fmt = os.environ.get("S4W_LOG_FORMAT", "json").strip().lower()
-            msg = _text_line(d) if fmt == "text" else json.dumps(d, default=str, allow_nan=False)
+            msg = _text_line(d) if _log_format() == "text" else json.dumps(d, default=str, allow_nan=False)
             _log.log(level, "%s", msg, extra={"s4w_event": d})
     except Exception:  # noqa: BLE001 - observability must never break a save
         _safe_internal("s4w: recording an operation failed")

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from s4w_core import api
-from s4w_core._fsutil import atomic_write
-from s4w_core.errors import CheckpointNotFoundError, FormatError, S4WError
+from s4w_core._fsutil import atomic_write, name_parts
+from s4w_core.errors import CheckpointNotFoundError, FormatError, S4WError, UnsafePathError
 from s4w_core.store import CheckpointStore, open_backend
 
 __all__ = [
@@ -257,14 +257,12 @@ def resolve_store(pointer_path: str | os.PathLike[str], store: str, *, expected_
     p = os.fspath(pointer_path)
     if expected_store is not None and _norm_url(store) == _norm_url(expected_store):
         return expected_store
-    parts = store.replace("\\", "/").split("/")
-    if (
-        "://" in store
-        or store.startswith(("/", "\\"))
-        or os.path.isabs(store)
-        or any(part in ("", ".", "..") for part in parts)
-        or "\x00" in store
-    ):
+    try:
+        parts = name_parts(store, "store")
+        unsafe = "://" in store or os.path.isabs(store)
+    except UnsafePathError:
+        unsafe = True
+    if unsafe:
         raise PointerError(
             f"{p} names the checkpoint store {store!r}, which is not a folder beside it; a pointer may only name "
             "its own store (e.g. '.s4w'). To read that store, name it directly: "

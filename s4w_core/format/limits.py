@@ -15,10 +15,12 @@ defaults that no checkpoint s4weights writes comes near; one knob raises them:
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import threading
 from dataclasses import dataclass
+
+from s4w_core import config
+from s4w_core.errors import ConfigError
 
 __all__ = ["Limits", "get_limits", "set_limits", "ENV_VAR", "parse_limits"]
 
@@ -45,6 +47,12 @@ class Limits:
         pickle_inflation: see ``pickle_bytes``.
         pickle_ops: the most pickle opcodes the scan follows before giving up the same way.
         safetensors_header_bytes: the largest safetensors JSON header packing parses.
+        gpu_claim_bytes: the most raw bytes a file's storages coded with a GPU-only codec
+            (``nvcomp-ans``) may claim, summed over the file, where a storage claims more than
+            :data:`~s4w_core.format.manifest.PLAUSIBLE_RATIO` times its stored bytes plus
+            :data:`~s4w_core.format.manifest.PLAUSIBLE_SLACK` (constant data, or a forged size).
+            Such a storage cannot be decoded on the CPU before its output is allocated, so its
+            claim is paid on the GPU up front; this cap is checked before anything is allocated.
     """
 
     manifest_bytes: int = 256 << 20
@@ -54,12 +62,13 @@ class Limits:
     pickle_inflation: int = 100
     pickle_ops: int = 2_000_000
     safetensors_header_bytes: int = 100_000_000
+    gpu_claim_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if type(v) is not int or v < 1:
-                raise ValueError(f"s4weights limit {f.name} must be a positive integer, got {v!r}")
+                raise ConfigError(f"s4weights limit {f.name} must be a positive integer, got {v!r}")
 
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -68,13 +77,13 @@ _ITEM = re.compile(r"^\s*([a-z_]+)\s*=\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNO
 
 def parse_limits(text: str, base: Limits | None = None) -> Limits:
     """``base`` (default: the defaults) with the ``field=value,...`` of ``text`` applied.
-    Raises ValueError naming the bad item."""
+    Raises :class:`~s4w_core.errors.ConfigError` (a ValueError) naming the bad item."""
     known = {f.name for f in dataclasses.fields(Limits)}
     changes: dict[str, int] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         m = _ITEM.match(item)
         if m is None or m.group(1).lower() not in known:
-            raise ValueError(
+            raise ConfigError(
                 f"{ENV_VAR}: cannot read {item!r}; expected field=value with a field among {sorted(known)}"
             )
         changes[m.group(1).lower()] = int(m.group(2)) * _SUFFIX[m.group(3).upper()]
@@ -93,7 +102,7 @@ def get_limits() -> Limits:
     if cur is None:
         with _lock:
             if _current is None:
-                _current = parse_limits(os.environ.get(ENV_VAR, ""))
+                _current = parse_limits(config.get_str(ENV_VAR))
             cur = _current
     return cur
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from s4w_core.codecs import get_codec
+from s4w_core.codecs import CODECS, get_codec
 from s4w_core.errors import ManifestError, S4WError, UnsupportedVersionError
 from s4w_core.format.container import FORMAT_VERSION
+from s4w_core.format.limits import ENV_VAR, get_limits
 
 __all__ = [
     "validate_manifest",
@@ -21,12 +22,29 @@ __all__ = [
     "PLANE_TRANSFORMS",
     "NZ_TRANSFORMS",
     "nz_counts",
+    "NVCOMP_ANS_MAX_CHUNK",
+    "PLAUSIBLE_RATIO",
+    "PLAUSIBLE_SLACK",
+    "claims_plausible",
 ]
 
 #: largest decoded/stored ratio a chunk of each codec may claim (deflate's format limit is
 #: ~1032:1; zstd and ANS can go further on constant data, capped here).
 MAX_EXPANSION = {"raw": 1, "deflate": 1040, "zstd": 1 << 16, "nvcomp-ans": 1 << 16}
 MAX_SEGMENT_BYTES = 1 << 26
+#: the most bytes one ``nvcomp-ans`` chunk decodes to: nvCOMP's ANS compressor refuses larger
+#: chunks (``nvcompANSCompressionMaxAllowedChunkSize``, 2**24, nvCOMP 6), so no file written by
+#: it claims more. (The rANS coder itself gives no ratio bound: a symbol of probability 1 costs no
+#: bits, so constant data codes to little more than the chunk's ~60-byte header.)
+NVCOMP_ANS_MAX_CHUNK = 1 << 24
+#: a storage whose raw size is at most this many times its stored bytes (plus
+#: :data:`PLAUSIBLE_SLACK`) may be allocated before its chunks are decoded; one that claims more is
+#: decoded first where a CPU decoder exists (real data compresses far less: a claim that large is
+#: constant data or forged), and counts against the ``gpu_claim_bytes`` limit where none does
+PLAUSIBLE_RATIO = 16
+PLAUSIBLE_SLACK = 1 << 20
+#: codec ids only a GPU decodes (what their storages claim is allocated on the GPU up front)
+_GPU_ONLY = frozenset(c.id for c in CODECS.values() if not c.cpu_decodable)
 MAX_STORAGE_BYTES = 1 << 48
 #: the byte-plane transforms (docs/FORMAT.md 4.5 and 4.5b): ``planes-rotl1`` rotates each element
 #: left by one bit before the split, ``planes`` splits it as it is; the width comes from the dtype.
@@ -63,6 +81,13 @@ def nz_counts(s: dict[str, Any], n: int, seg: int, where: str) -> list[int]:
     return nnz
 
 
+def claims_plausible(entry: dict[str, Any]) -> bool:
+    """Whether a (validated) storage entry's raw size is at most :data:`PLAUSIBLE_RATIO` times its
+    stored bytes plus :data:`PLAUSIBLE_SLACK`: then its output may be allocated before its chunks
+    are decoded."""
+    return bool(entry["nbytes"] <= PLAUSIBLE_RATIO * sum(c[2] for c in entry["chunks"]) + PLAUSIBLE_SLACK)
+
+
 def validate_manifest(
     m: dict[str, Any], data_start: int, data_end: int, known_codecs: set[str], name: str | None = None
 ) -> None:
@@ -88,6 +113,7 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
     if "tree" not in m:
         raise ManifestError("manifest: 'tree' is missing")
     spans: list[tuple[int, int]] = []  # (offset, length) of every non-empty chunk
+    gpu_claim = 0  # raw bytes of GPU-only storages that claim more than their chunks can prove
     for i, s in enumerate(storages):
         where = f"storage {i}"
         if not isinstance(s, dict):
@@ -126,6 +152,7 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
             )
         # the per-chunk checks inline: this loop runs for every chunk of every load
         emax = MAX_EXPANSION
+        stored, gpu_only = 0, False
         for k, c in enumerate(chunks):
             if not (type(c) is list and len(c) == 4 and type(c[0]) is str and type(c[3]) is str):
                 raise ManifestError(f"manifest: {where} chunk {k} is malformed")
@@ -147,9 +174,28 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
                     f"manifest: {where} chunk {k} claims {raw_len} bytes from {length} stored bytes of {codec}: "
                     "beyond that codec's possible expansion"
                 )
+            if codec in _GPU_ONLY:
+                gpu_only = True
+                if codec == "nvcomp-ans" and raw_len > NVCOMP_ANS_MAX_CHUNK:
+                    raise ManifestError(
+                        f"manifest: {where} chunk {k} claims {raw_len} bytes of nvcomp-ans, more than the "
+                        f"{NVCOMP_ANS_MAX_CHUNK} an nvCOMP ANS chunk holds"
+                    )
             if length:
                 spans.append((off, length))
+                stored += length
         s["_width"] = w
+        if gpu_only and nbytes > PLAUSIBLE_RATIO * stored + PLAUSIBLE_SLACK:  # claims_plausible(s), inline
+            gpu_claim += nbytes
+            cap = get_limits().gpu_claim_bytes
+            if gpu_claim > cap:
+                raise ManifestError(
+                    f"manifest: {where} ({s['path'][:200]!r}) claims {nbytes} raw bytes from "
+                    f"{stored} stored bytes of a GPU-only codec; with the storages before it "
+                    f"that is {gpu_claim} bytes the GPU must allocate before decoding can prove them, more than "
+                    f"the gpu_claim_bytes limit of {cap} (docs/SECURITY.md: raise it with "
+                    f"{ENV_VAR}=gpu_claim_bytes=... if the file is trusted)"
+                )
     # Chunks may not overlap: otherwise a tiny file could point many chunks at the same bytes and
     # claim (and make the reader allocate) an arbitrarily large decoded size.
     spans.sort()

@@ -15,7 +15,7 @@ import os
 import tempfile
 from typing import IO, Iterator, Sequence
 
-from s4w_core._fsutil import EarlyWriteback
+from s4w_core._fsutil import EarlyWriteback, name_parts
 from s4w_core._fsutil import fsync_dir as _fsync_dir
 from s4w_core.errors import CheckpointNotFoundError, ConflictError, StoreError
 from s4w_core.format.container import pread_into
@@ -57,9 +57,7 @@ class LocalBackend(Backend):
             raise StoreError(f"{self.root} is a file, not a directory: not a checkpoint store")
 
     def _path(self, key: str) -> str:
-        if key.startswith("/") or ".." in key.split("/"):
-            raise StoreError(f"invalid object key {key!r}")
-        return os.path.join(self.root, *key.split("/"))
+        return os.path.join(self.root, *name_parts(key, f"object key in {self.root}"))
 
     @contextlib.contextmanager
     def _tmp(self, key: str) -> Iterator[tuple[IO[bytes], str, str]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from s4w_core import pipeline
+from s4w_core._fsutil import is_safe_name
 from s4w_core.errors import ManifestError
 
 __all__ = [
@@ -181,10 +182,10 @@ def parse_record(body: bytes, key: str, where: str) -> StepInfo:
         if m is None or int(m.group(1)) != step:
             raise bad(f"it names step {step}, but its key names another")
         obj, objects = r["object"], r["objects"]
-        if not isinstance(obj, str) or not obj.startswith(DATA) or ".." in obj:
-            raise bad(f"data object {obj!r} is not under {DATA}")
+        if not isinstance(obj, str) or not obj.startswith(DATA) or not is_safe_name(obj):
+            raise bad(f"data object {obj!r} is not a safe object name under {DATA}")
         if not isinstance(objects, list) or not objects or objects[0] != obj or not all(
-            isinstance(o, str) and o.startswith(DATA) and ".." not in o for o in objects
+            isinstance(o, str) and o.startswith(DATA) and is_safe_name(o) for o in objects
         ):
             raise bad("'objects' must list the data objects of its chain, its own first")
         ints = {k: r[k] for k in ("depth", "object_bytes", "raw_bytes", "stored_bytes")}
@@ -202,7 +203,7 @@ def parse_record(body: bytes, key: str, where: str) -> StepInfo:
             if not isinstance(c, dict) or not isinstance(c.get("object"), str) or type(c.get("bytes")) is not int:
                 raise bad(f"keyframe_copy must be {{'object': KEY, 'bytes': N}}, got {c!r}")
             copy, copy_bytes = c["object"], c["bytes"]
-            if not copy.startswith(DATA) or ".." in copy or copy in objects or copy_bytes < 0:
+            if not copy.startswith(DATA) or not is_safe_name(copy) or copy in objects or copy_bytes < 0:
                 raise bad(f"keyframe_copy {copy!r} ({copy_bytes} bytes) is not a data object of its own under {DATA}")
         return StepInfo(
             step=step,

@@ -26,7 +26,7 @@ import zstandard
 import s4w_core
 from s4w_core.format.container import FLAG_MANIFEST_ZSTD, HEADER_SIZE, MAGIC, TRAILER_MAGIC
 
-__all__ = ["Case", "all_cases", "container", "GENERATORS"]
+__all__ = ["Case", "all_cases", "container", "GENERATORS", "manifest_of", "storage_entry", "tensor_entry", "xxh", "gpu_only_claims"]
 
 
 @dataclass
@@ -53,18 +53,18 @@ def container(data: bytes, manifest: Any, *, compress: bool = True, raw_manifest
     return header + data + body + struct.pack("<QQQ8s", moff, len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC)
 
 
-def _manifest(storages: list[Any], tensors: list[Any], tree: Any) -> dict[str, Any]:
+def manifest_of(storages: list[Any], tensors: list[Any], tree: Any) -> dict[str, Any]:
     return {"format": "s4weights", "version": 1, "profile": "portable", "storages": storages, "tensors": tensors,
             "tree": tree}
 
 
-def _storage(nbytes: int, chunks: list[Any], *, dtype: str = "uint8", transform: str = "bytes", seg: int = 1 << 16,
+def storage_entry(nbytes: int, chunks: list[Any], *, dtype: str = "uint8", transform: str = "bytes", seg: int = 1 << 16,
              checksum: str = "xxh3-64:0000000000000000") -> dict[str, Any]:
     return {"path": "w", "device": "cpu", "dtype": dtype, "nbytes": nbytes, "transform": transform,
             "segment_elems": seg, "checksum": checksum, "delta": None, "chunks": chunks}
 
 
-def _tensor(storage: int, dtype: str, shape: list[int], stride: list[int], offset: int = 0) -> dict[str, Any]:
+def tensor_entry(storage: int, dtype: str, shape: list[int], stride: list[int], offset: int = 0) -> dict[str, Any]:
     return {"path": "w", "storage": storage, "dtype": dtype, "shape": shape, "stride": stride, "offset": offset,
             "requires_grad": False, "param": False}
 
@@ -83,7 +83,7 @@ def _split(blob: bytes) -> tuple[bytes, dict[str, Any]]:
     return blob[HEADER_SIZE:moff], json.loads(text)
 
 
-def _h(b: bytes) -> str:
+def xxh(b: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(b)
 
 
@@ -98,16 +98,16 @@ def allocation_bombs() -> Iterator[Case]:
     # the issue's 600-byte file: empty chunks claiming 65,600 bytes each (100k of them: 6.6 GB)
     n = 100_000
     seg = 65_600
-    chunks = [["zstd", HEADER_SIZE, 0, _h(b"")]] * n
-    yield Case("empty_chunks_claim_6.6GB", "load", container(b"", _manifest([_storage(n * seg, chunks, seg=seg)], [], None)))
+    chunks = [["zstd", HEADER_SIZE, 0, xxh(b"")]] * n
+    yield Case("empty_chunks_claim_6.6GB", "load", container(b"", manifest_of([storage_entry(n * seg, chunks, seg=seg)], [], None)))
     # 1-byte chunks at the codec's expansion bound (65,536 x 1 + 64 each): 20 GB claimed by 300 KB
     # of data (and a 12 MB plain manifest: validation passes, decoding must refuse)
     n = 300_000
     data = b"\x01" * n
     seg = 65_600
-    chunks = [["zstd", HEADER_SIZE + i, 1, _h(b"\x01")] for i in range(n)]
+    chunks = [["zstd", HEADER_SIZE + i, 1, xxh(b"\x01")] for i in range(n)]
     yield Case("one_byte_chunks_claim_20GB", "load",
-               container(data, _manifest([_storage(n * seg, chunks, seg=seg)], [], None), compress=False))
+               container(data, manifest_of([storage_entry(n * seg, chunks, seg=seg)], [], None), compress=False))
     # real zstd frames that declare 64 MiB each but hold one byte: the chunk hashes match, so only
     # decoding shows the lie; 2,000 of them claim 128 GiB
     fr = _zframe(1 << 26)
@@ -115,22 +115,45 @@ def allocation_bombs() -> Iterator[Case]:
     seg = 1 << 26
     # each claim must pass the per-chunk bound: length * 65536 + 64 >= 2**26 needs length >= 1024
     pad = fr + b"\0" * (1024 - len(fr))
-    chunks = [["zstd", HEADER_SIZE + i * 1024, 1024, _h(pad)] for i in range(n)]
+    chunks = [["zstd", HEADER_SIZE + i * 1024, 1024, xxh(pad)] for i in range(n)]
     yield Case("lying_zstd_frames_claim_128GiB", "load",
-               container(pad * n, _manifest([_storage(n * seg, chunks, seg=seg)], [], None)))
+               container(pad * n, manifest_of([storage_entry(n * seg, chunks, seg=seg)], [], None)))
     # many storages, each just under the "decode first" threshold, all forged
     fr = _zframe(1 << 20)
     frames = fr + b"\0" * (64 - len(fr))
-    storages = [_storage(1 << 20, [["zstd", HEADER_SIZE + i * 64, 64, _h(frames)]], seg=1 << 20) for i in range(4000)]
-    yield Case("4000_storages_of_1MiB_forged", "load", container(frames * 4000, _manifest(storages, [], None)))
+    storages = [storage_entry(1 << 20, [["zstd", HEADER_SIZE + i * 64, 64, xxh(frames)]], seg=1 << 20) for i in range(4000)]
+    yield Case("4000_storages_of_1MiB_forged", "load", container(frames * 4000, manifest_of(storages, [], None)))
+    yield from gpu_only_claims()
     # nbytes / segment sizes / shapes past the format's bounds
-    yield Case("nbytes_2_49", "load", container(b"", _manifest([_storage(1 << 49, [])], [], None)))
-    yield Case("segment_2_40", "load", container(b"", _manifest([_storage(1 << 20, [], seg=1 << 40)], [], None)))
+    yield Case("nbytes_2_49", "load", container(b"", manifest_of([storage_entry(1 << 49, [])], [], None)))
+    yield Case("segment_2_40", "load", container(b"", manifest_of([storage_entry(1 << 20, [], seg=1 << 40)], [], None)))
+
+
+def gpu_only_claims() -> Iterator[Case]:
+    """``nvcomp-ans`` storages: only a GPU decodes them, so what they claim is allocated on the GPU
+    before decoding can prove it; validation bounds each chunk by nvCOMP's largest ANS chunk and
+    the file's total unproven claim by the ``gpu_claim_bytes`` limit (256 MiB by default)."""
+    # 1-byte chunks at the codec's expansion bound: 4.3 GB claimed by 64 KiB of data
+    n, seg = 1 << 16, 65_600
+    chunks = [["nvcomp-ans", HEADER_SIZE + i, 1, xxh(b"\x01")] for i in range(n)]
+    yield Case("ans_one_byte_chunks_claim_4GB", "load", container(b"\x01" * n, manifest_of([storage_entry(n * seg, chunks, seg=seg)], [], None)))
+    # one chunk claiming 32 MiB (within 65,536 x 1 KiB + 64, past nvCOMP's 16 MiB ANS chunks)
+    blob = bytes(range(256)) * 4
+    yield Case("ans_chunk_past_nvcomp_max", "load",
+               container(blob, manifest_of([storage_entry(1 << 25, [["nvcomp-ans", HEADER_SIZE, 1024, xxh(blob)]], seg=1 << 25)], [], None)))
+    # storages each under the limit, together over it: 3 x 128 MiB from 2 KiB each
+    piece = bytes(range(256))
+    storages = [storage_entry(1 << 27, [["nvcomp-ans", HEADER_SIZE + (8 * i + k) * 256, 256, xxh(piece)] for k in range(8)],
+                         seg=1 << 24) for i in range(3)]
+    yield Case("ans_three_storages_claim_384MiB", "load", container(piece * 24, manifest_of(storages, [], None)))
+    # under the limit: validation passes; the CPU has no decoder (BackendUnavailableError), the
+    # GPU's must refuse the forged bitstream (128 MiB paid on the GPU at most)
+    yield Case("ans_forged_128MiB_under_limit", "load", container(piece * 8, manifest_of(storages[:1], [], None)))
 
 
 # ----------------------------------------------------------------------------- manifest bombs
 def manifest_bombs() -> Iterator[Case]:
-    m = json.dumps(_manifest([], [], None)).encode()
+    m = json.dumps(manifest_of([], [], None)).encode()
     # a frame that declares 1 GiB: refused on the declaration, before anything is inflated
     yield Case("manifest_zstd_declares_1GiB", "load", _raw_container(_zframe(1 << 30, m)))
     # an honest frame of 256 MiB of JSON whitespace (~10 KB stored): past manifest_inflation
@@ -163,10 +186,10 @@ def manifest_bombs() -> Iterator[Case]:
     text = b'{"format":"s4weights","version":1,"storages":[],"tensors":[],"tree":[' + b"{}," * (1 << 20) + b"{}]}"
     yield Case("tree_1M_empty_objects", "load", container(b"", None, raw_manifest=text), "either")
     # 50k tensor entries viewing one storage (each becomes a torch view object)
-    st = [_storage(0, [], checksum="xxh3-64:" + _h(b""))]
-    tensors = [_tensor(0, "float32", [0], [1])] * 50_000
+    st = [storage_entry(0, [], checksum="xxh3-64:" + xxh(b""))]
+    tensors = [tensor_entry(0, "float32", [0], [1])] * 50_000
     yield Case("50k_tensors", "load",
-               container(b"", _manifest(st, tensors, [{"$t": i} for i in range(0, 50_000, 7)]), compress=False), "either")
+               container(b"", manifest_of(st, tensors, [{"$t": i} for i in range(0, 50_000, 7)]), compress=False), "either")
 
 
 def _raw_container(stored_manifest: bytes) -> bytes:
@@ -224,7 +247,7 @@ def structure() -> Iterator[Case]:
 
 # ----------------------------------------------------------------------------- tags
 def bad_tags() -> Iterator[Case]:
-    base = _manifest([], [], None)
+    base = manifest_of([], [], None)
     for i, tree in enumerate([
         {"$dtype": "_dynamo"}, {"$dtype": "onnx"}, {"$dtype": "jit"}, {"$dtype": "__class__"},
         {"$npdtype": "m8[1Y/0]"}, {"$npdtype": "<m8[1Y/0]"}, {"$npdtype": "M8[2s/0]"},
@@ -335,6 +358,54 @@ def _zip_with_deflated(name: str, deflated: bytes, size: int) -> bytes:
     return local + deflated + cd + eocd
 
 
+# ----------------------------------------------------------------------------- codec streams
+def _plane_storage(data_chunks: list[tuple[str, bytes]], m: int) -> tuple[bytes, dict[str, Any]]:
+    """A bf16 storage of ``m`` elements in one segment, its two plane chunks ``(codec, bytes)``."""
+    data, chunks, off = b"", [], HEADER_SIZE
+    for codec, b in data_chunks:
+        chunks.append([codec, off, len(b), xxh(b)])
+        data += b
+        off += len(b)
+    st = storage_entry(2 * m, chunks, dtype="bfloat16", transform="planes-rotl1", seg=m)
+    return data, manifest_of([st], [tensor_entry(0, "bfloat16", [m], [1])], {"$t": 0})
+
+
+def codec_streams() -> Iterator[Case]:
+    """Chunks whose hash matches but whose coded bytes are forged: every decoder must refuse them
+    cleanly (``DecodeError``). On a GPU, deflate chunks go to nvCOMP's inflater and ANS chunks to
+    its ANS decoder (nvCOMP documents its Deflate decoder for valid input only): these cases are
+    what ``test_attack_family_gpu`` holds it to."""
+    m = 1 << 16
+    rnd = bytes((i * 131 + 7) % 251 for i in range(4096))
+    zeros = zlib.compressobj(9, zlib.DEFLATED, -15)
+    good = zeros.compress(b"\0" * m) + zeros.flush()
+    # random bytes as a raw deflate stream
+    yield Case("deflate_random_bytes", "load", container(*_plane_storage([("deflate", rnd), ("deflate", rnd[::-1])], m)))
+    # a stored block that declares 65,535 bytes but holds 123
+    stored = bytes([0b001]) + struct.pack("<HH", 0xFFFF, 0x0000) + b"x" * 123
+    yield Case("deflate_stored_block_short", "load", container(*_plane_storage([("deflate", stored), ("deflate", good)], m)))
+    # a stream that decodes to twice the chunk's length, and one cut in half
+    z2 = zlib.compressobj(9, zlib.DEFLATED, -15)
+    long = z2.compress(b"\0" * (2 * m)) + z2.flush()
+    yield Case("deflate_decodes_too_long", "load", container(*_plane_storage([("deflate", long), ("deflate", good)], m)))
+    z3 = zlib.compressobj(9, zlib.DEFLATED, -15)
+    noisy = z3.compress(bytes((i * i * 2654435761 >> 7) & 0xFF for i in range(m))) + z3.flush()
+    yield Case("deflate_truncated", "load", container(*_plane_storage([("deflate", noisy[: len(noisy) // 2]), ("deflate", good)], m)))
+    # dynamic-Huffman header with an over-subscribed code length set
+    yield Case("deflate_bad_huffman_table", "load",
+               container(*_plane_storage([("deflate", bytes([0b101]) + b"\xff" * 64), ("deflate", good)], m)))
+    # zstd frames: random bytes after a valid header, and a frame of another content size
+    zf = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * (m // 2))
+    yield Case("zstd_wrong_content_size", "load", container(*_plane_storage([("zstd", zf), ("zstd", zf)], m)))
+    yield Case("zstd_garbage_blocks", "load", container(*_plane_storage([("zstd", _zframe(m, rnd[:512])), ("zstd", zf)], m)))
+    # ANS chunks of random bytes, of a nvCOMP-like header with absurd counts, and empty
+    hdr = struct.pack("<QQQQII", 8, 1 << 40, m, 1 << 30, 255, 10) + rnd[:256]
+    yield Case("ans_random_bytes", "load", container(*_plane_storage([("nvcomp-ans", rnd), ("nvcomp-ans", rnd[::-1])], m)))
+    yield Case("ans_forged_header", "load", container(*_plane_storage([("nvcomp-ans", hdr), ("nvcomp-ans", hdr)], m)))
+    yield Case("ans_empty_chunks", "load",
+               container(*_plane_storage([("nvcomp-ans", b""), ("nvcomp-ans", b"")], 64)))
+
+
 # ----------------------------------------------------------------------------- garbage
 def garbage() -> Iterator[Case]:
     yield Case("empty", "load", b"")
@@ -352,6 +423,7 @@ GENERATORS: dict[str, Callable[[], Iterator[Case]]] = {
     "structure": structure,
     "tags": bad_tags,
     "framework": framework_files,
+    "codec_streams": codec_streams,
     "garbage": garbage,
 }
 

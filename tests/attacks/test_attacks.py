@@ -96,7 +96,7 @@ def test_attack_family(family: str, tmp_path: "os.PathLike[str]") -> None:
     assert any(c.expect == "error" for c in cases) or family == "framework"
 
 
-CONTAINER_FAMILIES = ("allocation", "manifest", "structure", "tags", "garbage")
+CONTAINER_FAMILIES = ("allocation", "manifest", "structure", "tags", "codec_streams", "garbage")
 
 
 @pytest.mark.gpu
