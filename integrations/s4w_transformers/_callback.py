@@ -432,7 +432,7 @@ def restore_checkpoint(
     url = os.fspath(store)
     d = frameworks.dist()
     rank = d.get_rank() if d is not None else 0
-    st = CheckpointStore(url, **store_options)
+    st = CheckpointStore(url, **{"base_cache_bytes": 0, **store_options})  # read once: no copy kept as a delta base
     info = st.info(step)
     where = f"{url} step {info.step}"
     if info.extra.get("writer") != WRITER and "files" not in info.extra:
@@ -447,7 +447,12 @@ def restore_checkpoint(
         dest = os.path.join(str(base), f"checkpoint-{info.step}")
     dest = os.fspath(dest)
     if rank == 0:
-        tree = st.load(info.step, "cpu")
+        # decoded where it was saved when that device is here (a GPU decodes GPU-saved steps far
+        # faster than the CPU); the files hold CPU tensors, as the Trainer's own
+        dev = next((p.device for p in model.parameters()), None) if model is not None else None
+        tree = st.load(info.step, "cpu" if dev is None or dev.type != "cuda" else frameworks.device_map(dev))
+        if dev is not None and dev.type == "cuda":
+            tree = _to_cpu(tree)
         if "files" in info.extra:  # a packed checkpoint folder (FSDP/DeepSpeed fallback)
             os.makedirs(dest, exist_ok=True)
             unpack_folder(tree, dest)
@@ -457,6 +462,14 @@ def restore_checkpoint(
             _write_folder(tree, dest, where)
     barrier()
     return dest
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return type(obj)(_to_cpu(v) for v in obj) if type(obj) in (list, tuple) else obj
 
 
 def _write_folder(tree: dict[str, Any], dest: str, where: str) -> None:
