@@ -176,7 +176,10 @@ class S4Callback(TrainerCallback):
         if trainer is not None:
             self.attach(trainer)
         elif self._trainer is None:
-            raise UnsupportedSetupError("S4Callback must be one of a transformers.Trainer's callbacks")
+            raise UnsupportedSetupError(
+                "S4Callback found no transformers.Trainer firing its events: pass it in Trainer(callbacks=[...]) "
+                "or bind it with S4Callback().attach(trainer)"
+            )
 
     def _resolve_resume(self, trainer: Trainer, resume: Any) -> Any:
         """``True`` (with no checkpoint folder in ``output_dir``) or the store's URL: the newest step,

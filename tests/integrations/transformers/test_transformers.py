@@ -212,6 +212,25 @@ def test_resume_true_is_bit_exact_and_cleans_up(tmp_path, reference, monkeypatch
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5, 6, 9]
 
 
+def test_attach_binds_without_looking_up_the_stack(tmp_path, reference, monkeypatch):
+    """S4Callback().attach(trainer): the explicit route (transformers hands callbacks no Trainer).
+    With the stack lookup of the ``callbacks=[...]`` form disabled, the attached callback still
+    fires on_save for the others, writes no folder and resumes with resume_from_checkpoint=True."""
+    monkeypatch.setattr(s4w_transformers._callback, "_calling_trainer", lambda: None)
+    with pytest.raises(UnsupportedSetupError, match="attach"):
+        _trainer(tmp_path / "x", 3, [S4Callback()])  # the list form, with no Trainer to be found
+    probe, cb = Probe(), S4Callback()
+    tr = _trainer(tmp_path / "out", 9, [probe, StopAt(6)])
+    assert cb.attach(tr) is tr and cb.attach(tr) is tr  # twice: bound once
+    assert sum(c is cb for c in tr.callback_handler.callbacks) == 1
+    tr.train()
+    assert probe.saves == [3, 6] and probe.folders == []
+    assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 6]
+    resumed = S4Callback().attach(_trainer(tmp_path / "out", 9))
+    resumed.train(resume_from_checkpoint=True)
+    assert not diff(_state(resumed), reference)
+
+
 def test_one_callback_for_two_trainers(tmp_path, reference):
     """A callback handed to a second Trainer saves that Trainer's model, not the first one's."""
     cb = S4Callback()
