@@ -130,6 +130,7 @@ class S4Callback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._saver = frameworks.StepSaver()
         self._pending: _Pending | None = None
+        self._held: dict[str, Any] = {}  # optimizer / scheduler states of the step being resumed
         self._fallback = self._firing = self._warned_order = False
         self.best_step: int | None = None  #: the store step ``load_best_model_at_end`` loaded, if any
 
@@ -166,6 +167,7 @@ class S4Callback(TrainerCallback):
             try:
                 return train(self._resolve_resume(trainer, resume_from_checkpoint), *args, **kwargs)
             finally:
+                self._held = {}
                 cleanup_restored()
 
         trainer.train = train_from_store  # type: ignore[method-assign]
@@ -191,7 +193,12 @@ class S4Callback(TrainerCallback):
             if self.store(args).latest() is None:
                 raise CheckpointNotFoundError(f"resume_from_checkpoint=True: no checkpoint folder in "
                                               f"{args.output_dir} and no committed step in the store {url}")  # fmt: skip
-            return restore_checkpoint(url, model=trainer.model, **self.store_options)
+            # one process: optimizer and scheduler go from the store into the Trainer's objects at
+            # on_train_begin (the Trainer loads neither when the folder has no optimizer.pt), not
+            # through files written and read back
+            held = ("optimizer", "scheduler") if frameworks.dist() is None else ()
+            path, self._held = _restore(url, None, None, trainer.model, held, self.store_options)
+            return path
         return resume
 
     # ---------------------------------------------------------------- events
@@ -201,6 +208,10 @@ class S4Callback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._bind()
         self._pending = None
+        held, self._held = self._held, {}
+        if "optimizer" in held:  # the resumed step's, where the Trainer's own resume would load them
+            kwargs["optimizer"].load_state_dict(held["optimizer"])
+            kwargs["lr_scheduler"].load_state_dict(held["scheduler"])
         if state.is_world_process_zero:
             self._saver.finish()  # a save of an earlier train() with this callback
         if getattr(args, "push_to_hub", False):
@@ -432,6 +443,19 @@ def restore_checkpoint(
         StateMismatchError: the step was not written by S4Callback, or does not fit ``model``.
         ConflictError: ``dest`` exists and is not empty (nothing is overwritten).
     """
+    return _restore(store, step, dest, model, (), store_options)[0]
+
+
+def _restore(
+    store: str | os.PathLike[str],
+    step: int | None,
+    dest: str | os.PathLike[str] | None,
+    model: torch.nn.Module | None,
+    held: tuple[str, ...],
+    store_options: dict[str, Any],
+) -> tuple[str, dict[str, Any]]:
+    """:func:`restore_checkpoint`, with the parts named in ``held`` (e.g. the optimizer) returned in
+    memory, on the device they were saved on, instead of written to the folder."""
     url = os.fspath(store)
     d = frameworks.dist()
     rank = d.get_rank() if d is not None else 0
@@ -448,23 +472,21 @@ def restore_checkpoint(
         if rank == 0:
             _RESTORED.add(str(base))
         dest = os.path.join(str(base), f"checkpoint-{info.step}")
-    dest = os.fspath(dest)
+    dest, kept = os.fspath(dest), {}
     if rank == 0:
-        # decoded where it was saved when that device is here (a GPU decodes GPU-saved steps far
-        # faster than the CPU); the files hold CPU tensors, as the Trainer's own
-        dev = next((p.device for p in model.parameters()), None) if model is not None else None
-        tree = st.load(info.step, "cpu" if dev is None or dev.type != "cuda" else frameworks.device_map(dev))
-        if dev is not None and dev.type == "cuda":
-            tree = _to_cpu(tree)
+        # decoded on the device it was saved from where this machine has it (a GPU decodes a
+        # GPU-saved step far faster than the CPU); the files get CPU tensors, as the Trainer's own
+        tree = st.load(info.step, frameworks.auto_location)
         if "files" in info.extra:  # a packed checkpoint folder (FSDP/DeepSpeed fallback)
             os.makedirs(dest, exist_ok=True)
             unpack_folder(tree, dest)
         else:
             if model is not None and "model" in tree:
                 frameworks.check_state_dict(where, tree["model"], model.state_dict())
-            _write_folder(tree, dest, where)
+            kept = {k: tree.pop(k) for k in held if k in tree}
+            _write_folder(_to_cpu(tree), dest, where)
     barrier()
-    return dest
+    return dest, kept
 
 
 def _to_cpu(obj: Any) -> Any:
