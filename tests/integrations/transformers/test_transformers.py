@@ -206,6 +206,8 @@ def test_resume_true_is_bit_exact_and_cleans_up(tmp_path, reference, monkeypatch
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5]
     tr = _trainer(tmp_path / "out", 9, [S4Callback(async_save=async_save)])
     tr.train(resume_from_checkpoint=True)  # from the store's newest step (5), mid-epoch
+    # optimizer and scheduler went from the store into the Trainer's objects, not through files
+    assert sorted(os.path.basename(f) for f in no_payload_writes) == ["model.safetensors", "rng_state.pth"]
     assert tr.state.global_step == 9
     assert not diff(_state(tr), reference)
     assert os.listdir(tmp_path / "tmp") == []  # the restored folder is gone
