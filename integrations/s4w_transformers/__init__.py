@@ -19,16 +19,9 @@ except ImportError as _e:
         "s4w_transformers needs Hugging Face Transformers, which is not installed: pip install 's4weights[transformers]'"
     ) from _e
 
-from s4w_transformers._callback import (
-    STORE_DIRNAME,
-    WRITER,
-    S4Callback,
-    StateMismatchError,
-    UnsupportedSetupError,
-    cleanup_restored,
-    restore_checkpoint,
-    sharded_engine,
-)
+from s4w_core.frameworks import StateMismatchError
+from s4w_transformers._callback import STORE_DIRNAME, S4Callback, UnsupportedSetupError, sharded_engine
+from s4w_transformers._restore import WRITER, cleanup_restored, restore_checkpoint
 
 __all__ = [
     "S4Callback",

@@ -206,10 +206,31 @@ def test_resume_true_is_bit_exact_and_cleans_up(tmp_path, reference, monkeypatch
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5]
     tr = _trainer(tmp_path / "out", 9, [S4Callback(async_save=async_save)])
     tr.train(resume_from_checkpoint=True)  # from the store's newest step (5), mid-epoch
+    # optimizer and scheduler went from the store into the Trainer's objects, not through files
+    assert sorted(os.path.basename(f) for f in no_payload_writes) == ["model.safetensors", "rng_state.pth"]
     assert tr.state.global_step == 9
     assert not diff(_state(tr), reference)
     assert os.listdir(tmp_path / "tmp") == []  # the restored folder is gone
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5, 6, 9]
+
+
+def test_attach_binds_without_looking_up_the_stack(tmp_path, reference, monkeypatch):
+    """S4Callback().attach(trainer): the explicit route (transformers hands callbacks no Trainer).
+    With the stack lookup of the ``callbacks=[...]`` form disabled, the attached callback still
+    fires on_save for the others, writes no folder and resumes with resume_from_checkpoint=True."""
+    monkeypatch.setattr(s4w_transformers._callback, "_calling_trainer", lambda: None)
+    with pytest.raises(UnsupportedSetupError, match="attach"):
+        _trainer(tmp_path / "x", 3, [S4Callback()])  # the list form, with no Trainer to be found
+    probe, cb = Probe(), S4Callback()
+    tr = _trainer(tmp_path / "out", 9, [probe, StopAt(6)])
+    assert cb.attach(tr) is tr and cb.attach(tr) is tr  # twice: bound once
+    assert sum(c is cb for c in tr.callback_handler.callbacks) == 1
+    tr.train()
+    assert probe.saves == [3, 6] and probe.folders == []
+    assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 6]
+    resumed = S4Callback().attach(_trainer(tmp_path / "out", 9))
+    resumed.train(resume_from_checkpoint=True)
+    assert not diff(_state(resumed), reference)
 
 
 def test_one_callback_for_two_trainers(tmp_path, reference):
