@@ -17,14 +17,26 @@ checkpoint readable.  Nothing is pickled by this module: the metadata is JSON.  
 turns non-tensor values into bytes with ``torch.save`` and back with ``torch.load``; those bytes are
 stored verbatim, compressed.)
 
+A training run's steps under one root (``step=``): each rank's items become one step of the
+rank's own :class:`~s4w_core.store.CheckpointStore` (the newest step whole, older steps reverse
+deltas against the step after them), and a step is committed by its metadata record, written
+last; see :mod:`s4w_core.dcp_run` for the layout.  Loads of a run read, from each rank store,
+only the storages their plan needs, so any world size and placement loads any step.
+
 Example::
 
     import torch.distributed.checkpoint as dcp
     from s4w_core.dcp import S4StorageWriter, S4StorageReader
 
+    # one self-contained checkpoint per folder
     dcp.save(state, storage_writer=S4StorageWriter("ckpt/step_100"))
     dcp.load(state, storage_reader=S4StorageReader("ckpt/step_100"))
     fut = dcp.async_save(state, storage_writer=S4StorageWriter("s3://bucket/run/step_200"))
+
+    # a run: every step under one root, each rank's shards a delta chain
+    dcp.async_save(state, storage_writer=S4StorageWriter("s3://bucket/run", step=300))
+    dcp.load(state, storage_reader=S4StorageReader("s3://bucket/run"))            # the newest step
+    dcp.load(state, storage_reader=S4StorageReader("s3://bucket/run", step=100))  # an older one
 """
 
 from __future__ import annotations
@@ -492,18 +504,22 @@ class S4StorageWriter(StorageWriter):
 
     Args:
         path: the checkpoint folder, a local path or ``s3://bucket/prefix``; ``dcp.save``'s
-            ``checkpoint_id`` overrides it.
+            ``checkpoint_id`` overrides it.  With ``step``: the run's root, holding every step.
+        step: save step ``step`` of the run at ``path`` (each rank's items a delta chain, see
+            :mod:`s4w_core.dcp_run`); None (default): ``path`` is one self-contained checkpoint.
         profile: s4weights profile (``"auto"``: GPU codecs when the tensors are on a usable GPU,
             or were staged from one by ``dcp.async_save``, else ``"portable"``; ``"portable"``:
             decodable anywhere).
         overwrite: allow writing over an existing checkpoint at ``path`` (the old one stays
-            readable until the new metadata commits; its data files are deleted afterwards).
+            readable until the new metadata commits; its data files are deleted afterwards), or
+            over a committed ``step`` of a run.
         threads: CPU threads for coding.
         stage_to: where ``dcp.async_save`` stages its copy: ``"cpu"`` (default; pinned host
             buffers, reused across saves) or ``"device"`` (a clone on the tensors' device).
         s3_options: passed to the store's S3 backend (endpoint, region, ...).
     Raises:
-        RuntimeError: at save, when ``overwrite=False`` and a checkpoint exists at ``path``.
+        RuntimeError: at save, when ``overwrite=False`` and a checkpoint (or ``step``) exists at ``path``.
+        ValueError: ``step`` is not an integer in [0, 10**12).
         StoreError: the folder cannot be written.
     Example:
         >>> import torch, tempfile, torch.distributed.checkpoint as dcp
@@ -921,14 +937,18 @@ class S4StorageReader(StorageReader):
 
     Each rank decodes only the rank files its load plan needs (on the device of the tensors it
     loads into when that is a GPU), then copies the requested slices into place, so resharding
-    (a different world size on load) works.
+    (a different world size or placement on load) works.  From a run (``S4StorageWriter(root,
+    step=N)``) it reads, by byte ranges, only the storages holding the items its plan asks for.
 
     Args:
-        path: the checkpoint folder (local or ``s3://``); ``dcp.load``'s ``checkpoint_id`` overrides it.
+        path: the checkpoint folder (local or ``s3://``), or a run's root; ``dcp.load``'s
+            ``checkpoint_id`` overrides it.
+        step: the step of the run at ``path`` to load; None: the newest committed step when
+            ``path`` is a run's root (a folder without a single checkpoint's metadata).
         threads: CPU threads for decoding.
         s3_options: passed to the store's S3 backend.
     Raises:
-        CheckpointNotFoundError: no committed checkpoint at ``path``.
+        CheckpointNotFoundError: no committed checkpoint at ``path`` (or no such ``step``).
         ManifestError: the metadata file is malformed.
     Example: see :class:`S4StorageWriter`.
     """

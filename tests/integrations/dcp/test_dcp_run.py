@@ -197,3 +197,26 @@ def test_s3_chain_older_steps_and_partial_loads(s3_url: str) -> None:
         assert diff(part["model"]["w"], full_state(20)["model"]["w"]) == []
     finally:
         close_rank_stores(root)
+
+
+def test_async_saves_of_a_run_then_resume_and_save_on(tmp_path: Path) -> None:
+    """``dcp.async_save`` into a run (the state may change once it returns), three steps; a fresh
+    store object (a restarted process) loads the newest and saves the next step against it."""
+    root = tmp_path / "run"
+    try:
+        for s in (1, 2, 3):
+            state = full_state(s)
+            fut = dcp.async_save(state, storage_writer=S4StorageWriter(root, step=s), no_dist=True)
+            state["model"]["w"].zero_()  # training goes on: the save has its own copy
+            fut.result()
+        close_rank_stores(root)  # as after a restart: no delta base in memory
+        assert committed_steps(root) == [1, 2, 3]
+        assert diff(_load_plain(root, None), full_state(3)) == []
+        dcp.save(full_state(4), storage_writer=S4StorageWriter(root, step=4), no_dist=True)
+        wait_rank_stores(root)
+        for s in (1, 2, 3, 4):
+            assert diff(_load_plain(root, s), full_state(s)) == [], s
+        kinds = {i.step: i.kind for i in rank_store(RunRoot(root), rank_store_name(0)).list()}
+        assert kinds == {1: "delta", 2: "delta", 3: "delta", 4: "keyframe"}, kinds
+    finally:
+        close_rank_stores(root)
