@@ -17,14 +17,26 @@ checkpoint readable.  Nothing is pickled by this module: the metadata is JSON.  
 turns non-tensor values into bytes with ``torch.save`` and back with ``torch.load``; those bytes are
 stored verbatim, compressed.)
 
+A training run's steps under one root (``step=``): each rank's items become one step of the
+rank's own :class:`~s4w_core.store.CheckpointStore` (the newest step whole, older steps reverse
+deltas against the step after them), and a step is committed by its metadata record, written
+last; see :mod:`s4w_core.dcp_run` for the layout.  Loads of a run read, from each rank store,
+only the storages their plan needs, so any world size and placement loads any step.
+
 Example::
 
     import torch.distributed.checkpoint as dcp
     from s4w_core.dcp import S4StorageWriter, S4StorageReader
 
+    # one self-contained checkpoint per folder
     dcp.save(state, storage_writer=S4StorageWriter("ckpt/step_100"))
     dcp.load(state, storage_reader=S4StorageReader("ckpt/step_100"))
     fut = dcp.async_save(state, storage_writer=S4StorageWriter("s3://bucket/run/step_200"))
+
+    # a run: every step under one root, each rank's shards a delta chain
+    dcp.async_save(state, storage_writer=S4StorageWriter("s3://bucket/run", step=300))
+    dcp.load(state, storage_reader=S4StorageReader("s3://bucket/run"))            # the newest step
+    dcp.load(state, storage_reader=S4StorageReader("s3://bucket/run", step=100))  # an older one
 """
 
 from __future__ import annotations
@@ -68,13 +80,24 @@ from torch.futures import Future
 
 from s4w_core import api, obs
 from s4w_core._fsutil import atomic_write
+from s4w_core.dcp_run import (
+    RunRoot,
+    cleanup_orphans,
+    close_rank_stores,
+    committed_steps,
+    load_items,
+    rank_store,
+    rank_store_name,
+    wait_rank_stores,
+)
 from s4w_core.errors import CheckpointNotFoundError, ManifestError, UnsupportedTypeError
 from s4w_core.skeleton import decode_tree, encode_tree
+from s4w_core.store.records import check_step
 
 if TYPE_CHECKING:
     from s4w_core.store._async import PinnedPool
 
-__all__ = ["S4StorageWriter", "S4StorageReader", "METADATA_NAME"]
+__all__ = ["S4StorageWriter", "S4StorageReader", "METADATA_NAME", "committed_steps", "close_rank_stores", "wait_rank_stores"]
 
 #: name of the committed metadata file inside a checkpoint folder.
 METADATA_NAME = ".s4w_metadata.json"
@@ -481,18 +504,22 @@ class S4StorageWriter(StorageWriter):
 
     Args:
         path: the checkpoint folder, a local path or ``s3://bucket/prefix``; ``dcp.save``'s
-            ``checkpoint_id`` overrides it.
+            ``checkpoint_id`` overrides it.  With ``step``: the run's root, holding every step.
+        step: save step ``step`` of the run at ``path`` (each rank's items a delta chain, see
+            :mod:`s4w_core.dcp_run`); None (default): ``path`` is one self-contained checkpoint.
         profile: s4weights profile (``"auto"``: GPU codecs when the tensors are on a usable GPU,
             or were staged from one by ``dcp.async_save``, else ``"portable"``; ``"portable"``:
             decodable anywhere).
         overwrite: allow writing over an existing checkpoint at ``path`` (the old one stays
-            readable until the new metadata commits; its data files are deleted afterwards).
+            readable until the new metadata commits; its data files are deleted afterwards), or
+            over a committed ``step`` of a run.
         threads: CPU threads for coding.
         stage_to: where ``dcp.async_save`` stages its copy: ``"cpu"`` (default; pinned host
             buffers, reused across saves) or ``"device"`` (a clone on the tensors' device).
         s3_options: passed to the store's S3 backend (endpoint, region, ...).
     Raises:
-        RuntimeError: at save, when ``overwrite=False`` and a checkpoint exists at ``path``.
+        RuntimeError: at save, when ``overwrite=False`` and a checkpoint (or ``step``) exists at ``path``.
+        ValueError: ``step`` is not an integer in [0, 10**12).
         StoreError: the folder cannot be written.
     Example:
         >>> import torch, tempfile, torch.distributed.checkpoint as dcp
@@ -510,6 +537,7 @@ class S4StorageWriter(StorageWriter):
         self,
         path: str | os.PathLike[str] | None = None,
         *,
+        step: int | None = None,
         profile: str = "auto",
         overwrite: bool = True,
         threads: int | None = None,
@@ -527,11 +555,16 @@ class S4StorageWriter(StorageWriter):
         self.stage_to = stage_to
         self._s3_options = s3_options
         self.folder = _Folder(path, s3_options) if path is not None else None
+        self.step = None if step is None else check_step(step)
+        self.run: RunRoot | None = None
+        if self.step is not None and path is not None:
+            self.run = RunRoot(path, s3_options)
         self.save_id = uuid.uuid4().hex
         self.rank: int | None = None
         self.is_coordinator = False
         self.use_collectives = True
         self.last_reports: list[api.SaveReport] = []
+        self.last_steps: list[Any] = []  # run mode: the StepInfo of this rank's store, per save
         self._init_staging()
 
     def _init_staging(self) -> None:
@@ -642,10 +675,13 @@ class S4StorageWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.folder = _Folder(checkpoint_id, self._s3_options)
+            if self.step is not None:
+                self.run = RunRoot(checkpoint_id, self._s3_options)
         if self.folder is None:
             raise ValueError("S4StorageWriter needs a path (or a checkpoint_id passed to dcp.save)")
         self.save_id = uuid.uuid4().hex
         self.last_reports = []
+        self.last_steps = []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.folder is None:
@@ -660,6 +696,14 @@ class S4StorageWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         assert self.folder is not None
         self.folder.mkdir()
+        if self.run is not None and self.step is not None:
+            if (self.is_coordinator or not self.use_collectives) and not self.overwrite:
+                mine = None if self.use_collectives or self.rank is None else self.rank
+                if self.run.has(self.step, mine):
+                    raise RuntimeError(f"step {self.step} is committed under {self.run} and overwrite=False")
+            if not self.use_collectives and self.rank is not None:
+                plan = dataclasses.replace(plan, storage_data=_Prefix(rank_store_name(self.rank)))
+            return plan
         if self.is_coordinator or not self.use_collectives:
             if self.folder.exists(self._meta_name()) and not self.overwrite:
                 raise RuntimeError(f"a DCP checkpoint exists at {self.folder} and overwrite=False")
@@ -668,6 +712,11 @@ class S4StorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.run is not None:
+            return [
+                dataclasses.replace(p, storage_data=_Prefix(rank_store_name(i))) if p.storage_data is None else p
+                for i, p in enumerate(plans)
+            ]
         sid = self.save_id[:12]
         return [
             dataclasses.replace(p, storage_data=_Prefix(f"__{i}_{sid}")) if p.storage_data is None else p
@@ -697,7 +746,10 @@ class S4StorageWriter(StorageWriter):
             )
             t1 = time.perf_counter()
             with on, obs.suppress() as inner:  # this rank's container: one event below, not one per file
-                report = self.folder.save_container({"t": tensors, "b": blobs}, fname, profile, self.threads)
+                if self.run is not None:
+                    report = self._save_step(fname, {"t": tensors, "b": blobs}, profile)
+                else:
+                    report = self.folder.save_container({"t": tensors, "b": blobs}, fname, profile, self.threads)
             container_s = time.perf_counter() - t1
         except BaseException as e:
             if not claimed:
@@ -721,6 +773,22 @@ class S4StorageWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _save_step(self, name: str, state: dict[str, Any], profile: str) -> api.SaveReport:
+        """Run mode: ``state`` (this rank's items) as step ``self.step`` of the rank's store
+        ``name`` (whole; the step below becomes a delta against it behind the save).  A step of
+        the rank store that no run step names and that a newer run step overtook is deleted
+        first; the step itself is overwritten if an earlier, uncommitted save left it."""
+        assert self.run is not None and self.step is not None
+        t0 = time.perf_counter()
+        store = rank_store(self.run, name, profile=profile, threads=self.threads)
+        cleanup_orphans(store, self.run, self.step)
+        info = store.save(state, self.step, overwrite=True, extra={"dcp_save_id": self.save_id})
+        self.last_steps.append(info)
+        return api.SaveReport(
+            path=f"{store.backend.url}@{self.step}", profile=info.profile, raw_bytes=info.raw_bytes,
+            stored_bytes=info.stored_bytes, file_bytes=info.object_bytes, seconds=time.perf_counter() - t0,
+        )
 
     def _claim(self, tensors: Iterable[torch.Tensor], planner: SavePlanner) -> _Staged | None:
         """The :meth:`stage` whose copy this ``write_data`` writes: the staging into pool buffers
@@ -770,7 +838,7 @@ class S4StorageWriter(StorageWriter):
         if staged_s is not None:
             stages = {"snapshot": staged_s, **stages}
         obs.record(obs.OpEvent(
-            op="save", url=self.folder.location, step=_step_from(self.folder.location),
+            op="save", url=self.folder.location, step=self._obs_step(),
             raw_bytes=report.raw_bytes if report else 0, stored_bytes=report.file_bytes if report else 0,
             blocked_s=took if staged_s is None else staged_s, total_s=took + (staged_s or 0.0), stages=stages,
             mode="dcp" if staged_s is None else "dcp-async", ok=error is None,
@@ -782,12 +850,15 @@ class S4StorageWriter(StorageWriter):
         self, plan: SavePlan, planner: SavePlanner
     ) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[WriteItem, str, str, int]]]:
         prefix: _Prefix = plan.storage_data
-        fname = prefix.prefix + _SUFFIX
+        fname = prefix.prefix if self.run is not None else prefix.prefix + _SUFFIX
         tensors: dict[str, torch.Tensor] = {}
         blobs: dict[str, torch.Tensor] = {}
         placed: list[tuple[WriteItem, str, str, int]] = []
         for item in plan.items:
             key = _item_key(item)
+            if self.run is not None and item.tensor_data is not None:
+                # a shard of another shape (another placement) is another storage: stored whole
+                key += "#" + "x".join(str(int(x)) for x in item.tensor_data.chunk.sizes)
             while key in tensors or key in blobs:
                 key += "+"
             data = planner.resolve_data(item)
@@ -815,14 +886,21 @@ class S4StorageWriter(StorageWriter):
             storage.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        doc = json.dumps(_metadata_to_json(metadata), separators=(",", ":")).encode()
+        body = _metadata_to_json(metadata)
+        if self.step is not None:
+            body["step"] = self.step
+        doc = json.dumps(body, separators=(",", ":")).encode()
         t0 = time.perf_counter()
         try:
+            if self.run is not None and self.step is not None:
+                # every rank's store committed its step (write_data returned on every rank): commit
+                self.run.put_record(self.step, doc, None if self.use_collectives or self.rank is None else self.rank)
+                return
             self.folder.write_bytes(self._meta_name(), doc)  # the commit point
         except BaseException as e:  # the rank events said the data was written: this save failed after all
             took = time.perf_counter() - t0
             obs.record(obs.OpEvent(
-                op="save", url=self.folder.location, step=_step_from(self.folder.location), raw_bytes=0,
+                op="save", url=self.folder.location, step=self._obs_step(), raw_bytes=0,
                 stored_bytes=0, blocked_s=took, total_s=took, stages={"commit": took}, mode="dcp", ok=False,
                 error=f"{type(e).__name__}: {e}", rank=self.rank,
             ))
@@ -836,6 +914,10 @@ class S4StorageWriter(StorageWriter):
             stale = [n for n in self.folder.list() if n.startswith(mine) and n.endswith(_SUFFIX) and n not in keep]
         for n in stale:
             self.folder.remove(n)
+
+    def _obs_step(self) -> int | None:
+        assert self.folder is not None
+        return self.step if self.step is not None else _step_from(self.folder.location)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.folder is None else self.folder.location, save_id=self.save_id)
@@ -855,14 +937,18 @@ class S4StorageReader(StorageReader):
 
     Each rank decodes only the rank files its load plan needs (on the device of the tensors it
     loads into when that is a GPU), then copies the requested slices into place, so resharding
-    (a different world size on load) works.
+    (a different world size or placement on load) works.  From a run (``S4StorageWriter(root,
+    step=N)``) it reads, by byte ranges, only the storages holding the items its plan asks for.
 
     Args:
-        path: the checkpoint folder (local or ``s3://``); ``dcp.load``'s ``checkpoint_id`` overrides it.
+        path: the checkpoint folder (local or ``s3://``), or a run's root; ``dcp.load``'s
+            ``checkpoint_id`` overrides it.
+        step: the step of the run at ``path`` to load; None: the newest committed step when
+            ``path`` is a run's root (a folder without a single checkpoint's metadata).
         threads: CPU threads for decoding.
         s3_options: passed to the store's S3 backend.
     Raises:
-        CheckpointNotFoundError: no committed checkpoint at ``path``.
+        CheckpointNotFoundError: no committed checkpoint at ``path`` (or no such ``step``).
         ManifestError: the metadata file is malformed.
     Example: see :class:`S4StorageWriter`.
     """
@@ -871,12 +957,16 @@ class S4StorageReader(StorageReader):
         self,
         path: str | os.PathLike[str] | None = None,
         *,
+        step: int | None = None,
         threads: int | None = None,
         s3_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self._s3_options = s3_options
         self.folder = _Folder(path, s3_options) if path is not None else None
+        self.step = None if step is None else check_step(step)
+        self.run: RunRoot | None = None
+        self.loaded_step: int | None = None  # run mode: the step read_metadata chose
         self.threads = threads
         self.storage_data: dict[MetadataIndex, _ItemInfo] = {}
         self.load_id = uuid.uuid4().hex
@@ -886,23 +976,43 @@ class S4StorageReader(StorageReader):
         self.storage_data = {}
         if checkpoint_id:
             self.folder = _Folder(checkpoint_id, self._s3_options)
+            self.run = None
         self.load_id = uuid.uuid4().hex
+
+    def _run_mode(self) -> bool:
+        """A run root (``step`` given, or no single checkpoint's metadata at the path)."""
+        assert self.folder is not None
+        if self.run is None and (self.step is not None or not self.folder.exists(METADATA_NAME)):
+            run = RunRoot(self.folder.location, self._s3_options)
+            if self.step is None and not run.steps() and not run.steps(0):
+                return False  # neither: the single-checkpoint error below names what is missing
+            self.run = run
+        return self.run is not None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.folder is None:
             raise ValueError("S4StorageReader needs a path (or a checkpoint_id passed to dcp.load)")
-        name = _metadata_name(kwargs.get("rank"))
-        try:
-            raw = self.folder.read_bytes(name)
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(
-                f"no committed s4weights DCP checkpoint at {self.folder} ({name} is missing)"
-            ) from None
+        rank = kwargs.get("rank")
+        if self._run_mode():
+            assert self.run is not None
+            wait_rank_stores(self.run.url)  # this process's re-encodings of the run land first
+            where = self.run.url
+            self.loaded_step, raw = self.run.get_record(self.step, rank)
+            name = f"step {self.loaded_step}"
+        else:
+            name = _metadata_name(rank)
+            where = self.folder.location
+            try:
+                raw = self.folder.read_bytes(name)
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"no committed s4weights DCP checkpoint at {self.folder} ({name} is missing)"
+                ) from None
         try:
             doc = json.loads(raw)
         except ValueError as e:
-            raise ManifestError(f"{self.folder}/{name}: not JSON ({e})") from e
-        md = _metadata_from_json(doc, f"{self.folder}/{name}")
+            raise ManifestError(f"{where}/{name}: not JSON ({e})") from e
+        md = _metadata_from_json(doc, f"{where}/{name}")
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -942,7 +1052,8 @@ class S4StorageReader(StorageReader):
         stages = dict(timer.stages)
         _merge_stages(stages, inner)
         obs.record(obs.OpEvent(
-            op="load", url=self.folder.location, step=_step_from(self.folder.location),
+            op="load", url=self.folder.location,
+            step=self.loaded_step if self.run is not None else _step_from(self.folder.location),
             raw_bytes=sum(e.raw_bytes for e in inner), stored_bytes=sum(e.stored_bytes for e in inner),
             blocked_s=took, total_s=took, stages=stages, mode="dcp", ok=error is None,
             error=None if error is None else f"{type(error).__name__}: {error}", rank=self.rank,
@@ -966,7 +1077,15 @@ class S4StorageReader(StorageReader):
                     if dev.type == "cuda":
                         target = str(dev)
                     break
-            content = self.folder.load_container(fname, target, self.threads)
+            if self.run is not None and self.loaded_step is not None:
+                store = rank_store(self.run, fname, threads=self.threads)
+                wanted = [(self.storage_data[r.storage_index].kind, self.storage_data[r.storage_index].key) for r in reqs]
+                got = load_items(store, self.loaded_step, wanted, target, self.threads)
+                content: dict[str, dict[str, torch.Tensor]] = {"t": {}, "b": {}}
+                for (kind, key), t in got.items():
+                    content[kind][key] = t
+            else:
+                content = self.folder.load_container(fname, target, self.threads)
             with timer.stage("copy"):
                 for req in reqs:
                     info = self.storage_data[req.storage_index]
