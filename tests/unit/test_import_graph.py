@@ -38,20 +38,7 @@ KNOWN_PRIVATE: frozenset[tuple[str, str]] = frozenset(
     {
         ("s4w_core.dcp", "s4w_core.api._gpu"),
         ("s4w_core.dcp", "s4w_core.store._async"),  # PinnedPool
-        ("s4w_core.store._async", "s4w_core.api._gpu"),
-        ("s4w_core.store._async", "s4w_core.api._resolve_profile"),
-        ("s4w_core.store.store", "s4w_core.api._build_tensors"),
-        ("s4w_core.store.store", "s4w_core.api._decode_storages"),
-        ("s4w_core.store.store", "s4w_core.api._encode"),
-        ("s4w_core.store.chain", "s4w_core.api._gpu"),
-        ("s4w_core.store.chain", "s4w_core.api._target_device"),
-        ("s4w_core.store.store", "s4w_core.api._resolve_profile"),
-        ("s4w_core.store.store", "s4w_core.api._target_device"),
-        ("s4w_core.store.chain", "s4w_core.engine._executor"),
-        ("s4w_core.gpu._decode", "s4w_core.gpu._nvcomp._AnsC"),
         ("s4w_core.pipeline", "s4w_core.engine._executor"),  # was api's and store.chain's: one reach left
-        ("s4w_core.gpu._encode", "s4w_core.engine._DELTA_RUNS"),
-        ("s4w_core.gpu._encode", "s4w_core.gpu._nvcomp._AnsC"),
     }
 )
 
