@@ -310,11 +310,12 @@ def encode_storages(
             )
             plan.append((transform, w, cpu_path))
         cands = [(i, (job, plan[i][0], plan[i][1])) for i, job in enumerate(jobs) if job.base is not None and not plan[i][2]]
-        # storages on the device: their samples estimated there; host copies (the store's re-encoding
-        # of a step from its pinned copy, against the pinned copy of the step above) on the host,
-        # where their bytes are, by the CPU writer's rule (the same estimate)
-        on_dev = [(i, c) for i, c in cands if _device_resident(c[0])]
-        on_host = [(i, c) for i, c in cands if not _device_resident(c[0])]
+        # storages on the device, and host copies of GPU storages (the store's re-encoding of a step
+        # from its pinned copy against the pinned copy of the step above): their samples estimated
+        # on the device (host samples moved over: ~1 ms); other host storages on the host, by the
+        # CPU writer's rule (the same estimate; at checkpoint scale ~1 s of CPU per re-encoding)
+        on_dev = [(i, c) for i, c in cands if _device_resident(c[0]) or _from_device(c[0])]
+        on_host = [(i, c) for i, c in cands if not (_device_resident(c[0]) or _from_device(c[0]))]
         chosen = _choose_delta_ops([c for _, c in on_dev], pool, dev=dev) if on_dev else []
         ops: dict[int, str | None] = {i: op for (i, _), op in zip(on_dev, chosen)}
         if on_host:

@@ -4,7 +4,8 @@ A process's first GPU save or load otherwise compiles every kernel variant it me
 probe, choice, gather and checksum kernels for each plane width and delta op; the merge kernels
 on load): seconds with an empty Triton cache, inside the training loop. :func:`run` codes a small
 synthetic state of each plane width with the GPU writer -- a plain step, then a delta step against
-it (``xor`` and ``sub`` residuals, storages that stay plain), a byte storage above the writer's
+it (``xor`` and ``sub`` residuals, storages that stay plain; once from the device, once from
+pinned host copies as the store's re-encoding codes them), a byte storage above the writer's
 CPU threshold and one below it -- into a container in memory, and decodes both with the GPU
 reader, checking every byte. Each plane width (and the byte storages) runs on its own thread and
 stream, so their kernels compile side by side, and reports its stages as it goes: a save waits only
@@ -72,11 +73,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _jobs(state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | None) -> list[engine.StorageJob]:
+def _jobs(state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | None,
+          device: str | None = None) -> list[engine.StorageJob]:
+    """Storage jobs of ``state`` (deltas against ``bases``); ``device``: the device the storages
+    come from when they are host copies (the store's re-encoding codes pinned host copies of GPU
+    storages)."""
     jobs = []
     for path, t in state.items():
         base = None if bases is None else _bytes(bases[path])
-        jobs.append(engine.StorageJob(_bytes(t), t.dtype, path, str(t.device), base, None if base is None else {"path": path}))
+        ref = None if base is None else {"path": path}
+        jobs.append(engine.StorageJob(_bytes(t), t.dtype, path, device or str(t.device), base, ref))
     return jobs
 
 
@@ -114,6 +120,9 @@ def _sequence(s0: dict[str, torch.Tensor], s1: dict[str, torch.Tensor] | None, k
     if s1 is not None:
         delta = _jobs(s1, s0)
         r1 = _encode(delta, pool)
+        if device.type == "cuda":  # a re-encoding: pinned host copies of both steps
+            h0 = {k: v.cpu().pin_memory() for k, v in s0.items()}
+            _encode(_jobs({k: v.cpu().pin_memory() for k, v in s1.items()}, h0, str(device)), pool)
         on_stage(("delta", key))
     _decode(r0, plain, None, device, pool)
     if s1 is not None:
@@ -132,7 +141,7 @@ def stage_key(dtype: torch.dtype) -> Any:
 def marker_path(capability: tuple[int, int], dtypes: Iterable[torch.dtype]) -> Path | None:
     """The file in Triton's cache directory that a finished warm-up leaves for GPUs of ``capability``
     and ``dtypes``; None where Triton's cache directory is unknown. The name changes with anything
-    that changes what Triton compiles: its version, the kernels' source files, the capability, the
+    that changes what Triton compiles: its version, the source files of the GPU and planes packages, the capability, the
     dtypes and every ``S4W_*`` / ``TRITON_*`` setting (block sizes, warps, ...)."""
     try:
         import triton
@@ -141,8 +150,9 @@ def marker_path(capability: tuple[int, int], dtypes: Iterable[torch.dtype]) -> P
     except Exception:  # an older Triton without knobs, or no Triton
         return None
     h = hashlib.sha256(triton.__version__.encode())
-    for mod in (_plane_kernels, _gpu_kernels):
-        h.update(Path(str(mod.__file__)).read_bytes())
+    for mod in (_plane_kernels, _gpu_kernels):  # the kernels and (beside them) what launches them
+        for src in sorted(Path(str(mod.__file__)).parent.glob("*.py")):
+            h.update(src.read_bytes())
     h.update(repr((tuple(capability), sorted(str(d) for d in dtypes))).encode())
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("S4W_", "TRITON_")) and k != "TRITON_CACHE_DIR")
     h.update(repr(env).encode())
