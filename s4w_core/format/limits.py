@@ -53,6 +53,8 @@ class Limits:
             :data:`~s4w_core.format.manifest.PLAUSIBLE_SLACK` (constant data, or a forged size).
             Such a storage cannot be decoded on the CPU before its output is allocated, so its
             claim is paid on the GPU up front; this cap is checked before anything is allocated.
+            A delta storage does not count: its claim must equal its base's size, and the base is
+            resolved before the output is allocated.
     """
 
     manifest_bytes: int = 256 << 20

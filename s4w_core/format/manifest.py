@@ -185,7 +185,9 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
                 spans.append((off, length))
                 stored += length
         s["_width"] = w
-        if gpu_only and nbytes > PLAUSIBLE_RATIO * stored + PLAUSIBLE_SLACK:  # claims_plausible(s), inline
+        # claims_plausible(s), inline; a delta's claim is its base's size instead (the reader resolves
+        # the base, of exactly ``nbytes``, before it allocates the output)
+        if gpu_only and delta is None and nbytes > PLAUSIBLE_RATIO * stored + PLAUSIBLE_SLACK:
             gpu_claim += nbytes
             cap = get_limits().gpu_claim_bytes
             if gpu_claim > cap:

@@ -329,9 +329,10 @@ def _decode_group(
 ) -> list[torch.Tensor]:
     """Steps 2-4 for one batch, staged (step 1) in ``st``."""
     name = reader.name
-    # outputs and bases first, on the caller's stream (they outlive our stream's work)
-    outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
+    # bases and outputs first, on the caller's stream (they outlive our stream's work); the bases
+    # before the outputs: a delta's size is proven by its base before it is allocated (docs/SECURITY.md)
     bases = [engine.resolve_base_bytes(e, resolve_base, name, dev) for e in entries]
+    outs = [torch.empty(e["nbytes"], dtype=torch.uint8, device=dev) for e in entries]
     with _nvcomp.on_stream(dev):
         staged = st.host.to(dev, non_blocking=True)
         sums = decode_device(staged, st, entries, outs, bases, dev, name)

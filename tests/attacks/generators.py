@@ -149,6 +149,11 @@ def gpu_only_claims() -> Iterator[Case]:
     # under the limit: validation passes; the CPU has no decoder (BackendUnavailableError), the
     # GPU's must refuse the forged bitstream (128 MiB paid on the GPU at most)
     yield Case("ans_forged_128MiB_under_limit", "load", container(piece * 8, manifest_of(storages[:1], [], None)))
+    # a delta does not count against the limit (its base proves its size): one without a base
+    # must be refused before its 1 GiB output is allocated
+    delta = dict(storage_entry(1 << 30, [["nvcomp-ans", HEADER_SIZE + k * 256, 256, xxh(piece)] for k in range(64)],
+                               seg=1 << 24), delta={"op": "xor", "base": {"object": "x", "storage": 0}})
+    yield Case("ans_delta_without_base_claims_1GiB", "load", container(piece * 64, manifest_of([delta], [], None)))
 
 
 # ----------------------------------------------------------------------------- manifest bombs

@@ -53,6 +53,16 @@ def test_plausible_ans_storages_do_not_count() -> None:
     _validate(manifest_of(storages, [], None), 40 * chunk)
 
 
+def test_a_delta_is_bounded_by_its_base_not_the_limit() -> None:
+    """A delta storage's claim must equal its base's size, which the reader resolves before it
+    allocates the output: it does not count against gpu_claim_bytes (a fast store's delta of
+    unchanged tensors is constant data)."""
+    m = _ans_storages(3, 1 << 27)
+    for s in m["storages"]:
+        s["delta"] = {"op": "xor", "base": {"object": "data/x", "storage": 0}}
+    _validate(m, 24 * 256)
+
+
 def test_per_chunk_bound_is_nvcomps_largest_ans_chunk() -> None:
     big = NVCOMP_ANS_MAX_CHUNK * 2
     m = manifest_of([storage_entry(big, [["nvcomp-ans", HEADER_SIZE, 1024, "0" * 16]], seg=big)], [], None)
