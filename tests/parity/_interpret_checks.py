@@ -455,7 +455,7 @@ def batched_kernels() -> None:
 def simulated_gpu(batch_bytes: int = 3 << 20, segment_elems: int | None = None) -> Iterator[None]:
     """Run s4w_core.gpu's writer/reader on the CPU with a stand-in for nvCOMP."""
     import s4w_core.gpu as gpu
-    from s4w_core.gpu import _decode, _encode, _nvcomp
+    from s4w_core.gpu import _coder, _decode, _encode, _nvcomp
 
     def enc(
         c: Any, src: torch.Tensor, so: list[int], ln: list[int], dst: torch.Tensor, do: list[int], cap: list[int]
@@ -498,6 +498,7 @@ def simulated_gpu(batch_bytes: int = 3 << 20, segment_elems: int | None = None) 
 
         profs = {k: dataclasses.replace(v, segment_elems=segment_elems) for k, v in _encode.PROFILES.items()}
         patches.append((_encode, "PROFILES", profs))
+        patches.append((_coder, "PROFILES", profs))  # the device coder's own reference (encode_tensors_device)
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, val in patches:
