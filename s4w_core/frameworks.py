@@ -7,8 +7,9 @@ The adapters convert a framework's checkpoint into a state tree and delegate to 
   :class:`StateMismatchError`), retention (:func:`rotate`), one background save at a time
   (:class:`StepSaver`), the torch.distributed helpers (:func:`dist`, :func:`barrier`,
   :func:`gather_object`, :func:`broadcast_object`) and the RNG states (:func:`rng_state`);
-- whole-file I/O at local paths and ``s3://`` URLs (:class:`Files`) and a background queue that
-  runs saves and removes in call order (:class:`SerialQueue`);
+- whole-file I/O at local paths and ``s3://`` URLs (:class:`Files`), a background queue that runs
+  saves and removes in call order (:class:`SerialQueue`) and pointer files at a framework's paths
+  whose store steps go once no file names them (:class:`PointerFiles`);
 - values without a pickle-free encoding (:func:`pack_objects` / :func:`unpack_objects`: stored with
   ``torch.save`` and checked to load back with ``torch.load(weights_only=True)`` when saved) and the
   recognition of a second name for a step already stored (:class:`SavedStep`).
@@ -58,6 +59,7 @@ __all__ = [
     "join_path",
     "Files",
     "SerialQueue",
+    "PointerFiles",
     "pack_objects",
     "unpack_objects",
     "snapshot",
@@ -385,6 +387,100 @@ class SerialQueue:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class PointerFiles:
+    """Pointer files (:mod:`s4w_core.pointer`) at the paths a framework gives, each naming a step of
+    a store: by default the ``dirname`` folder beside it, or the one store ``store_url``.  A store
+    step is deleted once no pointer names it any more: the files themselves are the references
+    (those beside the pointer overwritten or removed, and in every folder pointers to the same
+    store were written into from here).  Only the store a path's pointers belong to is ever touched.
+    """
+
+    def __init__(
+        self,
+        files: Files,
+        open_store: Callable[[str], CheckpointStore],
+        *,
+        store_url: str | None = None,
+        dirname: str = ".s4w",
+        rebase_on_delete: bool = False,
+        hint: Callable[[str], str] | None = None,
+        on_delete: Callable[[str, int], None] = lambda url, step: None,
+    ) -> None:
+        self.files, self.open_store, self.store_url, self.dirname = files, open_store, store_url, dirname
+        self.rebase_on_delete, self.hint, self.on_delete = rebase_on_delete, hint, on_delete
+        self._folders: dict[str, set[str]] = {}  # per store: the folders pointers were written into
+        self._lock = threading.Lock()
+
+    def location(self, path: str) -> tuple[str, str]:
+        """(store URL, the reference a pointer at ``path`` records: relative when beside it)."""
+        if self.store_url is not None:
+            url = store_url(self.store_url)
+            return url, url
+        return join_path(split_path(path)[0], self.dirname), self.dirname
+
+    def own_store(self, path: str, ptr: pointer.Pointer) -> str | None:
+        """The store ``ptr`` names if it is the one pointers at ``path`` belong to, else None."""
+        url, _ = self.location(path)
+        try:
+            got = pointer.resolve_store(path, ptr.store, expected_store=self.store_url)
+        except FormatError:
+            return None
+        same = got == url if is_s3(url) else os.path.abspath(got) == os.path.abspath(url)
+        return url if same else None
+
+    def write(self, path: str, step: int, meta: dict[str, Any] | None = None, payload: bytes | None = None) -> None:
+        """Write the pointer to ``step`` at ``path``; the step an older pointer there named goes
+        when no other pointer names it."""
+        url, ref = self.location(path)
+        old = self.files.pointer_at(path)
+        folder, name = split_path(path)
+        hint = None if self.hint is None else self.hint(name)
+        self.files.write(path, pointer.encode(ref, step, meta=meta, payload=payload, hint=hint, name=name))
+        with self._lock:
+            self._folders.setdefault(url, set()).add(folder)
+        if old is not None and old.step != step and self.own_store(path, old) == url:
+            self.forget(url, old.step, path)
+
+    def remove(self, path: str) -> None:
+        """Remove the file at ``path``; the step a pointer there named goes when no other names it."""
+        ptr = self.files.pointer_at(path)
+        self.files.remove(path)
+        url = None if ptr is None else self.own_store(path, ptr)
+        if ptr is not None and url is not None:
+            self.forget(url, ptr.step, path)
+
+    def forget(self, url: str, step: int, removed_path: str) -> None:
+        """Delete store ``step`` unless a pointer other than ``removed_path`` still names it."""
+        with self._lock:
+            folders = {split_path(removed_path)[0], *self._folders.get(url, ())}
+        for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != removed_path):
+            ptr = self.files.pointer_at(p)
+            if ptr is not None and ptr.step == step and self.own_store(p, ptr) == url:
+                return
+        self.on_delete(url, step)
+        try:
+            self.open_store(url).delete(step, **({"rebase": True} if self.rebase_on_delete else {}))
+        except CheckpointNotFoundError:
+            pass
+
+    def newest(self, d: str, prefer: str = "last") -> str | None:
+        """The pointer in folder ``d`` naming the newest step its store holds (a name starting with
+        ``prefer`` first among pointers to the same step), or None."""
+        url = self.location(join_path(d, "x"))[0]
+        if not is_s3(url) and not os.path.isdir(url):
+            return None
+        try:
+            steps = set(self.open_store(url).steps())
+        except CheckpointNotFoundError:
+            return None
+        best: tuple[int, bool, str] | None = None
+        for p in self.files.listdir(d):
+            ptr = self.files.pointer_at(p)
+            if ptr is not None and ptr.step in steps and self.own_store(p, ptr) == url:
+                best = max(best or (-1, False, ""), (ptr.step, split_path(p)[1].startswith(prefer), p))
+        return None if best is None else best[2]
 
 
 # --------------------------------------------------------------- values s4weights cannot store

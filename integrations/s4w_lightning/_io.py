@@ -24,18 +24,17 @@ from typing import Any
 import torch
 
 import s4w_core
-from s4w_core import CheckpointNotFoundError, FormatError, pointer
+from s4w_core import FormatError, pointer
 from s4w_core.frameworks import (
     Files,
+    PointerFiles,
     SavedStep,
     SerialQueue,
     auto_location,
     is_s3,
-    join_path,
     norm_path,
     pack_objects,
     snapshot,
-    split_path,
     unpack_objects,
 )
 from s4w_core.store import CheckpointStore
@@ -93,9 +92,10 @@ class _S4CheckpointIOImpl:
         self.map_location, self.rebase_on_delete = map_location, rebase_on_delete
         self.store_options = dict(store_options or {})
         self.files = Files(self.store_options)
+        self.pointers = PointerFiles(self.files, self.store_at, store_url=self.store_url, dirname=STORE_DIRNAME,
+                                     rebase_on_delete=rebase_on_delete, hint=_hint, on_delete=self._drop_saved)  # fmt: skip
         self._stores: dict[str, CheckpointStore] = {}
         self._saved: dict[str, SavedStep] = {}  # per store: the step last written, for its second names
-        self._folders: dict[str, set[str]] = {}  # per store: the folders this plugin wrote pointers into
         self._lock = threading.RLock()
         self._queue = SerialQueue(async_save, "s4w-lightning")  # saves and removes, in call order
         self.last_info: Any = None  #: the :class:`~s4w_core.store.StepInfo` of the last save that wrote data
@@ -103,7 +103,7 @@ class _S4CheckpointIOImpl:
     # ---- where things live
     def store_for(self, path: Any) -> CheckpointStore:
         """The :class:`CheckpointStore` the checkpoints saved at ``path`` go to."""
-        return self.store_at(self.store_location(norm_path(path))[0])
+        return self.store_at(self.pointers.location(norm_path(path))[0])
 
     def store_at(self, url: str) -> CheckpointStore:
         with self._lock:
@@ -112,23 +112,10 @@ class _S4CheckpointIOImpl:
                 self._stores[url] = CheckpointStore(url, **opts)
             return self._stores[url]
 
-    def store_location(self, path: str) -> tuple[str, str]:
-        """(store url, the reference a pointer at ``path`` records: relative when beside it)."""
-        if self.store_url is not None:
-            url = self.store_url if is_s3(self.store_url) else os.path.abspath(self.store_url)
-            return url, url
-        return join_path(split_path(path)[0], STORE_DIRNAME), STORE_DIRNAME
-
-    def own_store(self, path: str, ptr: pointer.Pointer) -> str | None:
-        """The store ``ptr`` names if it is the one this plugin writes for ``path`` (the only store
-        a remove may touch), else None."""
-        url, _ = self.store_location(path)
-        try:
-            got = pointer.resolve_store(path, ptr.store, expected_store=self.store_url)
-        except FormatError:
-            return None
-        same = got == url if is_s3(url) else os.path.abspath(got) == os.path.abspath(url)
-        return url if same else None
+    def _drop_saved(self, url: str, step: int) -> None:
+        with self._lock:
+            if url in self._saved and self._saved[url].step == step:
+                del self._saved[url]
 
     def wait(self) -> None:
         """Block until every queued save/remove is done; re-raise the first error."""
@@ -147,7 +134,7 @@ class _S4CheckpointIOImpl:
             self._queue.submit(self.files.save, path, state, self.profile)
             return
         self._queue.raise_error()
-        url, ref = self.store_location(path)
+        url, _ = self.pointers.location(path)
         st = self.store_at(url)
         meta = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
         with self._lock:
@@ -160,7 +147,7 @@ class _S4CheckpointIOImpl:
             if saved is not None and saved.step == step:  # a second name: a pointer with what differs
                 buf = io.BytesIO()
                 s4w_core.save(pack_objects(saved.skeleton(checkpoint)), buf, profile="portable")
-                self._queue.submit(self._point, path, url, ref, step, meta, buf.getvalue(), None)
+                self._queue.submit(self._point, path, step, meta, buf.getvalue(), None)
                 return
             extra = {"path": path, **meta, "writer": "s4w_lightning"}
             state = pack_objects(checkpoint)
@@ -170,46 +157,20 @@ class _S4CheckpointIOImpl:
                 # host buffers; CPU: a snapshot) and codes, writes and commits it on its own worker;
                 # the pointer follows on this plugin's queue, in call order with removes
                 handle = st.save_async(state, step, extra=extra, overwrite=True)
-                self._queue.submit(self._point, path, url, ref, step, meta, None, handle)
+                self._queue.submit(self._point, path, step, meta, None, handle)
                 return
         try:
             self.last_info = st.save(state, step, extra=extra, overwrite=True)
         except BaseException:
             self._saved.pop(url, None)
             raise
-        self._point(path, url, ref, step, meta, None, None)
+        self._point(path, step, meta, None, None)
 
-    def _point(
-        self, path: str, url: str, ref: str, step: int, meta: dict[str, Any], payload: bytes | None, handle: Any
-    ) -> None:
-        """Write the pointer at ``path`` (after the store committed ``handle``'s step, if any) and
-        drop the step the old pointer there named when no other pointer names it."""
-        old = self.files.pointer_at(path)
+    def _point(self, path: str, step: int, meta: dict[str, Any], payload: bytes | None, handle: Any) -> None:
+        """Write the pointer at ``path`` once the store committed ``handle``'s step, if any."""
         if handle is not None:
             self.last_info = handle.result()
-        folder, name = split_path(path)
-        self.files.write(path, pointer.encode(ref, step, meta=meta, payload=payload, hint=_hint(name), name=name))
-        with self._lock:
-            self._folders.setdefault(url, set()).add(folder)
-        if old is not None and old.step != step and self.own_store(path, old) == url:
-            self._forget(url, old.step, path)
-
-    def _forget(self, url: str, step: int, removed_path: str) -> None:
-        """Delete store ``step`` unless another pointer still names it: beside ``removed_path``, or
-        in another folder this plugin wrote pointers into the same store from (``store=``)."""
-        with self._lock:
-            folders = {split_path(removed_path)[0], *self._folders.get(url, ())}
-        for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != removed_path):
-            ptr = self.files.pointer_at(p)
-            if ptr is not None and ptr.step == step and self.own_store(p, ptr) == url:
-                return
-        with self._lock:
-            if url in self._saved and self._saved[url].step == step:
-                del self._saved[url]
-        try:
-            self.store_at(url).delete(step, **({"rebase": True} if self.rebase_on_delete else {}))
-        except CheckpointNotFoundError:
-            pass
+        self.pointers.write(path, step, meta, payload)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Load what :meth:`save_checkpoint` wrote at ``path`` (or a plain ``torch.save`` checkpoint).
@@ -244,14 +205,7 @@ class _S4CheckpointIOImpl:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the file at ``path``; its store step goes too once no other file names it."""
-        self._queue.submit(self._remove_now, norm_path(path))
-
-    def _remove_now(self, path: str) -> None:
-        ptr = self.files.pointer_at(path) if self.delta else None
-        self.files.remove(path)
-        url = None if ptr is None else self.own_store(path, ptr)
-        if ptr is not None and url is not None:  # never a store this plugin does not write to
-            self._forget(url, ptr.step, path)
+        self._queue.submit(self.pointers.remove if self.delta else self.files.remove, norm_path(path))
 
     def teardown(self) -> None:
         """Finish queued saves and the stores' background work."""
@@ -305,20 +259,7 @@ def last_checkpoint(dirpath: str | os.PathLike[str], *, store: str | None = None
     ``ckpt_path="last"`` does, also for ``s3://`` dirpaths (where Lightning starts from scratch)."""
     d = norm_path(dirpath)
     d = d.rstrip("/") if is_s3(d) else os.path.abspath(d)
-    io_ = S4CheckpointIO(store=store, store_options=store_options)
-    url = io_.store_location(join_path(d, "last.ckpt"))[0]
-    if not is_s3(url) and not os.path.isdir(url):
-        return None
-    try:
-        steps = set(io_.store_at(url).steps())
-    except CheckpointNotFoundError:
-        return None
-    best: tuple[int, bool, str] | None = None
-    for p in io_.files.listdir(d):
-        ptr = io_.files.pointer_at(p)
-        if ptr is not None and ptr.step in steps and io_.own_store(p, ptr) == url:
-            best = max(best or (-1, False, ""), (ptr.step, split_path(p)[1].startswith("last"), p))
-    return None if best is None else best[2]
+    return S4CheckpointIO(store=store, store_options=store_options).pointers.newest(d)
 
 
 def load_from_checkpoint(

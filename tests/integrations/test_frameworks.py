@@ -188,3 +188,36 @@ def test_saved_step_recognises_the_same_tensors():
     with torch.no_grad():
         p.add_(1)  # changed since: no longer the stored step's
     assert saved.skeleton({"state_dict": {"p": p}})["state_dict"]["p"] is p
+
+
+def test_pointer_files_delete_a_step_once_no_file_names_it(tmp_path):
+    files, stores = frameworks.Files(), {}
+
+    def open_store(url):
+        return stores.setdefault(url, CheckpointStore(url, profile="portable"))
+
+    deleted = []
+    pf = frameworks.PointerFiles(files, open_store, on_delete=lambda url, step: deleted.append(step))
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    url, ref = pf.location(str(d / "a.ckpt"))
+    assert (url, ref) == (str(d / ".s4w"), ".s4w")
+    st = open_store(url)
+    for step in (1, 2):
+        st.save({"w": torch.full((4,), float(step))}, step=step)
+    pf.write(str(d / "top.ckpt"), 1)
+    pf.write(str(d / "last.ckpt"), 1)
+    assert pf.newest(str(d)) == str(d / "last.ckpt")  # same step: "last" preferred
+    pf.write(str(d / "last.ckpt"), 2)  # overwritten: step 1 is still named by top.ckpt
+    assert st.steps() == [1, 2] and deleted == [] and pf.newest(str(d)) == str(d / "last.ckpt")
+    pf.remove(str(d / "top.ckpt"))  # the last file naming step 1
+    assert st.steps() == [2] and deleted == [1] and not (d / "top.ckpt").exists()
+    # a pointer naming a store outside its folder is never followed into it
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    files.write(str(other / "x.ckpt"), pointer.encode(".s4w", 2))
+    assert pf.own_store(str(other / "x.ckpt"), files.pointer_at(str(other / "x.ckpt"))) == str(other / ".s4w")
+    files.write(str(d / "evil.ckpt"), pointer.encode("../elsewhere/.s4w", 2))
+    pf.remove(str(d / "evil.ckpt"))
+    assert st.steps() == [2] and deleted == [1]
+    assert pf.newest(str(tmp_path / "empty")) is None
