@@ -460,11 +460,17 @@ def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer)
     def resume() -> None:
         from safetensors.torch import load_file
 
-        folder = os.path.join(run_dir, "out", f"checkpoint-{spec['steps']}")
-        if mode == "s4w":
-            from s4w_transformers import restore_checkpoint
+        if mode == "s4w":  # what resume_from_checkpoint=True does with S4Callback: the step into the live objects
+            from s4w_core import CheckpointStore
 
-            folder = restore_checkpoint(os.path.join(run_dir, "out", ".s4w"), dest=os.path.join(run_dir, "restored"))
+            st = CheckpointStore(os.path.join(run_dir, "out", ".s4w"), base_cache_bytes=0)
+            tree = st.load(map_location=device)
+            model.load_state_dict(tree["model"], strict=False)
+            opt.load_state_dict(tree["optimizer"])
+            st.close()
+            sync(device)
+            return
+        folder = os.path.join(run_dir, "out", f"checkpoint-{spec['steps']}")
         sd = load_file(os.path.join(folder, "model.safetensors"), device=str(device))
         model.load_state_dict(sd, strict=False)
         opt.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), map_location=device, weights_only=True))
