@@ -76,8 +76,8 @@ DURABILITY = {
     ("accelerate", "default"): "no fsync (safetensors + torch.save)",
     ("dcp", "default"): "fsync of each file (FileSystemWriter sync_files=True)",
     ("lightning", "s4w"): "store commit fsynced (temp file, fsync, rename)",
-    ("hf", "s4w"): "raw folder not fsynced; store commit fsynced",
-    ("accelerate", "s4w"): "raw folder not fsynced; store commit fsynced",
+    ("hf", "s4w"): "store commit fsynced (no checkpoint folder written)",
+    ("accelerate", "s4w"): "store commit fsynced (no checkpoint folder written)",
     ("dcp", "s4w"): "containers and metadata fsynced",
 }
 
@@ -387,7 +387,7 @@ def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sav
     if mode == "s4w":
         from s4w_lightning import S4CheckpointIO
 
-        plugins.append(S4CheckpointIO())
+        plugins.append(S4CheckpointIO(async_save=spec.get("async", False)))
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
         precision="bf16-true" if precision == "bf16" else "bf16-mixed", max_steps=spec["steps"],
@@ -443,7 +443,7 @@ def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer)
     if mode == "s4w":
         from s4w_transformers import S4Callback
 
-        callbacks.append(S4Callback())
+        callbacks.append(S4Callback(async_save=spec.get("async", False)))
     args = TrainingArguments(
         output_dir=os.path.join(run_dir, "out"), max_steps=spec["steps"], per_device_train_batch_size=size["batch"],
         learning_rate=3e-4, weight_decay=0.1, save_strategy="no" if mode == "none" else "steps", save_steps=every,
@@ -491,6 +491,8 @@ def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sa
     t0 = time.perf_counter()
     if mode == "s4w":
         os.environ["S4W_ACCELERATE"] = "1"
+        if spec.get("async"):
+            os.environ["S4W_ACCELERATE_ASYNC"] = "1"
         import s4w_accelerate
 
         s4w_accelerate.enable_from_env()  # the import did it in a fresh process; again in --smoke's
@@ -533,6 +535,7 @@ def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sa
 
             s4w_accelerate.disable()
             os.environ.pop("S4W_ACCELERATE", None)
+            os.environ.pop("S4W_ACCELERATE_ASYNC", None)
 
     return {"wall": wall, "model": model, "opt": opt, "resume": resume if mode != "none" else None, "finish": finish}
 
@@ -695,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", choices=("bf16", "fp32master"), default="bf16")
     ap.add_argument("--out", default="runs/frameworks")
+    ap.add_argument("--async-saves", action="store_true",
+                    help="also an s4weights run (warm cache) with the adapters' async_save=True: Lightning, HF, Accelerate")
     ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
     ap.add_argument("--model", choices=sorted(SIZES), default=None, help="model shape (default: the precision's)")
     ap.add_argument("--steps", type=int, default=60)
@@ -730,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
             if only and not any(o == fw or o == f"{fw}:{name}" or o == name for o in only):
                 continue
             plan.append((fw, mode, cache, name))
+        if a.async_saves and fw != "dcp" and not a.smoke and (not only or any(o in (fw, f"{fw}:s4w-async-warm") for o in only)):
+            plan.append((fw, "s4w", "warm", "s4w-async-warm"))  # the adapters' async_save=True (DCP's runs are async)
     fsyncs = FsyncCounter() if a.smoke else None
     results: list[dict[str, Any]] = []
     caches: dict[str, str] = {}
@@ -742,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(run_dir)
             spec = {"framework": fw, "mode": mode, "precision": a.precision, "size": size, "steps": a.steps,
                     "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
-                    "torch_threads": a.torch_threads or (1 if device == "cpu" else None)}
+                    "torch_threads": a.torch_threads or (1 if device == "cpu" else None),
+                    "async": name == "s4w-async-warm"}
             left = a.budget_s - (time.perf_counter() - t_start)
             row: dict[str, Any] = {"framework": fw, "run": name, "mode": mode, "triton_cache": cache}
             if left < 20:
