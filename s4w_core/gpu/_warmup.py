@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -141,8 +142,9 @@ def stage_key(dtype: torch.dtype) -> Any:
 def marker_path(capability: tuple[int, int], dtypes: Iterable[torch.dtype]) -> Path | None:
     """The file in Triton's cache directory that a finished warm-up leaves for GPUs of ``capability``
     and ``dtypes``; None where Triton's cache directory is unknown. The name changes with anything
-    that changes what Triton compiles: its version, the source files of the GPU and planes packages, the capability, the
-    dtypes and every ``S4W_*`` / ``TRITON_*`` setting (block sizes, warps, ...)."""
+    that changes what Triton compiles: its version, the source files of the GPU and planes packages,
+    the capability, the dtypes, the ``S4W_*`` settings those sources name (block sizes, warps, ...)
+    and every ``TRITON_*`` setting but the cache directory."""
     try:
         import triton
 
@@ -150,11 +152,17 @@ def marker_path(capability: tuple[int, int], dtypes: Iterable[torch.dtype]) -> P
     except Exception:  # an older Triton without knobs, or no Triton
         return None
     h = hashlib.sha256(triton.__version__.encode())
+    names: set[str] = set()
     for mod in (_plane_kernels, _gpu_kernels):  # the kernels and (beside them) what launches them
         for src in sorted(Path(str(mod.__file__)).parent.glob("*.py")):
-            h.update(src.read_bytes())
+            text = src.read_bytes()
+            h.update(text)
+            names.update(re.findall(r"S4W_[A-Z0-9_]+", text.decode("utf-8", "replace")))
     h.update(repr((tuple(capability), sorted(str(d) for d in dtypes))).encode())
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("S4W_", "TRITON_")) and k != "TRITON_CACHE_DIR")
+    # the settings those sources read (block sizes, warps, ...) and Triton's own; not the others
+    # (an adapter's S4W_ACCELERATE, the store's limits...), which compile nothing
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if (k in names or k.startswith("TRITON_")) and k != "TRITON_CACHE_DIR")  # fmt: skip
     h.update(repr(env).encode())
     return cache_dir / f"s4w-warm-up-{h.hexdigest()[:32]}"
 

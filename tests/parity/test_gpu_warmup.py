@@ -153,6 +153,9 @@ def test_the_marker_names_what_triton_compiles(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("S4W_SPLIT_BLOCK", "4096")
     assert _warmup.marker_path((9, 0), (torch.bfloat16, torch.float32)) != a
     monkeypatch.delenv("S4W_SPLIT_BLOCK")
+    monkeypatch.setenv("S4W_ACCELERATE", "1")  # an adapter's switch compiles nothing
+    assert _warmup.marker_path((9, 0), (torch.bfloat16, torch.float32)) == a
+    monkeypatch.delenv("S4W_ACCELERATE")
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")  # names the folder, not the kernels
     assert _warmup.marker_path((9, 0), (torch.bfloat16, torch.float32)).name == a.name
 
