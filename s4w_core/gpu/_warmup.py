@@ -160,7 +160,7 @@ def marker_path(capability: tuple[int, int], dtypes: Iterable[torch.dtype]) -> P
             names.update(re.findall(r"S4W_[A-Z0-9_]+", text.decode("utf-8", "replace")))
     h.update(repr((tuple(capability), sorted(str(d) for d in dtypes))).encode())
     # the settings those sources read (block sizes, warps, ...) and Triton's own; not the others
-    # (an adapter's S4W_ACCELERATE, the store's limits...), which compile nothing
+    # (the adapters' switches, the store's limits...), which compile nothing
     env = sorted((k, v) for k, v in os.environ.items()
                  if (k in names or k.startswith("TRITON_")) and k != "TRITON_CACHE_DIR")  # fmt: skip
     h.update(repr(env).encode())
