@@ -20,11 +20,11 @@ import torch
 
 import s4w_core
 from s4w_core.codecs import CODECS
-from s4w_core.errors import BackendUnavailableError, ConfigError, ManifestError
+from s4w_core.errors import BackendUnavailableError, ConfigError, DecodeError, ManifestError
 from s4w_core.format.container import HEADER_SIZE, ContainerReader
 from s4w_core.format.limits import parse_limits
 from s4w_core.format.manifest import NVCOMP_ANS_MAX_CHUNK, claims_plausible, validate_manifest
-from s4w_core.gpu._prove import PROOF_BYTES, needs_proof, proof_groups
+from s4w_core.gpu._prove import PROOF_BYTES, needs_proof, proof_groups, prove_claims
 from tests.attacks.generators import container, gpu_only_claims, manifest_of, storage_entry, xxh
 
 PIECE = bytes(range(256))
@@ -92,6 +92,47 @@ def test_per_chunk_bound_is_nvcomps_largest_ans_chunk() -> None:
     # the same claim in a CPU-decodable codec is only held to the codec's expansion
     m = manifest_of([storage_entry(big, [["zstd", HEADER_SIZE, 1024, "0" * 16]], seg=big)], [], None)
     _validate(m, 1024)
+
+
+def _deflate(data: bytes) -> bytes:
+    z = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return z.compress(data) + z.flush()
+
+
+def test_proof_reads_scattered_chunks_and_names_the_bad_one() -> None:
+    """Chunks out of file order, with other storages' chunks (and gaps) between them: each is read,
+    checked and decoded as its own (the simulated GPU's nvCOMP stand-in: raw deflate); a chunk that
+    decodes short is named by its index in its storage."""
+    from tests.parity._interpret_checks import simulated_gpu
+
+    good = _deflate(bytes(1 << 20))
+    filler = bytes(range(256)) * 40  # 10 KiB of another storage between two chunks
+    pieces: list[bytes] = []
+    offs: dict[int, int] = {}
+    for k in [5, 2, 7, 0, 1, 6, 3, 4]:  # file order
+        offs[k] = HEADER_SIZE + sum(map(len, pieces))
+        pieces.append(good)
+        if k % 3 == 0:
+            pieces.append(filler)
+    data = b"".join(pieces)
+
+    def payload(bad: int | None) -> bytes:
+        blob = bytearray(data)
+        if bad is not None:  # same length, decodes to 1 MiB - 1000 bytes
+            short = _deflate(bytes((1 << 20) - 1000))
+            short += b"\0" * (len(good) - len(short))
+            blob[offs[bad] - HEADER_SIZE : offs[bad] - HEADER_SIZE + len(good)] = short
+        chunks = [["nvcomp-ans", offs[k], len(good), xxh(bytes(blob[offs[k] - HEADER_SIZE:][: len(good)]))]
+                  for k in range(8)]
+        return container(bytes(blob), manifest_of([storage_entry(8 << 20, chunks, seg=1 << 20)], [], None))
+
+    with simulated_gpu():
+        reader = s4w_core.api.open_reader(payload(None))
+        assert needs_proof(reader.manifest["storages"][0])
+        prove_claims(reader, reader.manifest["storages"], torch.device("cpu"))
+        reader = s4w_core.api.open_reader(payload(6))
+        with pytest.raises(DecodeError, match=r"chunk 6 of tensor 'w' .*does not decode to the 1048576 bytes"):
+            prove_claims(reader, reader.manifest["storages"], torch.device("cpu"))
 
 
 def test_load_refuses_without_touching_the_claim() -> None:
