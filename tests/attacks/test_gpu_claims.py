@@ -217,6 +217,15 @@ def test_forged_claims_fail_within_the_gpu_budget(target: str) -> None:
 
 
 @pytest.mark.gpu
+def test_a_valid_ans_chunk_claimed_larger_is_named() -> None:
+    """nvCOMP decodes the real chunk without an error, to its own size: the proof compares that
+    size with the claim and names the chunk (through nvCOMP's C API: chunk 0 exactly)."""
+    with pytest.raises(DecodeError, match=r"tensor 'w'.*nothing was allocated") as ei:
+        s4w_core.load(io.BytesIO(_forged_from_real_chunks(64)), map_location="cuda")
+    assert "chunk 0 of tensor 'w'" in str(ei.value) or "chunks 0.." in str(ei.value), ei.value
+
+
+@pytest.mark.gpu
 def test_fast_file_with_a_1GiB_zero_tensor_loads_by_default() -> None:
     """A fast-profile file of a 1 GiB zero tensor (a zero-initialised buffer, saved on the GPU)
     claims far more than 16x its stored bytes: it loads bit-exact with the default limits, its
