@@ -127,16 +127,18 @@ def _read_group(reader: ContainerReader, group: list[ProofChunk]) -> list[memory
     :data:`_MAX_GAP`), share a read."""
     order = sorted(range(len(group)), key=lambda k: group[k].off)
     runs: list[list[int]] = []
+    own = 0  # the stored bytes of the chunks of the last run
     for k in order:
         c = group[k]
         if runs:
             first, last = group[runs[-1][0]], group[runs[-1][-1]]
             gap = c.off - (last.off + last.length)
-            own = sum(group[m].length for m in runs[-1]) + c.length
-            if 0 <= gap <= _MAX_GAP and c.off + c.length - first.off <= 2 * own + _MAX_GAP:
+            if 0 <= gap <= _MAX_GAP and c.off + c.length - first.off <= 2 * (own + c.length) + _MAX_GAP:
                 runs[-1].append(k)
+                own += c.length
                 continue
         runs.append([k])
+        own = c.length
     out: list[memoryview] = [memoryview(b"")] * len(group)
     for run in runs:
         start = group[run[0]].off
