@@ -231,8 +231,8 @@ def claims_plausible(entry: dict[str, Any]) -> bool:
     """Whether a (validated) storage entry's raw size is at most :data:`PLAUSIBLE_RATIO` times its
     stored bytes plus :data:`PLAUSIBLE_SLACK`: then its output may be allocated before its chunks
     are decoded. Otherwise the CPU reader decodes the chunks first, and the GPU reader leaves such
-    a storage to the CPU reader when it can (what a claim makes either allocate follows what the
-    chunks actually yield)."""
+    a storage to the CPU reader when it can and otherwise decodes its chunks first itself (what a
+    claim makes either allocate follows what the chunks actually yield)."""
     return bool(entry["nbytes"] <= PLAUSIBLE_RATIO * sum(c[2] for c in entry["chunks"]) + PLAUSIBLE_SLACK)
 
 

@@ -276,7 +276,8 @@ def decode_storages(
                 "`s4w convert IN OUT --profile portable`"
             )
         # a storage claiming far more than its stored bytes goes to the CPU reader, which decodes
-        # its chunks before allocating its output, unless only a GPU can decode it
+        # its chunks before allocating its output, unless only a GPU can decode it (then the GPU
+        # reader decodes its chunks first: s4w_core.gpu._prove)
         if gpu is not None and (needs_gpu or (dev.type == "cuda" and engine.claims_plausible(s))):
             gdev = dev if dev.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
             on_gpu[gdev].append(i)

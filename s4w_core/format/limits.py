@@ -47,14 +47,6 @@ class Limits:
         pickle_inflation: see ``pickle_bytes``.
         pickle_ops: the most pickle opcodes the scan follows before giving up the same way.
         safetensors_header_bytes: the largest safetensors JSON header packing parses.
-        gpu_claim_bytes: the most raw bytes a file's storages coded with a GPU-only codec
-            (``nvcomp-ans``) may claim, summed over the file, where a storage claims more than
-            :data:`~s4w_core.format.manifest.PLAUSIBLE_RATIO` times its stored bytes plus
-            :data:`~s4w_core.format.manifest.PLAUSIBLE_SLACK` (constant data, or a forged size).
-            Such a storage cannot be decoded on the CPU before its output is allocated, so its
-            claim is paid on the GPU up front; this cap is checked before anything is allocated.
-            A delta storage does not count: its claim must equal its base's size, and the base is
-            resolved before the output is allocated.
     """
 
     manifest_bytes: int = 256 << 20
@@ -64,7 +56,6 @@ class Limits:
     pickle_inflation: int = 100
     pickle_ops: int = 2_000_000
     safetensors_header_bytes: int = 100_000_000
-    gpu_claim_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

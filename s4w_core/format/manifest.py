@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from s4w_core.codecs import CODECS, get_codec
+from s4w_core.codecs import get_codec
 from s4w_core.errors import ManifestError, S4WError, UnsupportedVersionError
 from s4w_core.format.container import FORMAT_VERSION
-from s4w_core.format.limits import ENV_VAR, get_limits
 
 __all__ = [
     "validate_manifest",
@@ -39,12 +38,10 @@ MAX_SEGMENT_BYTES = 1 << 26
 NVCOMP_ANS_MAX_CHUNK = 1 << 24
 #: a storage whose raw size is at most this many times its stored bytes (plus
 #: :data:`PLAUSIBLE_SLACK`) may be allocated before its chunks are decoded; one that claims more is
-#: decoded first where a CPU decoder exists (real data compresses far less: a claim that large is
-#: constant data or forged), and counts against the ``gpu_claim_bytes`` limit where none does
+#: decoded first (real data compresses far less: a claim that large is constant data or forged): by
+#: the CPU reader, or, where only a GPU decodes the storage, by the GPU reader (s4w_core.gpu._prove)
 PLAUSIBLE_RATIO = 16
 PLAUSIBLE_SLACK = 1 << 20
-#: codec ids only a GPU decodes (what their storages claim is allocated on the GPU up front)
-_GPU_ONLY = frozenset(c.id for c in CODECS.values() if not c.cpu_decodable)
 MAX_STORAGE_BYTES = 1 << 48
 #: the byte-plane transforms (docs/FORMAT.md 4.5 and 4.5b): ``planes-rotl1`` rotates each element
 #: left by one bit before the split, ``planes`` splits it as it is; the width comes from the dtype.
@@ -113,7 +110,6 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
     if "tree" not in m:
         raise ManifestError("manifest: 'tree' is missing")
     spans: list[tuple[int, int]] = []  # (offset, length) of every non-empty chunk
-    gpu_claim = 0  # raw bytes of GPU-only storages that claim more than their chunks can prove
     for i, s in enumerate(storages):
         where = f"storage {i}"
         if not isinstance(s, dict):
@@ -152,7 +148,6 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
             )
         # the per-chunk checks inline: this loop runs for every chunk of every load
         emax = MAX_EXPANSION
-        stored, gpu_only = 0, False
         for k, c in enumerate(chunks):
             if not (type(c) is list and len(c) == 4 and type(c[0]) is str and type(c[3]) is str):
                 raise ManifestError(f"manifest: {where} chunk {k} is malformed")
@@ -174,30 +169,14 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
                     f"manifest: {where} chunk {k} claims {raw_len} bytes from {length} stored bytes of {codec}: "
                     "beyond that codec's possible expansion"
                 )
-            if codec in _GPU_ONLY:
-                gpu_only = True
-                if codec == "nvcomp-ans" and raw_len > NVCOMP_ANS_MAX_CHUNK:
-                    raise ManifestError(
-                        f"manifest: {where} chunk {k} claims {raw_len} bytes of nvcomp-ans, more than the "
-                        f"{NVCOMP_ANS_MAX_CHUNK} an nvCOMP ANS chunk holds"
-                    )
+            if codec == "nvcomp-ans" and raw_len > NVCOMP_ANS_MAX_CHUNK:
+                raise ManifestError(
+                    f"manifest: {where} chunk {k} claims {raw_len} bytes of nvcomp-ans, more than the "
+                    f"{NVCOMP_ANS_MAX_CHUNK} an nvCOMP ANS chunk holds"
+                )
             if length:
                 spans.append((off, length))
-                stored += length
         s["_width"] = w
-        # claims_plausible(s), inline; a delta's claim is its base's size instead (the reader resolves
-        # the base, of exactly ``nbytes``, before it allocates the output)
-        if gpu_only and delta is None and nbytes > PLAUSIBLE_RATIO * stored + PLAUSIBLE_SLACK:
-            gpu_claim += nbytes
-            cap = get_limits().gpu_claim_bytes
-            if gpu_claim > cap:
-                raise ManifestError(
-                    f"manifest: {where} ({s['path'][:200]!r}) claims {nbytes} raw bytes from "
-                    f"{stored} stored bytes of a GPU-only codec; with the storages before it "
-                    f"that is {gpu_claim} bytes the GPU must allocate before decoding can prove them, more than "
-                    f"the gpu_claim_bytes limit of {cap} (docs/SECURITY.md: raise it with "
-                    f"{ENV_VAR}=gpu_claim_bytes=... if the file is trusted)"
-                )
     # Chunks may not overlap: otherwise a tiny file could point many chunks at the same bytes and
     # claim (and make the reader allocate) an arbitrarily large decoded size.
     spans.sort()

@@ -46,6 +46,7 @@ from s4w_core.format.manifest import NZ_TRANSFORMS
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._coder import TRACE_MARKS, mark
 from s4w_core.gpu._decplan import Call, DecodePlan, plan_key
+from s4w_core.gpu._prove import prove_claims
 from s4w_core.gpu.kernels import fold64_finish, fold64_launch, fold64_rows, gather_copy
 from s4w_core.planes.triton_kernels import (
     MERGE,
@@ -89,6 +90,7 @@ def decode_storages(
     """See :func:`s4w_core.gpu.decode_storages`."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    prove_claims(reader, entries, device)  # implausible GPU-only claims decoded first (gpu/_prove.py)
     own = pool is None
     if pool is None:
         pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))

@@ -130,9 +130,10 @@ def allocation_bombs() -> Iterator[Case]:
 
 
 def gpu_only_claims() -> Iterator[Case]:
-    """``nvcomp-ans`` storages: only a GPU decodes them, so what they claim is allocated on the GPU
-    before decoding can prove it; validation bounds each chunk by nvCOMP's largest ANS chunk and
-    the file's total unproven claim by the ``gpu_claim_bytes`` limit (256 MiB by default)."""
+    """``nvcomp-ans`` storages: only a GPU decodes them. Validation bounds each chunk by nvCOMP's
+    largest ANS chunk; a storage claiming more than 16x its stored bytes + 1 MiB is decoded first
+    on the GPU (s4w_core.gpu._prove) before its output is allocated. On the CPU every case is a
+    BackendUnavailableError (or a ManifestError from validation)."""
     # 1-byte chunks at the codec's expansion bound: 4.3 GB claimed by 64 KiB of data
     n, seg = 1 << 16, 65_600
     chunks = [["nvcomp-ans", HEADER_SIZE + i, 1, xxh(b"\x01")] for i in range(n)]
@@ -141,16 +142,16 @@ def gpu_only_claims() -> Iterator[Case]:
     blob = bytes(range(256)) * 4
     yield Case("ans_chunk_past_nvcomp_max", "load",
                container(blob, manifest_of([storage_entry(1 << 25, [["nvcomp-ans", HEADER_SIZE, 1024, xxh(blob)]], seg=1 << 25)], [], None)))
-    # storages each under the limit, together over it: 3 x 128 MiB from 2 KiB each
+    # three forged storages of 128 MiB from 2 KiB each (refused by the proof of the first one)
     piece = bytes(range(256))
     storages = [storage_entry(1 << 27, [["nvcomp-ans", HEADER_SIZE + (8 * i + k) * 256, 256, xxh(piece)] for k in range(8)],
                          seg=1 << 24) for i in range(3)]
     yield Case("ans_three_storages_claim_384MiB", "load", container(piece * 24, manifest_of(storages, [], None)))
-    # under the limit: validation passes; the CPU has no decoder (BackendUnavailableError), the
-    # GPU's must refuse the forged bitstream (128 MiB paid on the GPU at most)
-    yield Case("ans_forged_128MiB_under_limit", "load", container(piece * 8, manifest_of(storages[:1], [], None)))
-    # a delta does not count against the limit (its base proves its size): one without a base
-    # must be refused before its 1 GiB output is allocated
+    # one forged storage of 128 MiB: validation passes; the CPU has no decoder
+    # (BackendUnavailableError), the GPU's proof refuses the forged bitstream before the 128 MiB are allocated
+    yield Case("ans_forged_128MiB", "load", container(piece * 8, manifest_of(storages[:1], [], None)))
+    # a delta is not decoded first (its base proves its size): one without a base must be refused
+    # before its 1 GiB output is allocated
     delta = dict(storage_entry(1 << 30, [["nvcomp-ans", HEADER_SIZE + k * 256, 256, xxh(piece)] for k in range(64)],
                                seg=1 << 24), delta={"op": "xor", "base": {"object": "x", "storage": 0}})
     yield Case("ans_delta_without_base_claims_1GiB", "load", container(piece * 64, manifest_of([delta], [], None)))
