@@ -51,6 +51,7 @@ __all__ = [
     "step_key",
     "wait_rank_stores",
     "cleanup_orphans",
+    "delete_step",
 ]
 
 RANKS_DIR = "ranks"
@@ -175,6 +176,27 @@ def committed_steps(root: str | os.PathLike[str], s3_options: Mapping[str, Any] 
 def run_bytes(root: str | os.PathLike[str], s3_options: Mapping[str, Any] | None = None) -> int:
     """Bytes every object of the run at ``root`` occupies (rank stores and records)."""
     return sum(o.size for o in RunRoot(root, s3_options).backend.list(""))
+
+
+def delete_step(
+    root: str | os.PathLike[str], step: int, rank: int | None = None, s3_options: Mapping[str, Any] | None = None
+) -> None:
+    """Delete ``step`` from the run at ``root``: its metadata record first (rank 0, or ``rank``
+    None), so that it is no longer listed, then the step of rank ``rank``'s store (None: of every
+    rank store; each rank deletes its own when all ranks call this).  A step that is not there is
+    no error."""
+    run = RunRoot(root, s3_options)
+    check_step(step)
+    if rank is None or rank == 0:
+        run.backend.delete(step_key(step))
+    if rank is None:
+        names = sorted({"/".join(o.key.split("/")[:2]) for o in run.backend.list(f"{RANKS_DIR}/")})
+    else:
+        names = [rank_store_name(rank)]
+    for name in names:
+        st = rank_store(run, name)
+        if step in st.steps():
+            st.delete(step)
 
 
 def cleanup_orphans(store: CheckpointStore, run: RunRoot, step: int) -> list[int]:
