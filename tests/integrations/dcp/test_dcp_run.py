@@ -220,3 +220,33 @@ def test_async_saves_of_a_run_then_resume_and_save_on(tmp_path: Path) -> None:
         assert kinds == {1: "delta", 2: "delta", 3: "delta", 4: "keyframe"}, kinds
     finally:
         close_rank_stores(root)
+
+
+def _cuda(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _cuda(v) for k, v in obj.items()}
+    return obj.cuda() if isinstance(obj, torch.Tensor) else obj
+
+
+@pytest.mark.gpu
+def test_gpu_async_saves_of_a_run_code_on_the_gpu_and_load_onto_it(tmp_path: Path) -> None:
+    """CUDA state: ``dcp.async_save`` stages into pinned host buffers and the rank store codes on
+    the GPU; the newest and an older step load onto the GPU bit-exact; later steps are deltas."""
+    root = tmp_path / "run"
+    try:
+        infos = []
+        for s in (10, 20, 30):
+            w = S4StorageWriter(root, step=s)
+            dcp.async_save(_cuda(full_state(s)), storage_writer=w, no_dist=True).result()
+            infos += w.last_steps
+        wait_rank_stores(root)
+        assert [i.profile for i in infos] == ["fast"] * 3, infos
+        for s in (None, 10):
+            target = _cuda(_plain_zeros(full_state(0)))
+            dcp.load(target, storage_reader=S4StorageReader(root, step=s), no_dist=True)
+            assert target["model"]["w"].is_cuda
+            assert diff(target, _cuda(full_state(s or 30))) == [], s
+        kinds = {i.step: i.kind for i in rank_store(RunRoot(root), rank_store_name(0)).list()}
+        assert kinds == {10: "delta", 20: "delta", 30: "keyframe"}, kinds
+    finally:
+        close_rank_stores(root)
