@@ -282,7 +282,9 @@ def run(rank: int, world: int, a: argparse.Namespace, init_method: str | None) -
             res["params"] = sum(p.numel() for p in GPT(layers=a.layers, d=a.d, heads=max(1, a.d // 64), ctx=a.ctx).parameters())
         t_start = time.perf_counter()
         for kind in a.writers.split(","):
-            if time.perf_counter() - t_start > a.budget_s:
+            late = [time.perf_counter() - t_start > a.budget_s]
+            dist.broadcast_object_list(late, src=0, group=ckpt_pg)  # every rank skips, or none
+            if late[0]:
                 res["runs"].append({"writer": kind, "skipped": "budget"})
                 continue
             res["runs"].append(one_writer(kind, a, rank, world, device, mesh, ckpt_pg, data))
