@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,13 @@ def _load_plain(root: Any, step: int | None) -> Any:
     return target
 
 
+@pytest.fixture(autouse=True)
+def _close_stores() -> Any:
+    """The store objects a test's loads and saves opened in this process go with the test."""
+    yield
+    close_rank_stores()
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """3 steps saved by 2 gloo ranks (Shard(0)), each then loaded by the same 2 ranks as Shard(1)
@@ -87,11 +95,23 @@ def test_two_ranks_to_one_process_newest_and_older_steps(two_rank_run: Any) -> N
         assert diff(got, full_state(step or 30)) == [], step
 
 
-def test_two_ranks_to_three_ranks_shard1(two_rank_run: Any, tmp_path: Path) -> None:
-    root, _ = two_rank_run
-    res = _worker(tmp_path, "--root", str(root), "--nproc", "3", "--phase", "load", "--load", "none,20",
-                  "--load-placement", "shard1")
-    assert res["loads"] == {"none": [], "20": []} and res["world"] == 3, res
+def test_two_ranks_to_three_ranks_then_three_ranks_save_on(two_rank_run: Any, tmp_path: Path) -> None:
+    """3 ranks load the 2-rank run's steps (Shard(1), Replicate), save step 40 as Shard(1) -- every
+    shard's placement changed, so nothing is a delta across 30 -> 40 -- and load it back."""
+    src, _ = two_rank_run
+    root = tmp_path / "run"
+    shutil.copytree(src, root)
+    res = _worker(tmp_path, "--root", str(root), "--nproc", "3", "--phase", "save", "--steps", "40",
+                  "--placement", "shard1", "--load", "20:shard1,30:replicate,none:shard0")
+    assert res["loads"] == {"20:shard1": [], "30:replicate": [], "none:shard0": []} and res["world"] == 3, res
+    assert res["committed"] == [10, 20, 30, 40]
+    stores = [CheckpointStore(RunRoot(root).store_url(rank_store_name(r))) for r in range(3)]
+    assert stores[2].steps() == [40]
+    for st in stores[:2]:
+        kinds = {i.step: i.kind for i in st.list()}
+        # 30 stays whole: no storage of 40 has its placement; 20 and 10 stay deltas
+        assert kinds == {10: "delta", 20: "delta", 30: "keyframe", 40: "keyframe"}, kinds
+    assert diff(_load_plain(root, 30), full_state(30)) == []
 
 
 def test_rank_killed_mid_save_leaves_nothing_visible_and_the_run_goes_on(tmp_path: Path) -> None:
