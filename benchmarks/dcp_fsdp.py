@@ -277,6 +277,13 @@ def run(rank: int, world: int, a: argparse.Namespace, init_method: str | None) -
     res: dict[str, Any] = {"world": world, "device": str(device), "torch": torch.__version__, "args": vars(a), "runs": []}
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(device)
+        from s4w_core import gpu
+
+        # the codec's kernels compiled (or loaded from Triton's cache) before training starts, as
+        # a CheckpointStore or an adapter created at startup does: not part of any save
+        t0 = time.perf_counter()
+        res["gpu_warm_up"] = gpu.warm_up(device, wait=True)
+        res["gpu_warm_up_s"] = round(time.perf_counter() - t0, 2)
     try:
         with torch.device("meta"):
             res["params"] = sum(p.numel() for p in GPT(layers=a.layers, d=a.d, heads=max(1, a.d // 64), ctx=a.ctx).parameters())
