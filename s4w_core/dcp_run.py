@@ -102,6 +102,11 @@ class RunRoot:
         """Commit ``step``: its metadata record, atomically (the commit point)."""
         self.backend.put(step_key(step, rank), doc)
 
+    def drop_record(self, step: int, rank: int | None = None) -> None:
+        """Un-commit ``step`` (it is no longer listed; the rank stores' data of it goes at their
+        next save, :func:`cleanup_orphans`)."""
+        self.backend.delete(step_key(step, rank))
+
     def get_record(self, step: int | None, rank: int | None = None) -> tuple[int, bytes]:
         """``(step, record bytes)`` of ``step`` (None: the newest committed)."""
         if step is None:

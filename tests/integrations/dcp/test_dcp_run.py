@@ -270,3 +270,21 @@ def test_gpu_async_saves_of_a_run_code_on_the_gpu_and_load_onto_it(tmp_path: Pat
         assert kinds == {10: "delta", 20: "delta", 30: "keyframe"}, kinds
     finally:
         close_rank_stores(root)
+
+
+def test_keep_last_lists_the_newest_steps_and_reclaims_the_others_at_the_next_save(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for s in (1, 2, 3, 4):
+        dcp.save(full_state(s), storage_writer=S4StorageWriter(root, step=s, keep_last=2), no_dist=True)
+    wait_rank_stores(root)
+    assert committed_steps(root) == [3, 4]
+    # rank 0's store dropped step 1 at the save of 4; step 2 goes at the next save
+    assert rank_store(RunRoot(root), rank_store_name(0)).steps() == [2, 3, 4]
+    for s in (3, 4):
+        assert diff(_load_plain(root, s), full_state(s)) == [], s
+    with pytest.raises(BaseException, match="step 2 is not committed"):
+        _load_plain(root, 2)
+    dcp.save(full_state(5), storage_writer=S4StorageWriter(root, step=5, keep_last=2), no_dist=True)
+    assert rank_store(RunRoot(root), rank_store_name(0)).steps() == [3, 4, 5]
+    with pytest.raises(ValueError, match="keep_last"):
+        S4StorageWriter(root, keep_last=2)
