@@ -88,7 +88,19 @@ class RunRoot:
     def __init__(self, root: str | os.PathLike[str], s3_options: Mapping[str, Any] | None = None) -> None:
         self.url = os.fspath(root).rstrip("/") or os.fspath(root)
         self.s3_options = dict(s3_options or {})
-        self.backend = open_backend(self.url, **self.s3_options) if self.url.startswith("s3://") else open_backend(self.url)
+        self._backend: Any = None  # a store backend (s4w_core.store.open_backend)
+
+    @property
+    def backend(self) -> Any:
+        """The run root's object backend (opened on first use; not pickled with the root)."""
+        if self._backend is None:
+            self._backend = (
+                open_backend(self.url, **self.s3_options) if self.url.startswith("s3://") else open_backend(self.url)
+            )
+        return self._backend
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "s3_options": self.s3_options, "_backend": None}
 
     def __repr__(self) -> str:
         return self.url
