@@ -288,3 +288,15 @@ def test_keep_last_lists_the_newest_steps_and_reclaims_the_others_at_the_next_sa
     assert rank_store(RunRoot(root), rank_store_name(0)).steps() == [3, 4, 5]
     with pytest.raises(ValueError, match="keep_last"):
         S4StorageWriter(root, keep_last=2)
+
+
+@pytest.mark.s3
+def test_s3_two_ranks_save_a_chain_and_reshard(s3_url: str, tmp_path: Path) -> None:
+    """2 gloo ranks save two steps to S3 and load the newest as Shard(1); one process loads both."""
+    root = f"{s3_url}/run2"
+    res = _worker(tmp_path, "--root", root, "--nproc", "2", "--phase", "save", "--steps", "10,20",
+                  "--placement", "shard0", "--load", "none:shard1,10:replicate")
+    assert res["loads"] == {"none:shard1": [], "10:replicate": []} and res["committed"] == [10, 20], res
+    assert res["grew"]["20"] <= 0.6 * res["grew"]["10"], res["grew"]
+    for s in (None, 10):
+        assert diff(_load_plain(root, s), full_state(s or 20)) == [], s
