@@ -129,6 +129,7 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
     fut: Any = None
     pending: dict[str, Any] | None = None
     saved_bits: dict[str, torch.Tensor] = {}
+    copy_s = 0.0
     _sync(device)
     t_loop = time.perf_counter()
     for step in range(1, a.steps + 1):
@@ -141,8 +142,10 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             state = _state(m, opt, step)
-            if step + a.every > a.steps:  # the last save: what the loads must give back
+            if step + a.every > a.steps:  # the last save: what the loads must give back (not timed)
+                t_copy = time.perf_counter()
                 saved_bits = _local_bits(state)
+                copy_s = time.perf_counter() - t_copy
             t0 = time.perf_counter()
             fut = dcp.async_save(state, storage_writer=writer(step), process_group=ckpt_pg)
             pending = {"step": step, "blocked_s": time.perf_counter() - t0, "_t0": t0}
@@ -152,7 +155,7 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
         assert pending is not None
         pending["save_wall_s"] = time.perf_counter() - pending.pop("_t0")
     _sync(device)
-    loop_wall = time.perf_counter() - t_loop
+    loop_wall = time.perf_counter() - t_loop - copy_s
     last = saves[-1]["step"]
     if kind == "s4w":
         t0 = time.perf_counter()
@@ -274,12 +277,21 @@ def run(rank: int, world: int, a: argparse.Namespace, init_method: str | None) -
     res: dict[str, Any] = {"world": world, "device": str(device), "torch": torch.__version__, "args": vars(a), "runs": []}
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(device)
+        from s4w_core import gpu
+
+        # the codec's kernels compiled (or loaded from Triton's cache) before training starts, as
+        # a CheckpointStore or an adapter created at startup does: not part of any save
+        t0 = time.perf_counter()
+        res["gpu_warm_up"] = gpu.warm_up(device, wait=True)
+        res["gpu_warm_up_s"] = round(time.perf_counter() - t0, 2)
     try:
         with torch.device("meta"):
             res["params"] = sum(p.numel() for p in GPT(layers=a.layers, d=a.d, heads=max(1, a.d // 64), ctx=a.ctx).parameters())
         t_start = time.perf_counter()
         for kind in a.writers.split(","):
-            if time.perf_counter() - t_start > a.budget_s:
+            late = [time.perf_counter() - t_start > a.budget_s]
+            dist.broadcast_object_list(late, src=0, group=ckpt_pg)  # every rank skips, or none
+            if late[0]:
                 res["runs"].append({"writer": kind, "skipped": "budget"})
                 continue
             res["runs"].append(one_writer(kind, a, rank, world, device, mesh, ckpt_pg, data))

@@ -25,7 +25,7 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH} PY
 cat "$OUT/env.txt"
 BUDGET_S=${BUDGET_S:-420}
 WORK=${WORK:-/tmp/s4w_dcp_fsdp}; rm -rf "$WORK"; mkdir -p "$WORK"
-timeout -k 10 $(( BUDGET_S + 150 )) torchrun --standalone --nproc-per-node "${NPROC:-2}" benchmarks/dcp_fsdp.py \
+timeout -k 10 $(( BUDGET_S + 150 )) python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" benchmarks/dcp_fsdp.py \
   --out "$OUT" --work "$WORK" --budget-s "$BUDGET_S" "$@" > "$OUT/dcp_fsdp.log" 2>&1
 rc=$?
 rm -rf "$WORK"

@@ -507,6 +507,8 @@ class S4StorageWriter(StorageWriter):
             ``checkpoint_id`` overrides it.  With ``step``: the run's root, holding every step.
         step: save step ``step`` of the run at ``path`` (each rank's items a delta chain, see
             :mod:`s4w_core.dcp_run`); None (default): ``path`` is one self-contained checkpoint.
+        keep_last: with ``step``: once the step is committed, only the newest ``keep_last`` steps
+            stay listed; the others' data goes at each rank's next save.
         profile: s4weights profile (``"auto"``: GPU codecs when the tensors are on a usable GPU,
             or were staged from one by ``dcp.async_save``, else ``"portable"``; ``"portable"``:
             decodable anywhere).
@@ -538,6 +540,7 @@ class S4StorageWriter(StorageWriter):
         path: str | os.PathLike[str] | None = None,
         *,
         step: int | None = None,
+        keep_last: int | None = None,
         profile: str = "auto",
         overwrite: bool = True,
         threads: int | None = None,
@@ -556,6 +559,9 @@ class S4StorageWriter(StorageWriter):
         self._s3_options = s3_options
         self.folder = _Folder(path, s3_options) if path is not None else None
         self.step = None if step is None else check_step(step)
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1 or step is None):
+            raise ValueError(f"keep_last must be a positive integer, and needs step=, got {keep_last!r}")
+        self.keep_last = keep_last
         self.run: RunRoot | None = None
         if self.step is not None and path is not None:
             self.run = RunRoot(path, s3_options)
@@ -894,7 +900,11 @@ class S4StorageWriter(StorageWriter):
         try:
             if self.run is not None and self.step is not None:
                 # every rank's store committed its step (write_data returned on every rank): commit
-                self.run.put_record(self.step, doc, None if self.use_collectives or self.rank is None else self.rank)
+                own = None if self.use_collectives or self.rank is None else self.rank
+                self.run.put_record(self.step, doc, own)
+                if self.keep_last is not None:  # retention: records now, each rank's data at its next save
+                    for old in self.run.steps(own)[: -self.keep_last]:
+                        self.run.drop_record(old, own)
                 return
             self.folder.write_bytes(self._meta_name(), doc)  # the commit point
         except BaseException as e:  # the rank events said the data was written: this save failed after all

@@ -51,6 +51,7 @@ __all__ = [
     "step_key",
     "wait_rank_stores",
     "cleanup_orphans",
+    "delete_step",
 ]
 
 RANKS_DIR = "ranks"
@@ -87,7 +88,19 @@ class RunRoot:
     def __init__(self, root: str | os.PathLike[str], s3_options: Mapping[str, Any] | None = None) -> None:
         self.url = os.fspath(root).rstrip("/") or os.fspath(root)
         self.s3_options = dict(s3_options or {})
-        self.backend = open_backend(self.url, **self.s3_options) if self.url.startswith("s3://") else open_backend(self.url)
+        self._backend: Any = None  # a store backend (s4w_core.store.open_backend)
+
+    @property
+    def backend(self) -> Any:
+        """The run root's object backend (opened on first use; not pickled with the root)."""
+        if self._backend is None:
+            self._backend = (
+                open_backend(self.url, **self.s3_options) if self.url.startswith("s3://") else open_backend(self.url)
+            )
+        return self._backend
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "s3_options": self.s3_options, "_backend": None}
 
     def __repr__(self) -> str:
         return self.url
@@ -100,6 +113,11 @@ class RunRoot:
     def put_record(self, step: int, doc: bytes, rank: int | None = None) -> None:
         """Commit ``step``: its metadata record, atomically (the commit point)."""
         self.backend.put(step_key(step, rank), doc)
+
+    def drop_record(self, step: int, rank: int | None = None) -> None:
+        """Un-commit ``step`` (it is no longer listed; the rank stores' data of it goes at their
+        next save, :func:`cleanup_orphans`)."""
+        self.backend.delete(step_key(step, rank))
 
     def get_record(self, step: int | None, rank: int | None = None) -> tuple[int, bytes]:
         """``(step, record bytes)`` of ``step`` (None: the newest committed)."""
@@ -175,6 +193,27 @@ def committed_steps(root: str | os.PathLike[str], s3_options: Mapping[str, Any] 
 def run_bytes(root: str | os.PathLike[str], s3_options: Mapping[str, Any] | None = None) -> int:
     """Bytes every object of the run at ``root`` occupies (rank stores and records)."""
     return sum(o.size for o in RunRoot(root, s3_options).backend.list(""))
+
+
+def delete_step(
+    root: str | os.PathLike[str], step: int, rank: int | None = None, s3_options: Mapping[str, Any] | None = None
+) -> None:
+    """Delete ``step`` from the run at ``root``: its metadata record first (rank 0, or ``rank``
+    None), so that it is no longer listed, then the step of rank ``rank``'s store (None: of every
+    rank store; each rank deletes its own when all ranks call this).  A step that is not there is
+    no error."""
+    run = RunRoot(root, s3_options)
+    check_step(step)
+    if rank is None or rank == 0:
+        run.backend.delete(step_key(step))
+    if rank is None:
+        names = sorted({"/".join(o.key.split("/")[:2]) for o in run.backend.list(f"{RANKS_DIR}/")})
+    else:
+        names = [rank_store_name(rank)]
+    for name in names:
+        st = rank_store(run, name)
+        if step in st.steps():
+            st.delete(step)
 
 
 def cleanup_orphans(store: CheckpointStore, run: RunRoot, step: int) -> list[int]:

@@ -22,6 +22,14 @@ except ImportError:
             "s4w_lightning needs PyTorch Lightning, which is not installed: pip install 's4weights[lightning]'"
         ) from _e
 
+from s4w_lightning._fsdp import S4ModelParallelStrategy
 from s4w_lightning._io import STORE_DIRNAME, S4CheckpointIO, last_checkpoint, load_checkpoint, load_from_checkpoint
 
-__all__ = ["S4CheckpointIO", "last_checkpoint", "load_checkpoint", "load_from_checkpoint", "STORE_DIRNAME"]
+__all__ = [
+    "S4CheckpointIO",
+    "S4ModelParallelStrategy",
+    "last_checkpoint",
+    "load_checkpoint",
+    "load_from_checkpoint",
+    "STORE_DIRNAME",
+]

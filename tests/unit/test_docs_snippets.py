@@ -28,6 +28,10 @@ SKIP: dict[tuple[str, str], str] = {
         "a fragment: needs a model and a dataset; examples/hf_tiny_gpt2.py is its runnable form",
     ("docs/INTEGRATIONS.md", "from s4w_core import S4StorageWriter, S4StorageReader"):
         "needs S3 and a process group; examples/dcp_fsdp.py is its runnable form",
+    ("docs/INTEGRATIONS.md", "import torch.distributed.checkpoint as dcp"):
+        "a fragment: needs an FSDP2 model and a process group; benchmarks/dcp_fsdp.py --cpu-smoke is its runnable form",
+    ("docs/INTEGRATIONS.md", "import lightning as L"):
+        "a fragment: needs a LightningModule; tests/integrations/dcp/lightning_fsdp_worker.py is its runnable form",
     ("docs/OBSERVABILITY.md", "from s4w_core import obs"):
         "fragments: a wandb callback, and a server on the fixed port 9464 (tests/unit/test_obs.py covers both)",
     ("docs/STORE.md", "import s4w_core"): "S3: s3://bucket/run1 and an endpoint on 127.0.0.1:8333",

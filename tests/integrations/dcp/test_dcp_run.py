@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,13 @@ def _load_plain(root: Any, step: int | None) -> Any:
     return target
 
 
+@pytest.fixture(autouse=True)
+def _close_stores() -> Any:
+    """The store objects a test's loads and saves opened in this process go with the test."""
+    yield
+    close_rank_stores()
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """3 steps saved by 2 gloo ranks (Shard(0)), each then loaded by the same 2 ranks as Shard(1)
@@ -87,11 +95,23 @@ def test_two_ranks_to_one_process_newest_and_older_steps(two_rank_run: Any) -> N
         assert diff(got, full_state(step or 30)) == [], step
 
 
-def test_two_ranks_to_three_ranks_shard1(two_rank_run: Any, tmp_path: Path) -> None:
-    root, _ = two_rank_run
-    res = _worker(tmp_path, "--root", str(root), "--nproc", "3", "--phase", "load", "--load", "none,20",
-                  "--load-placement", "shard1")
-    assert res["loads"] == {"none": [], "20": []} and res["world"] == 3, res
+def test_two_ranks_to_three_ranks_then_three_ranks_save_on(two_rank_run: Any, tmp_path: Path) -> None:
+    """3 ranks load the 2-rank run's steps (Shard(1), Replicate), save step 40 as Shard(1) -- every
+    shard's placement changed, so nothing is a delta across 30 -> 40 -- and load it back."""
+    src, _ = two_rank_run
+    root = tmp_path / "run"
+    shutil.copytree(src, root)
+    res = _worker(tmp_path, "--root", str(root), "--nproc", "3", "--phase", "save", "--steps", "40",
+                  "--placement", "shard1", "--load", "20:shard1,30:replicate,none:shard0")
+    assert res["loads"] == {"20:shard1": [], "30:replicate": [], "none:shard0": []} and res["world"] == 3, res
+    assert res["committed"] == [10, 20, 30, 40]
+    stores = [CheckpointStore(RunRoot(root).store_url(rank_store_name(r))) for r in range(3)]
+    assert stores[2].steps() == [40]
+    for st in stores[:2]:
+        kinds = {i.step: i.kind for i in st.list()}
+        # 30 stays whole: no storage of 40 has its placement; 20 and 10 stay deltas
+        assert kinds == {10: "delta", 20: "delta", 30: "keyframe", 40: "keyframe"}, kinds
+    assert diff(_load_plain(root, 30), full_state(30)) == []
 
 
 def test_rank_killed_mid_save_leaves_nothing_visible_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -220,3 +240,63 @@ def test_async_saves_of_a_run_then_resume_and_save_on(tmp_path: Path) -> None:
         assert kinds == {1: "delta", 2: "delta", 3: "delta", 4: "keyframe"}, kinds
     finally:
         close_rank_stores(root)
+
+
+def _cuda(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _cuda(v) for k, v in obj.items()}
+    return obj.cuda() if isinstance(obj, torch.Tensor) else obj
+
+
+@pytest.mark.gpu
+def test_gpu_async_saves_of_a_run_code_on_the_gpu_and_load_onto_it(tmp_path: Path) -> None:
+    """CUDA state: ``dcp.async_save`` stages into pinned host buffers and the rank store codes on
+    the GPU; the newest and an older step load onto the GPU bit-exact; later steps are deltas."""
+    root = tmp_path / "run"
+    try:
+        infos = []
+        for s in (10, 20, 30):
+            w = S4StorageWriter(root, step=s)
+            dcp.async_save(_cuda(full_state(s)), storage_writer=w, no_dist=True).result()
+            infos += w.last_steps
+        wait_rank_stores(root)
+        assert [i.profile for i in infos] == ["fast"] * 3, infos
+        for s in (None, 10):
+            target = _cuda(_plain_zeros(full_state(0)))
+            dcp.load(target, storage_reader=S4StorageReader(root, step=s), no_dist=True)
+            assert target["model"]["w"].is_cuda
+            assert diff(target, _cuda(full_state(s or 30))) == [], s
+        kinds = {i.step: i.kind for i in rank_store(RunRoot(root), rank_store_name(0)).list()}
+        assert kinds == {10: "delta", 20: "delta", 30: "keyframe"}, kinds
+    finally:
+        close_rank_stores(root)
+
+
+def test_keep_last_lists_the_newest_steps_and_reclaims_the_others_at_the_next_save(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for s in (1, 2, 3, 4):
+        dcp.save(full_state(s), storage_writer=S4StorageWriter(root, step=s, keep_last=2), no_dist=True)
+    wait_rank_stores(root)
+    assert committed_steps(root) == [3, 4]
+    # rank 0's store dropped step 1 at the save of 4; step 2 goes at the next save
+    assert rank_store(RunRoot(root), rank_store_name(0)).steps() == [2, 3, 4]
+    for s in (3, 4):
+        assert diff(_load_plain(root, s), full_state(s)) == [], s
+    with pytest.raises(BaseException, match="step 2 is not committed"):
+        _load_plain(root, 2)
+    dcp.save(full_state(5), storage_writer=S4StorageWriter(root, step=5, keep_last=2), no_dist=True)
+    assert rank_store(RunRoot(root), rank_store_name(0)).steps() == [3, 4, 5]
+    with pytest.raises(ValueError, match="keep_last"):
+        S4StorageWriter(root, keep_last=2)
+
+
+@pytest.mark.s3
+def test_s3_two_ranks_save_a_chain_and_reshard(s3_url: str, tmp_path: Path) -> None:
+    """2 gloo ranks save two steps to S3 and load the newest as Shard(1); one process loads both."""
+    root = f"{s3_url}/run2"
+    res = _worker(tmp_path, "--root", root, "--nproc", "2", "--phase", "save", "--steps", "10,20",
+                  "--placement", "shard0", "--load", "none:shard1,10:replicate")
+    assert res["loads"] == {"none:shard1": [], "10:replicate": []} and res["committed"] == [10, 20], res
+    assert res["grew"]["20"] <= 0.6 * res["grew"]["10"], res["grew"]
+    for s in (None, 10):
+        assert diff(_load_plain(root, s), full_state(s or 20)) == [], s
