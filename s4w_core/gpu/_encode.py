@@ -56,6 +56,7 @@ from s4w_core.gpu._coder import (
     encode_batch_device,
     encode_tensors_device,
 )
+from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_device, nonzero_pays_device
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 
@@ -370,6 +371,17 @@ def encode_storages(
                 fold_slots.append((len(entries), nbytes))
             else:
                 entry["checksum"] = ck.tensor_checksum(job.raw)
+            if transform in PLANE_TRANSFORMS and nonzero_pays_device(raw, base, op, job.dtype, dev):
+                # the nonzero variant (docs/FORMAT.md 4.5c): coded here, on its own, by the profile's coder
+                entry["transform"] = NZ_TRANSFORM
+                nnz, ids, views, keep = encode_nonzero_device(
+                    raw, base, op, job.dtype, seg, prof.algorithm, prof.codec_id, dict(prof.opts), dev
+                )
+                entry["nnz"] = nnz
+                ji = sink.add_job(entry, len(ids))
+                entries.append(entry)
+                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+                continue
             nseg = -(-n // seg)
             ji = sink.add_job(entry, nseg * w)
             entries.append(entry)

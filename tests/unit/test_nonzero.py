@@ -242,7 +242,7 @@ def test_format_md_worked_example() -> None:
 
 
 def test_gpu_reader_batches_nz_storages_alone() -> None:
-    """The GPU reader hands each nz storage to the CPU reader as a batch of its own."""
+    """The GPU reader decodes each nz storage as a batch of its own."""
     from s4w_core.gpu import _decode
 
     def e(t: str, n: int) -> dict[str, Any]:
