@@ -37,7 +37,8 @@ from s4w_core.jobs import dtype_from_name
 from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
 
-__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "decode_nonzero_device", "encode_nonzero_device", "nonzero_pays_device"]
+__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "decode_nonzero_device", "encode_nonzero_device", "nonzero_choices_device",
+           "nonzero_pays_device"]
 
 #: storages of fewer elements keep their plane transform (the choice costs a read-back)
 NZ_MIN_ELEMS = 1 << 16
@@ -74,28 +75,44 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return h.clamp_min(1e-3) * x.numel()
 
 
+def nonzero_choices_device(
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]], dev: torch.device
+) -> list[bool]:
+    """Per storage ``(raw bytes, base, delta op, dtype)``: whether the GPU writer codes it with
+    :data:`NZ_TRANSFORM` -- the order-0 estimate on a sample (module docstring), every storage's
+    estimate on the device and one read-back for all of them."""
+    out = [False] * len(items)
+    stats: list[torch.Tensor] = []
+    idx: list[int] = []
+    sizes: list[int] = []
+    for i, (raw, base, op, dtype) in enumerate(items):
+        w = dtype.itemsize
+        n = raw.numel() // w
+        if n < NZ_MIN_ELEMS or w not in _ITYPE:
+            continue
+        ranges = choice.delta_sample_ranges(n)
+        r = torch.cat([raw[a * w : z * w].to(dev) for a, z in ranges])
+        b = None if base is None or op is None else torch.cat([base[a * w : z * w].to(dev) for a, z in ranges])
+        words = _residual_words(r, b, op, dtype)
+        bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        plain = sum((_bits(p) for p in _plane_bytes(words, w)), zero)
+        nz = _bits(bitmap) + sum((_bits(planes[j]) for j in range(w)), zero)
+        nonzero = (words != 0).sum().to(torch.float64)
+        stats.append(torch.stack([words.numel() - nonzero, plain, nz]))
+        idx.append(i)
+        sizes.append(words.numel())
+    if stats:
+        for i, m, (zeros, plain_cost, nz_cost) in zip(idx, sizes, torch.stack(stats).cpu().tolist()):
+            out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
+    return out
+
+
 def nonzero_pays_device(
     raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype, dev: torch.device
 ) -> bool:
-    """Whether the GPU writer codes a storage (bytes ``raw``, delta ``op`` against ``base`` or plain)
-    with :data:`NZ_TRANSFORM`: the order-0 estimate on a sample, one read-back (module docstring)."""
-    w = dtype.itemsize
-    n = raw.numel() // w
-    if n < NZ_MIN_ELEMS or w not in _ITYPE:
-        return False
-    ranges = choice.delta_sample_ranges(n)
-    r = torch.cat([raw[a * w : z * w].to(dev) for a, z in ranges])
-    b = None if base is None or op is None else torch.cat([base[a * w : z * w].to(dev) for a, z in ranges])
-    words = _residual_words(r, b, op, dtype)
-    bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
-    plain = sum((_bits(p) for p in _plane_bytes(words, w)), torch.zeros((), dtype=torch.float64, device=dev))
-    nz = _bits(bitmap) + sum((_bits(planes[j]) for j in range(w)), torch.zeros((), dtype=torch.float64, device=dev))
-    zeros, plain_cost, nz_cost = torch.stack([
-        torch.tensor(float(words.numel() - planes.shape[1]), dtype=torch.float64, device=dev), plain, nz
-    ]).cpu().tolist()
-    if zeros < choice.NZ_MIN_ZERO_FRAC * words.numel():
-        return False
-    return bool(nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost)
+    """:func:`nonzero_choices_device` for one storage."""
+    return nonzero_choices_device([(raw, base, op, dtype)], dev)[0]
 
 
 def encode_nonzero_device(
