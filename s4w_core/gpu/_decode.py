@@ -111,12 +111,7 @@ def decode_storages(
             for later in itertools.islice(todo, 1):
                 ahead.append(stager.submit(_stage_gpu, reader, later, pool))
             if st is None:  # a nonzero-transform storage: decoded on its own
-                done = [
-                    decode_nonzero_device(
-                        reader, e, device, engine.resolve_base_bytes(e, resolve_base, reader.name, device), _gpu_inflate()
-                    )
-                    for e in group
-                ]
+                done = [_decode_nonzero(reader, e, device, resolve_base, pool) for e in group]
             else:
                 done = _decode_group(reader, group, st, device, resolve_base)
             if on_batch is not None:  # checked and complete: the next batch is being read meanwhile
@@ -129,6 +124,22 @@ def decode_storages(
         stager.shutdown(wait=True)  # before `pool`: a running stage() still submits reads to it
         if own:
             pool.shutdown(wait=True)
+
+
+def _decode_nonzero(
+    reader: ContainerReader,
+    e: dict[str, Any],
+    device: torch.device,
+    resolve_base: engine.BaseResolver | None,
+    pool: ThreadPoolExecutor,
+) -> torch.Tensor:
+    """One ``nz-`` storage on the device; one whose size claim is implausible for its stored bytes
+    (:func:`engine.claims_plausible`) and that the CPU can decode goes through the CPU reader, which
+    decodes its chunks before allocating its output, and is then copied over."""
+    if not engine.claims_plausible(e) and all(get_codec(c[0]).cpu_decodable for c in e["chunks"]):
+        return engine.decode_storage_cpu(reader, e, pool, resolve_base, reader.name).to(device)
+    base = engine.resolve_base_bytes(e, resolve_base, reader.name, device)
+    return decode_nonzero_device(reader, e, device, base, _gpu_inflate())
 
 
 def _stage_gpu(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPoolExecutor) -> Staged | None:

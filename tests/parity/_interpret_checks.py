@@ -965,7 +965,8 @@ def pipeline_nonzero() -> None:
         def resolve(ref_: dict[str, Any], nbytes: int, b: dict[str, torch.Tensor] = base) -> torch.Tensor:
             return b["w"]
 
-        obj = {"m": m1.view(rows, cols), "d": dense, "w": w1}
+        zero = torch.zeros(1 << 21, dtype=dtype)  # all zeros: a size claim far above its stored bytes
+        obj = {"m": m1.view(rows, cols), "d": dense, "w": w1, "z": zero}
         for profile in ("fast", "portable"):
             buf = io.BytesIO()
             with simulated_gpu(segment_elems=seg), contextlib.ExitStack() as stack:
@@ -980,6 +981,9 @@ def pipeline_nonzero() -> None:
             if dtype == torch.float32:  # a sparse fp32 delta pays (4 planes of mostly zeros); 16-bit ones break even
                 assert by["w"]["transform"] == _nonzero.NZ_TRANSFORM, (dtype, profile)
             assert by["d"]["transform"] in ("planes-rotl1", "planes"), by["d"]["transform"]
+            assert by["z"]["transform"] == _nonzero.NZ_TRANSFORM and not engine.claims_plausible(
+                dict(by["z"], _width=dtype.itemsize)
+            )
             for s in [t for t in (by["m"], by["w"]) if t["transform"] == _nonzero.NZ_TRANSFORM]:
                 raw = (obj["m"] if s is by["m"] else w1).reshape(-1).view(torch.uint8)
                 words = raw.numpy().view({2: np.uint16, 4: np.uint32}[dtype.itemsize])
@@ -995,7 +999,7 @@ def pipeline_nonzero() -> None:
                 with engine.executor(2) as pool:
                     for s in reader.manifest["storages"]:
                         got = engine.decode_storage_cpu(reader, s, pool, resolve, reader.name)
-                        want = {"m": obj["m"], "d": dense, "w": w1}[s["path"]].reshape(-1).view(torch.uint8)
+                        want = obj[s["path"]].reshape(-1).view(torch.uint8)
                         assert torch.equal(got, want), f"{dtype} {s['path']} (CPU reader)"
                 tree, _m = _reference_reader().read(buf.getvalue(), bases={"w": base["w"].numpy().tobytes()})
                 assert tree["m"].element_bytes() == obj["m"].reshape(-1).view(torch.uint8).numpy().tobytes()
