@@ -54,6 +54,8 @@ def _round(x: int, a: int) -> int:
 
 def _residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The elements to code as int16/int32 words (the residual under ``op`` where there is a base)."""
+    if raw.numel() == 0:
+        return torch.empty(0, dtype=_ITYPE[dtype.itemsize], device=raw.device)
     r = raw if base is None or op is None else delta.forward(op, raw, base, dtype)
     return r.view(_ITYPE[dtype.itemsize])
 
