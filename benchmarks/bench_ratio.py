@@ -17,11 +17,20 @@ z4ai: ``z4ai.compress(bytes, dtype=..., threads=1)`` (default effort). ZipNN: to
 one thread. Every peer frame of the first snapshot (and every delta frame of the second) is
 decoded and compared to its input; s4weights' round trip is covered by its tests.
 
+``--gpu`` (on a machine with CUDA and the GPU extra) adds GPU-written files side by side:
+``s4w-gpu`` is ``s4w_core.save(..., profile="fast")`` of each group's CUDA tensors (the chain
+against the previous snapshot's CUDA tensors through ``_base_lookup``), stored bytes = the chunk
+bytes of its manifest; every file is loaded back on the GPU and compared bit for bit.
+``s4w-gpu-nonz`` is the same writer with the nonzero transform switched off, to show what it buys.
+The peers' sizes come from ``CACHE/peer_sizes.json`` when a CPU run left them there (so the device
+needs neither z4ai nor ZipNN), else they are measured.
+
 Usage::
 
     python benchmarks/bench_ratio.py [--precision bf16,fp32] [--cache /tmp/s4w_ratio_series]
         [--model-dir DIR] [--out benchmarks/results/ratio]   # writes ratio.md and ratio.json
     python benchmarks/bench_ratio.py --analyze   # the figures of docs/RATIO.md (planes, entropies)
+    python benchmarks/bench_ratio.py --gpu --out benchmarks/results/ratio_gpu   # + GPU-written files
 """
 
 from __future__ import annotations
@@ -118,11 +127,48 @@ def zipnn_size(t: torch.Tensor, base: torch.Tensor | None, check: bool) -> int:
     return min(n, one(x))
 
 
+def s4w_gpu_size(ts: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | None, nonzero: bool = True) -> int:
+    """Chunk bytes of the GPU writer's ``fast`` file of the CUDA tensors ``ts`` (against ``bases``,
+    the previous snapshot's, where given), after loading it back on the GPU bit for bit. With
+    ``nonzero=False`` the writer never chooses the nonzero transform."""
+    import io
+
+    import s4w_core
+    from s4w_core.gpu import _encode
+
+    dev = torch.device("cuda")
+    obj = {k: v.to(dev) for k, v in ts.items()}
+    b = None if bases is None else {k: _u8(v.to(dev)) for k, v in bases.items()}
+
+    def lookup(path: str, nbytes: int, dtype: str) -> Any:
+        return (b[path], {"ref": path}) if b is not None and path in b and b[path].numel() == nbytes else None
+
+    def resolve(ref: dict[str, Any], nbytes: int) -> torch.Tensor:
+        assert b is not None
+        return b[ref["ref"]]
+
+    buf = io.BytesIO()
+    orig = _encode.nonzero_choices_device
+    if not nonzero:
+        _encode.nonzero_choices_device = lambda items, dev: [False] * len(items)  # type: ignore[assignment]
+    try:
+        s4w_core.save(obj, buf, profile="fast", _base_lookup=lookup if b is not None else None)
+    finally:
+        _encode.nonzero_choices_device = orig  # type: ignore[assignment]
+    data = buf.getvalue()
+    back = s4w_core.load(data, map_location="cuda", _resolve_base=resolve if b is not None else None)
+    for k, v in obj.items():
+        assert torch.equal(_u8(back[k]), _u8(v)), f"GPU round trip of {k} is not bit-exact"
+    m = s4w_core.api.open_reader(data).manifest
+    return sum(c[2] for s in m["storages"] for c in s["chunks"])
+
+
 def measure(
     series: list[tuple[int, dict[str, dict[str, torch.Tensor]]]],
     log: Callable[[str], None],
     memo: dict[str, int] | None = None,
     tag: str = "",
+    gpu: bool = False,
 ) -> dict[str, Any]:
     """Sizes per group and codec; the peers' sizes are kept in ``memo`` (by ``tag``, group, step,
     tensor and column), so that a second run on the same cached series codes only s4weights'."""
@@ -131,9 +177,15 @@ def measure(
     res: dict[str, Any] = {}
     for g in GROUPS:
         raw = {"plain": 0, "chain": 0}
-        stored: dict[str, dict[str, int]] = {c: {"plain": 0, "chain": 0} for c in ("s4w", "z4ai", "zipnn")}
+        coders = ("s4w", "z4ai", "zipnn") + (("s4w-gpu", "s4w-gpu-nonz") if gpu else ())
+        stored: dict[str, dict[str, int]] = {c: {"plain": 0, "chain": 0} for c in coders}
         for i, (_step, groups) in enumerate(series):
             prev = series[i - 1][1][g] if i else None
+            if gpu:  # one file per group and snapshot (each storage is still coded on its own)
+                for c, nz in (("s4w-gpu", True), ("s4w-gpu-nonz", False)):
+                    stored[c]["plain"] += s4w_gpu_size(groups[g], None, nz)
+                    if prev is not None:
+                        stored[c]["chain"] += s4w_gpu_size(groups[g], prev, nz)
             for name, t in groups[g].items():
                 nb = t.numel() * t.element_size()
                 raw["plain"] += nb
@@ -141,7 +193,7 @@ def measure(
                 if b is not None:
                     raw["chain"] += nb
                 check = i <= 1  # peers' frames of the first two snapshots are decoded and compared
-                for c in stored:
+                for c in ("s4w", "z4ai", "zipnn"):
                     for col, bb in (("plain", None), ("chain", b)):
                         if col == "chain" and bb is None:
                             continue
@@ -159,17 +211,20 @@ def measure(
     return res
 
 
+_LABEL = {"s4w": "s4w", "s4w-gpu": "s4w GPU", "s4w-gpu-nonz": "s4w GPU without nz", "z4ai": "z4ai", "zipnn": "ZipNN"}
+
+
 def table(results: dict[str, Any]) -> str:
-    lines = [
-        "| group | s4w plain | z4ai plain | ZipNN plain | s4w chain | z4ai chain | ZipNN chain |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    first = next(iter(results.values()))[GROUPS[0]]
+    coders = [c for c in ("s4w", "s4w-gpu", "s4w-gpu-nonz", "z4ai", "zipnn") if c in first]
+    head = [f"{_LABEL[c]} {k}" for k in ("plain", "chain") for c in coders]
+    lines = ["| group | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for prec, res in results.items():
         for g in GROUPS:
             r = res[g]
             cells = []
             for k in ("plain", "chain"):
-                vals = {c: r[c][k] for c in ("s4w", "z4ai", "zipnn")}
+                vals = {c: r[c][k] for c in coders}
                 best = max(vals.values())
                 cells += [f"**{v:.3f}**" if v == best else f"{v:.3f}" for v in vals.values()]
             lines.append(f"| {prec} {g} | " + " | ".join(cells) + " |")
@@ -262,6 +317,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     ap.add_argument("--analyze", action="store_true", help="print the per-plane figures instead")
+    ap.add_argument("--gpu", action="store_true", help="add GPU-written (fast profile) files, with and without nz")
     a = ap.parse_args()
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
@@ -275,7 +331,7 @@ def main() -> None:
         else:
             memo_path = os.path.join(a.cache, "peer_sizes.json")
             memo = json.load(open(memo_path)) if os.path.exists(memo_path) else {}
-            results[prec] = measure(series, lambda s: print(s, flush=True), memo, f"minilm_{prec}")
+            results[prec] = measure(series, lambda s: print(s, flush=True), memo, f"minilm_{prec}", gpu=a.gpu)
             with open(memo_path + ".tmp", "w") as f:
                 json.dump({k: v for k, v in memo.items() if "/s4w/" not in k}, f)
             os.replace(memo_path + ".tmp", memo_path)
@@ -286,7 +342,8 @@ def main() -> None:
         return
     env = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} CPU, {os.cpu_count()} cores (1 thread used)".strip(),
+        "machine": f"{platform.machine()} {platform.processor() or ''} CPU, {os.cpu_count()} cores (1 thread used)".strip()
+        + (f"; GPU {torch.cuda.get_device_name()}" if a.gpu else ""),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "s4weights": _version("s4weights"),
@@ -304,10 +361,12 @@ def main() -> None:
             json.dump({"env": env, "results": results}, f, indent=1)
         with open(a.out + ".md", "w") as f:
             f.write(
-                "# Ratio per tensor group: s4weights (CPU-written) vs. z4ai and ZipNN\n\n"
-                "Made by `python benchmarks/bench_ratio.py --out benchmarks/results/ratio` (see its docstring for the "
-                "columns). Ratio = raw bytes / codec output bytes; plain = 5 snapshots each alone, chain = "
-                "snapshots 2-5 each against the one before. Bold: the best of the row's three.\n\n"
+                f"# Ratio per tensor group: s4weights ({'CPU- and GPU-written' if a.gpu else 'CPU-written'}) "
+                "vs. z4ai and ZipNN\n\n"
+                f"Made by `python benchmarks/bench_ratio.py{' --gpu' if a.gpu else ''} --out {a.out}` (see its "
+                "docstring for the columns). Ratio = raw bytes / codec output bytes; plain = 5 snapshots each alone, "
+                "chain = snapshots 2-5 each against the one before. Bold: the best of the row's plain or chain "
+                "columns.\n\n"
                 + "\n".join(f"- {k}: {v}" for k, v in env.items())
                 + "\n\n"
                 + md

@@ -234,47 +234,77 @@ def parse(blob: bytes) -> dict[str, Any]:
     return m
 
 
+def expand_nonzero(bitmap: bytes, nz: bytes, m: int, w: int, where: str) -> bytes:
+    """Inverse of the nonzero split (FORMAT.md 4.5c): ``m`` elements of ``w`` bytes, the nonzero
+    ones (``nz``, in order) where bit ``i % 8`` of bitmap byte ``i // 8`` is set, zeros elsewhere."""
+    if len(bitmap) != (m + 7) // 8 or (m % 8 and bitmap[-1] >> (m % 8)):
+        raise FormatError(f"{where}: bitmap length or padding bits")
+    bits = int.from_bytes(bitmap, "little")
+    if bin(bits).count("1") * w != len(nz):
+        raise FormatError(f"{where}: bitmap count does not match nnz")
+    out = bytearray(m * w)
+    pos = 0
+    for i in range(m):
+        if bits >> i & 1:
+            e = nz[pos : pos + w]
+            if not any(e):
+                raise FormatError(f"{where}: a nonzero element decodes to zero")
+            out[i * w : (i + 1) * w] = e
+            pos += w
+    return bytes(out)
+
+
 def decode_storage(blob: bytes, s: dict[str, Any], base: bytes | None = None, check: bool = True) -> bytes:
     """The raw bytes of one storage entry (``base``: the delta base's raw bytes, if it has one)."""
-    if s["transform"] in ("planes-rotl1", "planes"):
+    tr = s["transform"]
+    nzt = tr.removeprefix("nz-") if tr in ("nz-planes-rotl1", "nz-planes") else None  # FORMAT.md 4.5c
+    if tr in ("planes-rotl1", "planes") or nzt:
         w = PLANE_WIDTH[s["dtype"]]
-    elif s["transform"] == "bytes":
+    elif tr == "bytes":
         w = 1
     else:
-        raise FormatError(f"unknown transform {s['transform']!r}")
+        raise FormatError(f"unknown transform {tr!r}")
     nbytes, seg = s["nbytes"], s["segment_elems"]
     n = nbytes // w
     nseg = -(-n // seg)
-    if len(s["chunks"]) != nseg * w:
-        raise FormatError(f"{s['path']}: expected {nseg * w} chunks")
+    per = w + 1 if nzt else w  # an nz segment: its bitmap chunk, then its w plane chunks
+    if len(s["chunks"]) != nseg * per or (nzt and len(s.get("nnz", ())) != nseg):
+        raise FormatError(f"{s['path']}: expected {nseg * per} chunks")
     if s.get("delta") and base is None:
         raise FormatError(f"{s['path']} is an XOR delta; its base is needed")
+
+    def chunk(c: int, raw_len: int) -> bytes:
+        codec, off, length, h = s["chunks"][c]
+        data = blob[off : off + length]
+        if len(data) != length or off < HEADER.size:
+            raise FormatError("chunk outside the file")
+        got = _xxh3(data) if check else None
+        if got is not None and got != h:
+            raise FormatError(f"{s['path']}: chunk {c} checksum mismatch")
+        return decode_chunk(codec, data, raw_len)
+
     out = bytearray()
     for k in range(nseg):
         m = min(seg, n - k * seg)  # elements in this segment
-        planes = []
-        for j in range(w):
-            codec, off, length, h = s["chunks"][k * w + j]
-            data = blob[off : off + length]
-            if len(data) != length or off < HEADER.size:
-                raise FormatError("chunk outside the file")
-            got = _xxh3(data) if check else None
-            if got is not None and got != h:
-                raise FormatError(f"{s['path']}: chunk {k * w + j} checksum mismatch")
-            planes.append(decode_chunk(codec, data, m))
-        if s["transform"] == "planes-rotl1":
-            out += merge_planes(planes, m)
-        elif s["transform"] == "planes":
-            out += merge_planes_plain(planes, m)
+        c0 = k * per
+        if nzt:
+            bitmap = chunk(c0, (m + 7) // 8)
+            c0, elems = c0 + 1, s["nnz"][k]  # the planes hold the nonzero elements only
         else:
+            elems = m
+        planes = [chunk(c0 + j, elems) for j in range(w)]
+        if tr == "bytes":
             out += planes[0]
+            continue
+        merged = merge_planes(planes, elems) if (nzt or tr) == "planes-rotl1" else merge_planes_plain(planes, elems)
+        out += expand_nonzero(bitmap, merged, m, w, f"{s['path']} segment {k}") if nzt else merged
     raw = bytes(out)  # with a delta: the residual
     if s.get("delta"):
         assert base is not None
         op = s["delta"].get("op")
         if op == "xor":
             raw = xor_bytes(raw, base)
-        elif op == "sub" and s["transform"] in ("planes-rotl1", "planes"):
+        elif op == "sub" and w > 1:
             raw = unsub(raw, base, w)
         else:
             raise FormatError(f"{s['path']}: unknown delta op {op!r}")

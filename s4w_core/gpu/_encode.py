@@ -56,6 +56,7 @@ from s4w_core.gpu._coder import (
     encode_batch_device,
     encode_tensors_device,
 )
+from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_device, nonzero_choices_device
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 
@@ -323,6 +324,10 @@ def encode_storages(
             ops.update({i: op for (i, _), op in zip(on_host, host_ops)})
         # storages coded on the CPU path: their delta ops chosen in one pass too
         engine.choose_delta_ops([j for j, p in zip(jobs, plan) if p[2] and j.base is not None])
+        # which GPU-coded storages take the nonzero transform (one read-back for all of them)
+        nz_jobs = [i for i, p in enumerate(plan) if not p[2] and p[0] in PLANE_TRANSFORMS]
+        nz_items = [(jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype) for i in nz_jobs]
+        nz_pick = dict(zip(nz_jobs, nonzero_choices_device(nz_items, dev)))
         batch = Batch()
         # the transform of each storage: the layout probe chooses it with the storage's first piece;
         # its later pieces (in later batches) take the same
@@ -371,6 +376,17 @@ def encode_storages(
                 fold_slots.append((len(entries), nbytes))
             else:
                 entry["checksum"] = ck.tensor_checksum(job.raw)
+            if nz_pick.get(jidx):
+                # the nonzero variant (docs/FORMAT.md 4.5c): coded here, on its own, by the profile's coder
+                entry["transform"] = NZ_TRANSFORM
+                nnz, ids, views, keep = encode_nonzero_device(
+                    raw, base, op, job.dtype, seg, prof.algorithm, prof.codec_id, dict(prof.opts), dev
+                )
+                entry["nnz"] = nnz
+                ji = sink.add_job(entry, len(ids))
+                entries.append(entry)
+                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+                continue
             nseg = -(-n // seg)
             ji = sink.add_job(entry, nseg * w)
             entries.append(entry)

@@ -885,6 +885,181 @@ def pipeline_file_reader_scatter_reads() -> None:
             rr.close()
 
 
+def moments_like(dtype: torch.dtype, n_rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Adam-moment-like: most rows exactly zero (untouched embedding rows), the rest dense, with
+    -0.0, denormals, NaN and Inf patterns among the live values."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.zeros(n_rows, cols)
+    live = torch.rand(n_rows, generator=g) < 0.35
+    t[live] = torch.randn(int(live.sum()), cols, generator=g).abs() * 1e-6
+    flat = t.to(dtype).reshape(-1)
+    k = torch.randint(0, flat.numel(), (64,), generator=g)
+    flat[k[:16]] = -0.0
+    flat[k[16:32]] = float("nan")
+    flat[k[32:48]] = float("inf")
+    flat[k[48:]] = torch.finfo(dtype).tiny / 4
+    return flat
+
+
+def _reference_reader() -> Any:
+    """``examples/read_container.py`` (the standalone reader of docs/FORMAT.md), imported as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "read_container", Path(__file__).resolve().parents[2] / "examples" / "read_container.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["read_container"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _as_gpu_host_copies() -> Iterator[None]:
+    """While active, every storage a save collects claims to be a host copy of a CUDA storage (as the
+    store's pinned copies are): the GPU writer then codes it with either profile."""
+    from s4w_core import engine
+
+    orig = engine.Collector
+
+    class Collector(orig):  # type: ignore[misc, valid-type]
+        def add(self, t: torch.Tensor, path: str) -> int:
+            i = super().add(t, path)
+            for job in self.jobs:
+                job.device = "cuda:0"
+            return i
+
+    engine.Collector = Collector  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        engine.Collector = orig  # type: ignore[misc]
+
+
+@check
+def pipeline_nonzero() -> None:
+    """The GPU writer's nonzero transform (docs/FORMAT.md 4.5c) against the CPU oracle, simulated
+    nvCOMP: moment-like tensors (zero rows) and sparse deltas, every float dtype, segments that end
+    mid-byte of the bitmap; GPU-written ``fast`` files decoded by the GPU reader, GPU-written
+    ``portable`` files by the CPU reader and the GPU reader, CPU-written nz files by the GPU reader."""
+    import s4w_core
+    from s4w_core import engine
+    from s4w_core.gpu import _nonzero
+
+    g = torch.Generator().manual_seed(5)
+    for case, (dtype, rows, cols, seg) in enumerate(
+        [(torch.bfloat16, 700, 384, None), (torch.float16, 333, 301, 1003), (torch.float32, 257, 400, 40_000)]
+    ):
+        m1 = moments_like(dtype, rows, cols, seed=case)
+        dense = torch.randn(90_000, generator=g).to(dtype)  # no zeros: keeps its plane transform
+        w0 = torch.randn(rows * cols, generator=g).to(dtype)
+        w1 = w0.clone()
+        idx = torch.randint(0, w1.numel(), (w1.numel() // 50,), generator=g)
+        w1[idx] = (w1[idx].float() * 1.01 + 1e-3).to(dtype)  # 2 % of the elements change
+        base = {"w": w0.view(-1).view(torch.uint8).clone()}
+
+        def lookup(path: str, nbytes: int, dt: str, b: dict[str, torch.Tensor] = base) -> Any:
+            return (b["w"], {"ref": path}) if path == "w" and b["w"].numel() == nbytes else None
+
+        def resolve(ref_: dict[str, Any], nbytes: int, b: dict[str, torch.Tensor] = base) -> torch.Tensor:
+            return b["w"]
+
+        zero = torch.zeros(1 << 21, dtype=dtype)  # all zeros: a size claim far above its stored bytes
+        obj = {"m": m1.view(rows, cols), "d": dense, "w": w1, "z": zero}
+        for profile in ("fast", "portable"):
+            buf = io.BytesIO()
+            with simulated_gpu(segment_elems=seg), contextlib.ExitStack() as stack:
+                if profile == "portable":  # host copies of GPU storages: the GPU writer codes them
+                    stack.enter_context(_as_gpu_host_copies())
+                s4w_core.save(obj, buf, profile=profile, _base_lookup=lookup)
+                back, m = _decode_all_gpu_sim(buf.getvalue(), resolve)
+            assert_same(obj, back, f"{dtype} {profile} (GPU reader)")
+            by = {s["path"]: s for s in m["storages"]}
+            assert by["m"]["transform"] == _nonzero.NZ_TRANSFORM, (dtype, profile, by["m"]["transform"])
+            assert by["w"]["delta"], (dtype, profile)
+            if dtype == torch.float32:  # a sparse fp32 delta pays (4 planes of mostly zeros); 16-bit ones break even
+                assert by["w"]["transform"] == _nonzero.NZ_TRANSFORM, (dtype, profile)
+            assert by["d"]["transform"] in ("planes-rotl1", "planes"), by["d"]["transform"]
+            assert by["z"]["transform"] == _nonzero.NZ_TRANSFORM and not engine.claims_plausible(
+                dict(by["z"], _width=dtype.itemsize)
+            )
+            for s in [t for t in (by["m"], by["w"]) if t["transform"] == _nonzero.NZ_TRANSFORM]:
+                raw = (obj["m"] if s is by["m"] else w1).reshape(-1).view(torch.uint8)
+                words = raw.numpy().view({2: np.uint16, 4: np.uint32}[dtype.itemsize])
+                if s["delta"]:
+                    words = engine.delta.forward(s["delta"]["op"], raw, base["w"], dtype).numpy().view(words.dtype)
+                step = s["segment_elems"]
+                assert s["nnz"] == [int(np.count_nonzero(words[a : a + step])) for a in range(0, words.size, step)]
+                assert len(s["chunks"]) == len(s["nnz"]) * (dtype.itemsize + 1)
+            want = "nvcomp-ans" if profile == "fast" else "deflate"
+            assert want in {c[0] for c in by["m"]["chunks"]}, by["m"]["chunks"][:4]
+            if profile == "portable":  # the CPU reader decodes what the GPU wrote
+                reader = s4w_core.api.open_reader(buf.getvalue())
+                with engine.executor(2) as pool:
+                    for s in reader.manifest["storages"]:
+                        got = engine.decode_storage_cpu(reader, s, pool, resolve, reader.name)
+                        want = obj[s["path"]].reshape(-1).view(torch.uint8)
+                        assert torch.equal(got, want), f"{dtype} {s['path']} (CPU reader)"
+                tree, _m = _reference_reader().read(buf.getvalue(), bases={"w": base["w"].numpy().tobytes()})
+                assert tree["m"].element_bytes() == obj["m"].reshape(-1).view(torch.uint8).numpy().tobytes()
+                assert tree["w"].element_bytes() == w1.view(torch.uint8).numpy().tobytes()
+        # the CPU writer's nz file, read by the GPU reader
+        buf = io.BytesIO()
+        s4w_core.save(obj, buf, profile="portable", _base_lookup=lookup)
+        with simulated_gpu():
+            back, m = _decode_all_gpu_sim(buf.getvalue(), resolve)
+        assert_same(obj, back, f"{dtype} CPU-written, GPU reader")
+
+
+@check
+def pipeline_nonzero_forged_counts_refused() -> None:
+    """A GPU-read nz storage whose bitmap disagrees with its ``nnz``, whose bitmap has padding bits
+    set, or whose planes hold a zero element (a forged manifest or forged chunks with valid
+    checksums) is a DecodeError naming what is wrong, never a wrong tensor."""
+    import s4w_core
+    from s4w_core.gpu import _nonzero
+
+    x = moments_like(torch.bfloat16, 400, 384, seed=3)
+    buf = io.BytesIO()
+    with simulated_gpu():
+        s4w_core.save({"m": x}, buf, profile="fast")
+    reader = s4w_core.api.open_reader(buf.getvalue())
+    e = reader.manifest["storages"][0]
+    assert e["transform"] == _nonzero.NZ_TRANSFORM
+    bad = dict(e, nnz=[e["nnz"][0] + 1, *e["nnz"][1:]])
+    with simulated_gpu():
+        try:
+            _nonzero.decode_nonzero_device(reader, bad, torch.device("cpu"), None)
+        except s4w_core.DecodeError as err:
+            assert "'m'" in str(err), err
+        else:
+            raise AssertionError("forged nnz not detected")
+    # the device checks themselves, on hand-made segments of 3 bf16 elements (bitmap 1 byte, planes at 8)
+    cases = {
+        "bitmap marks 1 nonzero elements, planes hold 2": ([0b001], 2, [1, 1]),
+        "padding bits": ([0b1000_0001], 2, [1, 1]),
+        "decodes to zero": ([0b011], 2, [1, 0]),
+    }
+    for msg, (bm, nnz, hi) in cases.items():
+        dec = torch.zeros(32, dtype=torch.uint8)
+        dec[0] = bm[0]
+        dec[8 : 8 + nnz] = torch.tensor(hi, dtype=torch.uint8)  # plane 0 (high bytes); plane 1 all zero
+        try:
+            _nonzero.check_and_merge(dec, np.array([1, nnz, nnz]), np.array([0, 8, 16]), [nnz], 3, 3, 2, True,
+                                     torch.empty(6, dtype=torch.uint8), "t")
+        except s4w_core.DecodeError as err:
+            assert msg in str(err), (msg, err)
+        else:
+            raise AssertionError(f"not detected: {msg}")
+    out = torch.empty(6, dtype=torch.uint8)  # and a good segment merges: elements 0 and 1 nonzero
+    dec = torch.zeros(32, dtype=torch.uint8)
+    dec[0], dec[8], dec[9] = 0b011, 0x7F, 0x80
+    _nonzero.check_and_merge(dec, np.array([1, 2, 2]), np.array([0, 8, 16]), [2], 3, 3, 2, True, out, "t")
+    assert out.view(torch.int16).tolist() == [0x3F80, 0x4000, 0], out
+
+
 @check
 def pipeline_corrupt_chunk_refused_before_decoding() -> None:
     import s4w_core

@@ -92,6 +92,39 @@ def test_reference_reader_delta(rc: Any, op: str, dtype: torch.dtype, monkeypatc
     assert tree["x"].element_bytes() == bits(x).numpy().tobytes()
 
 
+@pytest.mark.parametrize("op", [None, "xor", "sub"])
+@pytest.mark.parametrize("tr", ["nz-planes-rotl1", "nz-planes"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reference_reader_nonzero(
+    rc: Any, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tr: str, op: str | None
+) -> None:
+    """The nonzero transforms (FORMAT.md 4.5c), plain and as deltas, decode in the reference reader:
+    segments whose bitmaps end mid-byte, an all-zero segment, -0.0 (a nonzero pattern)."""
+    monkeypatch.setattr(engine, "SEGMENT_ELEMS", 1003)
+    monkeypatch.setattr(engine, "nonzero_pays", lambda *a: True)
+    if tr == "nz-planes":
+        monkeypatch.setattr(engine, "transform_for", lambda dt, nb, transform=None: ("planes", dt.itemsize))
+    if op is not None:
+        monkeypatch.setattr(engine, "choose_delta_op", lambda job, transform, ops=None: op)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5000, generator=g).to(dtype)
+    x[1003:2006] = 0  # one whole segment of zeros
+    x[torch.rand(5000, generator=g) < 0.5] = 0
+    x[7] = -0.0
+    base = x.clone()
+    base[torch.rand(5000, generator=g) < 0.1] = 1.5
+    kw: dict[str, Any] = {} if op is None else {"_base_lookup": lambda p, n, d: (bits(base), {"b": 0})}
+    buf = io.BytesIO()
+    s4w_core.save({"x": x}, buf, profile="portable", **kw)
+    from tests.unit.helpers import split
+
+    entry = split(buf.getvalue())[2]["storages"][0]
+    assert entry["transform"] == tr and (entry["delta"] or {}).get("op") == op
+    bases = None if op is None else {"x": bits(base).numpy().tobytes()}
+    tree, _m = rc.read(buf.getvalue(), bases=bases)
+    assert tree["x"].element_bytes() == bits(x).numpy().tobytes()
+
+
 def test_reference_reader_checks(rc: Any) -> None:
     blob = io.BytesIO()
     s4w_core.save({"x": torch.randn(1000)}, blob)
