@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from s4w_core import api, obs
-from s4w_core._fsutil import atomic_write
+from s4w_core._fsutil import atomic_write, name_parts
 from s4w_core.dcp_run import (
     RunRoot,
     cleanup_orphans,
@@ -309,7 +309,9 @@ def _metadata_from_json(doc: Any, where: str) -> Metadata:
             else:
                 raise ManifestError(f"{where}: unknown storage type {v['type']!r}")
         storage = {
-            MetadataIndex(e["fqn"], e["offset"], e["index"]): _ItemInfo(str(e["file"]), str(e["kind"]), str(e["key"]))
+            MetadataIndex(e["fqn"], e["offset"], e["index"]): _ItemInfo(
+                "/".join(name_parts(e["file"], f"{where}: data file", ManifestError)), str(e["kind"]), str(e["key"])
+            )
             for e in doc["storage_data"]
         }
         sm = doc.get("storage_meta")

@@ -11,9 +11,12 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from s4w_core import pointer
 from s4w_core._fsutil import is_safe_name, name_parts
+from s4w_core.dcp import METADATA_NAME, S4StorageReader, S4StorageWriter
 from s4w_core.errors import ManifestError, S4WError, UnsafePathError
 from s4w_core.store import CheckpointStore
 from s4w_core.store._local import LocalBackend
@@ -88,3 +91,24 @@ def test_local_backend_refuses_unsafe_keys(tmp_path, key: str) -> None:  # type:
 def test_pointer_store_names(tmp_path, store: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(pointer.PointerError, match="may only name its own store"):
         pointer.resolve_store(str(tmp_path / "last.ckpt"), store)
+
+
+@pytest.mark.parametrize("bad", ["../b/x.s4w", "/abs/x.s4w", "x\x00y.s4w", "a\\..\\b.s4w", "\x1b[2Jx.s4w"])
+def test_dcp_metadata_names_no_file_outside_its_folder(tmp_path, bad: str) -> None:  # type: ignore[no-untyped-def]
+    """A DCP checkpoint's metadata (a JSON file: untrusted) names the data files to read: one that
+    leads outside the checkpoint folder (another checkpoint's data, any file) or holds a NUL is a
+    ManifestError naming it, never read."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=S4StorageWriter(str(a)))
+    dcp.save({"w": torch.full((8,), 7.0)}, storage_writer=S4StorageWriter(str(b)))
+    m = json.load(open(a / METADATA_NAME))
+    real = next(n for n in os.listdir(b) if n.endswith(".s4w"))
+    for e in m["storage_data"]:
+        e["file"] = bad.replace("x.s4w", real) if bad.startswith("../b/") else bad
+    (a / METADATA_NAME).write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="data file .* is unsafe"):
+        S4StorageReader(str(a)).read_metadata()
+    out = {"w": torch.zeros(8)}
+    with pytest.raises(CheckpointException, match="data file .* is unsafe"):  # DCP wraps the reader's ManifestError
+        dcp.load(out, storage_reader=S4StorageReader(str(a)))
+    assert torch.equal(out["w"], torch.zeros(8))
