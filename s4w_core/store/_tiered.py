@@ -71,7 +71,10 @@ def upload_missing(store: Any, cancel: threading.Event | None = None) -> builtin
     assert store.tiers is not None
     slow_b = store.backend
     fast, slow = store.tier_views()
-    todo = [s for s, r in fast.items() if s not in slow or slow[s].object != r.object or slow[s].copy != r.copy]
+    todo = [
+        s for s, r in fast.items()
+        if s not in slow or slow[s].object != r.object or slow[s].copy != r.copy or slow[s].hidden != r.hidden
+    ]
     done: builtins.list[int] = []
     try:
         if todo:
@@ -125,7 +128,7 @@ def prune_fast(store: Any) -> builtins.list[int]:
     if tiers.keep_last is None:
         return []
     fast, slow = store.tier_views()
-    keep = set(builtins.list(fast)[-tiers.keep_last :])
+    keep = set(builtins.list(s for s, r in fast.items() if not r.hidden)[-tiers.keep_last :])
     doomed = [s for s, r in fast.items() if s not in keep and s in slow and slow[s].object == r.object]
     if not doomed:
         return []

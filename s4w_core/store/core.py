@@ -31,8 +31,10 @@ from s4w_core.store.records import (
     StepInfo,
     check_step,
     commit_key,
+    needed_hidden,
     parse_record,
     replace_record,
+    visible,
 )
 
 log = logging.getLogger("s4w_core.store")
@@ -181,11 +183,11 @@ class StoreCore:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return list(self._read_records())
+        return list(visible(self._read_records()))
 
     def list(self) -> list[StepInfo]:
         """:class:`StepInfo` of every committed step, ascending."""
-        return list(self._read_records().values())
+        return list(visible(self._read_records()).values())
 
     def latest(self) -> int | None:
         """The newest committed step, or None for an empty store."""
@@ -197,6 +199,8 @@ class StoreCore:
         return self._record(step, self._read_records())
 
     def _record(self, step: int | None, recs: dict[int, StepInfo]) -> StepInfo:
+        """The committed (not hidden) step ``step`` of ``recs`` (None: the newest)."""
+        recs = visible(recs)
         if step is None:
             if not recs:
                 raise CheckpointNotFoundError(f"{self.backend.url}: no committed checkpoint in this store")
@@ -211,10 +215,13 @@ class StoreCore:
         """Byte totals: ``raw_bytes`` (what the steps decode to), ``stored_bytes`` (their own
         containers), ``physical_bytes`` (every data object present, including bases kept only
         for a delta, keyframe copies (``copy_bytes``) and unreferenced leftovers), ``ratio`` =
-        raw / stored, per ``kinds`` totals."""
-        recs = self._read_records()
+        raw / stored, per ``kinds`` totals; ``hidden_bytes``: the data of deleted steps kept while a
+        kept step is a delta against them."""
+        every = self._read_records()
+        recs = visible(every)
         data = self.backend.list(DATA)
-        live = {o for r in recs.values() for o in r.live_objects}
+        live = {o for r in every.values() for o in r.live_objects}
+        hidden = {o for r in every.values() if r.hidden for o in r.live_objects} - {o for r in recs.values() for o in r.live_objects}
         own = {r.object for r in recs.values()}
         copies = {r.copy for r in recs.values() if r.copy is not None}
         kinds: dict[str, dict[str, int]] = {}
@@ -232,11 +239,28 @@ class StoreCore:
             "stored_bytes": stored,
             "ratio": round(raw / stored, 4) if stored else 1.0,
             "physical_bytes": sum(o.size for o in data),
-            "base_only_bytes": sum(o.size for o in data if o.key in live and o.key not in own and o.key not in copies),
+            "base_only_bytes": sum(
+                o.size for o in data if o.key in live and o.key not in own and o.key not in copies and o.key not in hidden
+            ),
+            "hidden_bytes": sum(o.size for o in data if o.key in hidden),
             "copy_bytes": sum(o.size for o in data if o.key in copies),
             "unreferenced_bytes": sum(o.size for o in data if o.key not in live),
             "kinds": kinds,
         }
+
+    def _collect_hidden(self) -> None:
+        """Remove the hidden steps that no committed step's chain reaches any more: their commit
+        records (on every tier), then the data only they kept.  Caller holds ``self._lock``."""
+        recs = self._read_records()
+        keep = needed_hidden(recs)
+        doomed = [s for s, r in recs.items() if r.hidden and s not in keep]
+        if not doomed:
+            return
+        for s in doomed:
+            for b in [self.backend] + ([self.tiers.fast] if self.tiers is not None else []):
+                b.delete(commit_key(s))
+                self.forget_record(b, commit_key(s))
+        self.reclaim({o for s in doomed for o in recs[s].live_objects})
 
     def _recs_on(self, backend: Backend) -> dict[int, StepInfo]:
         """The commit records on one tier (the store's own backend or the fast tier)."""

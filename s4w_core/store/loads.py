@@ -20,7 +20,7 @@ from s4w_core.skeleton import decode_tree
 from s4w_core.store.cache import BaseCache
 from s4w_core.store.chain import Chain, chain_device
 from s4w_core.store.core import Progress, StoreReader, after_saves
-from s4w_core.store.records import StepInfo, dict_or_empty
+from s4w_core.store.records import StepInfo, dict_or_empty, visible
 from s4w_core.store.reencode_check import same_layout
 
 log = logging.getLogger("s4w_core.store")
@@ -90,7 +90,7 @@ class Loads(BaseCache):
             with timer.stage("list"):
                 recs = self._read_records()
                 rec = self._record(step, recs)
-            remember = rec.step == max(recs) and self._caching()  # the next save re-encodes it
+            remember = rec.step == max(visible(recs)) and self._caching()  # the next save re-encodes it
             own = None  # a step read from its copy is remembered under its own container's manifest
             if remember and from_copy and rec.copy is not None:
                 own = _background(self._own_manifest_of, rec)

@@ -39,6 +39,8 @@ __all__ = [
     "step_of_object",
     "new_record",
     "count_ops",
+    "visible",
+    "needed_hidden",
 ]
 
 STORE_FORMAT = "s4weights-store"
@@ -108,6 +110,9 @@ class StepInfo:
     #: delta step has one: a load of it reads that one object instead of its chain); None if none
     copy: str | None = None
     copy_bytes: int = 0
+    #: deleted, but kept (its record and data object) while a kept step is a delta against it;
+    #: never listed, collected once no kept step's chain reaches it (docs/STORE.md, "Retention")
+    hidden: bool = False
 
     @property
     def reverse(self) -> bool:
@@ -146,6 +151,7 @@ class StepInfo:
             "pinned": self.pinned,
             **({"tiers": list(self.tiers)} if self.tiers else {}),
             **({"keyframe_copy": {"object": self.copy, "bytes": self.copy_bytes}} if self.copy is not None else {}),
+            **({"hidden": True} if self.hidden else {}),
         }
 
     def record(self) -> dict[str, Any]:
@@ -205,6 +211,9 @@ def parse_record(body: bytes, key: str, where: str) -> StepInfo:
             copy, copy_bytes = c["object"], c["bytes"]
             if not copy.startswith(DATA) or not is_safe_name(copy) or copy in objects or copy_bytes < 0:
                 raise bad(f"keyframe_copy {copy!r} ({copy_bytes} bytes) is not a data object of its own under {DATA}")
+        hidden = r.get("hidden", False)
+        if type(hidden) is not bool:
+            raise bad(f"hidden must be true or false, got {hidden!r}")
         return StepInfo(
             step=step,
             kind=r["kind"],
@@ -223,6 +232,7 @@ def parse_record(body: bytes, key: str, where: str) -> StepInfo:
             delta_ops=dict_or_empty(r.get("delta_ops")),
             copy=copy,
             copy_bytes=copy_bytes,
+            hidden=hidden,
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ManifestError):
@@ -276,4 +286,27 @@ def count_ops(manifest: Mapping[str, Any]) -> dict[str, int]:
         if s.get("delta"):
             ops[s["delta"]["op"]] = ops.get(s["delta"]["op"], 0) + 1
     return ops
+
+
+def visible(recs: Mapping[int, StepInfo]) -> dict[int, StepInfo]:
+    """The committed steps of ``recs``: those not hidden."""
+    return {s: r for s, r in recs.items() if not r.hidden}
+
+
+def needed_hidden(recs: Mapping[int, StepInfo]) -> set[int]:
+    """The hidden steps of ``recs`` that some visible step's chain of reverse deltas reaches
+    (through other hidden steps too): those must stay."""
+    needed: set[int] = set()
+    for r in recs.values():
+        if r.hidden:
+            continue
+        seen = {r.step}
+        base = r.base_step if r.reverse else None
+        while base is not None and base in recs and base not in seen:
+            seen.add(base)
+            r = recs[base]
+            if r.hidden:
+                needed.add(r.step)
+            base = r.base_step if r.reverse else None
+    return needed
 

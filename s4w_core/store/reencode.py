@@ -22,7 +22,7 @@ from s4w_core.store._async import SaveHandle
 from s4w_core.store._backend import Backend
 from s4w_core.store.chain import BaseProvider, CachedBase, source_of_manifest
 from s4w_core.store.loads import Loads
-from s4w_core.store.records import StepInfo, data_key, new_record, replace_record
+from s4w_core.store.records import StepInfo, data_key, new_record, replace_record, visible
 from s4w_core.store.reencode_check import same_storages
 
 log = logging.getLogger("s4w_core.store")
@@ -85,16 +85,17 @@ class Reencoder(Loads):
         """The step a save of the new newest ``step`` turns into a delta against it: the step
         just below, when it is whole, not pinned, and not the whole step that bounds the chains
         below it (``keyframe_every``: at most ``keyframe_every - 1`` deltas in a row)."""
-        if not self._caching() or any(s > step for s in recs):  # (an overwritten newest step: again)
+        shown = visible(recs)
+        if not self._caching() or any(s > step for s in shown):  # (an overwritten newest step: again)
             return None
-        below = sorted((s for s in recs if s < step), reverse=True)
+        below = sorted((s for s in shown if s < step), reverse=True)
         if not below:
             return None
         prev = recs[below[0]]
         if prev.kind != "keyframe" or prev.pinned:
             return None
         run, above = 0, prev.step
-        for s in below[1:]:
+        for s in sorted((s for s in recs if s < prev.step), reverse=True):  # hidden steps count too
             r = recs[s]
             if not (r.reverse and r.base_step == above):
                 break
@@ -219,8 +220,8 @@ class Reencoder(Loads):
         if self.tiers is not None and backend is self.backend and (n is None or "slow" not in n.tiers):
             return False  # its base is not on the slow tier yet (an upload failed): later
         return (
-            p is not None and n is not None and p.object == prev.object and p.kind == "keyframe"
-            and n.object == new.object and not any(prev.step < s < new.step for s in recs)
+            p is not None and n is not None and p.object == prev.object and p.kind == "keyframe" and not p.hidden
+            and n.object == new.object and not n.hidden and not any(prev.step < s < new.step for s in visible(recs))
         )
 
     def _decoded(self, rec: StepInfo, recs: Mapping[int, StepInfo]) -> tuple[Any, builtins.list[torch.Tensor], Mapping[str, Any]]:
@@ -249,7 +250,9 @@ class Reencoder(Loads):
         try:
             with backend.writer(key) as f:
                 m, size, prof = self._encode_into(state, f, provider, rec.step, rec.extra)
-            info = replace_record(new_record(rec.step, key, size, m, prof, base, rec.extra), created=rec.created)
+            info = replace_record(
+                new_record(rec.step, key, size, m, prof, base, rec.extra), created=rec.created, hidden=rec.hidden
+            )
             self._put_record(backend, info, replace=True)
         except BaseException:
             try:
@@ -262,11 +265,14 @@ class Reencoder(Loads):
         return info
 
     def _detach(self, step: int, recs: dict[int, StepInfo]) -> dict[int, StepInfo]:
-        """Before ``step`` is deleted or replaced: re-code every reverse delta against it (the
-        step just below) against the nearest step above ``step`` (the two deltas merged, or a
-        delta against the whole step that follows), or whole when there is none, the dependent is
-        pinned, or the chains through it would grow beyond ``keyframe_every - 1`` deltas.
-        Returns the records after.  Caller holds the lock."""
+        """Before ``step`` is replaced (an overwrite, or a new save of a hidden step): re-code
+        every reverse delta against it (the step just below, committed or hidden) against the
+        nearest step above ``step`` (the two deltas merged, or a delta against the whole step that
+        follows), or whole when there is none, the dependent is pinned, or the chains through it
+        would grow beyond ``keyframe_every - 1`` deltas.  Hidden steps no committed step needs are
+        collected first.  Returns the records after.  Caller holds the lock."""
+        self._collect_hidden()
+        recs = self._read_records()
         for d in [r for r in recs.values() if r.reverse and r.base_step == step]:
             above = [s for s in recs if s > step]
             base = recs[min(above)] if above and not d.pinned else None

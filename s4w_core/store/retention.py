@@ -8,7 +8,17 @@ import time
 
 from s4w_core.store import _tiered
 from s4w_core.store._backend import Backend
-from s4w_core.store.records import DATA, PINS, STEP_RE, StepInfo, check_step, commit_key, pin_key
+from s4w_core.store.records import (
+    DATA,
+    PINS,
+    STEP_RE,
+    StepInfo,
+    check_step,
+    commit_key,
+    pin_key,
+    replace_record,
+    visible,
+)
 from s4w_core.store.reencode import Reencoder
 
 __all__ = ["Retention"]
@@ -29,10 +39,10 @@ class Retention(Reencoder):
 
     def apply_retention(self) -> builtins.list[int]:
         """Delete every step but the newest ``keep_last`` and the pinned ones; returns the steps
-        deleted.  Bases that kept deltas need stay (as data objects without a commit)."""
+        deleted.  Steps a kept delta is against stay hidden (see :meth:`delete`)."""
         if self.keep_last is None:
             return []
-        recs = self._read_records()
+        recs = visible(self._read_records())
         keep = set(list(recs)[-self.keep_last :]) | {s for s, r in recs.items() if r.pinned}
         doomed = [s for s in recs if s not in keep]
         for s in doomed:
@@ -40,16 +50,20 @@ class Retention(Reencoder):
         return doomed
 
     def delete(self, step: int, *, rebase: bool = False) -> None:
-        """Delete ``step``: it disappears from listings at once and its data is reclaimed.  The
-        step just below it, when it is a delta against ``step``, is first re-coded against the
-        nearest step above ``step`` (or whole: when there is none, it is pinned, or the chain
-        bound says so); deleting the oldest step (nothing depends on it) re-codes nothing.
+        """Delete ``step``: it disappears from listings at once.  Deleting a step below the newest
+        writes nothing but its commit record: when a kept step is a delta against it (the step
+        just below), the record is rewritten as *hidden* and its data stays as long as a kept
+        step's chain reaches it (it is collected, record and data, once none does); otherwise
+        the record and the data only it kept are removed.  Deleting the oldest step (nothing
+        depends on it) frees its data at once.  Deleting the newest step re-codes the step below
+        it whole, so that the newest step still loads as one object.
 
         Args:
             step: a committed step.
-            rebase: for stores written by the first layout (forward deltas): first re-code, as
-                whole steps, the kept steps whose chain runs through ``step``, so that its data is
-                reclaimed now instead of when those deltas go.
+            rebase: reclaim its data now instead of when the steps that need it go: first re-code
+                the delta against it (the step below) against the nearest step above it (merged),
+                and, in stores written by the first layout (forward deltas), re-code as whole steps
+                the kept steps whose chain runs through ``step``.
         Raises:
             CheckpointNotFoundError: no such step.
         """
@@ -60,8 +74,8 @@ class Retention(Reencoder):
             recs = self._read_records()
             rec = self._record(step, recs)
             before = self.all_objects()
-            recs = self._detach(step, recs)
-            if rebase:
+            if rebase:  # reclaim its data now: the delta against it re-coded (merged onto the step above)
+                recs = self._detach(step, recs)
                 rebased = False
                 for s in sorted(recs):
                     if s != step and rec.object in recs[s].objects[1:]:
@@ -70,15 +84,31 @@ class Retention(Reencoder):
                         rebased = True
                 if rebased and self.tiers is not None:  # the slow tier's records still name ``step``'s data
                     _tiered.upload_missing(self)
-            if self.tiers is not None:
-                self.tiers.fast.delete(commit_key(step))
-                self.forget_record(self.tiers.fast, commit_key(step))
-            self.backend.delete(commit_key(step))  # the step is gone from here on
+            tiers = [self.backend] + ([self.tiers.fast] if self.tiers is not None else [])
+            shown = visible(recs)
+            below = [s for s in shown if s < step]
+            if step == max(shown) and below and recs[max(below)].reverse:
+                # the step below becomes the newest: re-coded whole first (it loads as one object);
+                # a crash before the delete leaves both steps committed and whole
+                v = recs[max(below)]
+                state, _, _ = self._decoded(v, recs)
+                self._recode(v, state, None, recs)
+                del state
+                recs = self._read_records()
+            if any(r.reverse and r.base_step == step for r in recs.values()):
+                for b in tiers:  # hidden: the commit point (one record rewritten per tier)
+                    r = self._recs_on(b).get(step)
+                    if r is not None:
+                        self._put_record(b, replace_record(r, hidden=True), replace=True)
+            else:
+                for b in reversed(tiers):  # the step is gone once the slow tier's record is
+                    b.delete(commit_key(step))
+                    self.forget_record(b, commit_key(step))
             self.backend.delete(pin_key(step))
             self.pinned.discard(step)
             if self._cache is not None and self._cache.step == step:
                 self._cache = None
-            self.forget_record(self.backend, commit_key(step))
+            self._collect_hidden()
             self.reclaim(before)
 
     def _rebase(self, step: int, *, exclude: int) -> StepInfo:
@@ -94,7 +124,9 @@ class Retention(Reencoder):
         own save in flight and the re-encoding behind it are waited for first (their objects
         are unreferenced until they commit, whatever ``grace_seconds`` says)."""
         self._pipe.settle()
-        recs = self._read_records()
+        with self._lock:
+            self._collect_hidden()  # e.g. a delete that crashed before it collected
+        recs = visible(self._read_records())
         places: builtins.list[tuple[Backend, set[str]]] = [(self.backend, self.all_objects())]
         if self.tiers is not None:
             fast, _ = self.tier_views()

@@ -20,7 +20,7 @@ from s4w_core.store import _async, _tiered
 from s4w_core.store._async import SaveHandle
 from s4w_core.store.chain import BaseProvider, CachedBase, state_source
 from s4w_core.store.core import Progress
-from s4w_core.store.records import StepInfo, check_step, commit_key, data_key, new_record
+from s4w_core.store.records import StepInfo, check_step, commit_key, data_key, new_record, visible
 from s4w_core.store.reencode import Reencode
 from s4w_core.store.retention import Retention
 
@@ -262,7 +262,7 @@ class Writes(Retention):
         key = commit_key(step)
         with self._rec_lock:
             cached = key in self._records or (self.tiers is not None and key in self.tiers.records)
-        return cached and step in self._read_records()
+        return cached and step in visible(self._read_records())
 
     def _save_blocking(
         self, handle: SaveHandle, state: Any, step: int, extra: Mapping[str, Any] | None, keyframe: bool, overwrite: bool
@@ -381,12 +381,13 @@ class Writes(Retention):
         """Encode (unless ``pre``), write and commit ``step``, then retention; under the lock."""
         with self._lock:
             recs = self._read_records()
-            if step in recs and not overwrite:
+            if step in visible(recs) and not overwrite:
                 raise ConflictError(
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
             before: set[str] = set()
-            if step in recs:  # replaced: the step below it must not stay a delta against its old bytes
+            if step in recs:  # replaced (or saved again after a delete that left it hidden): the step
+                # below it must not stay a delta against its old bytes
                 before = self.all_objects()
                 recs = self._detach(step, recs)
             info = self._save(
@@ -431,7 +432,7 @@ class Writes(Retention):
         bytes to pinned host buffers, kept as the step's bytes (one synchronize)."""
         with self._lock:
             recs = self._read_records()
-            if step in recs and not overwrite:
+            if step in visible(recs) and not overwrite:
                 raise ConflictError(
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )

@@ -155,6 +155,45 @@ def test_bytes_written_per_save_are_one_whole_step_and_one_delta(store_url: str)
             s: r.object for s, r in before.items() if s < i - 1}, "older steps untouched"
 
 
+def test_lightning_like_top_k_removals_write_no_data_objects(store_url: str) -> None:
+    """Lightning's ModelCheckpoint(save_top_k=2, monitor="loss", save_last=True): every step is
+    saved (the last), the previous last is removed unless it is in the top 2, and a step that
+    falls out of the top 2 is removed.  Removals write no data object (a middle step is hidden
+    while the step below is a delta against it), each save writes its step whole and one delta,
+    every kept step loads bit-exactly, and once nothing needs a removed step its data is gone."""
+    run = make_run(10, n=20000)
+    loss = [5.0, 4.0, 4.5, 3.0, 3.5, 3.2, 2.0, 2.8, 2.9, 1.0]
+    spy = _Writes(open_backend(store_url))
+    st = CheckpointStore(store_url, profile="portable", _backend=spy)
+    top: list[int] = []
+    last: int | None = None
+    for i in range(10):
+        spy.data.clear()
+        st.save(run[i], i)
+        st.wait()
+        assert len(spy.data) <= 2, "the new step whole and at most one delta"
+        spy.data.clear()
+        top = sorted([*top, i], key=lambda s: loss[s])
+        gone = [s for s in top[2:]]
+        top = top[:2]
+        if last is not None and last not in top:
+            gone.append(last)
+        last = i
+        for s in sorted(set(gone) - {i}):
+            st.delete(s)
+        assert spy.data == [], f"removing {gone} wrote data objects"
+        kept = sorted({*top, i})
+        assert st.steps() == kept
+        for s in kept:
+            assert bits_equal(CheckpointStore(store_url).load(s), run[s]), s
+        sizes = st.sizes()
+        assert sizes["unreferenced_bytes"] == 0
+    assert st.steps() == [6, 9]
+    for s in (6,):
+        st.delete(s)  # the oldest kept: the hidden steps its chain ran through go with it
+    assert st.sizes()["hidden_bytes"] == 0 and _data(st) == {st.info(9).object}
+
+
 def test_a_delta_that_does_not_pay_writes_nothing_and_the_step_stays_whole(store_url: str) -> None:
     """Two unrelated states (a far-apart save): the step below would be a delta no smaller than its
     whole object, so it stays whole and no data object is written for it."""

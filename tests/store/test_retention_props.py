@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from s4w_core.errors import CheckpointNotFoundError
 from s4w_core.store import CheckpointStore
 from s4w_core.store._memory import MemoryBackend
-from s4w_core.store.records import DATA
+from s4w_core.store.records import DATA, needed_hidden
 
 from .helpers import Crash, FaultyBackend
 
@@ -60,16 +60,18 @@ def _check(store: CheckpointStore, expected: dict[int, dict]) -> None:
     fresh = CheckpointStore(store.url, base_cache_bytes=0, _backend=store.backend)
     for s, state in expected.items():
         assert _equal(fresh.load(s), state), f"step {s}"
-    live = {o for r in store.list() for o in r.live_objects}
+    every = store._read_records()  # noqa: SLF001 - the hidden records too
+    hidden = {s for s, r in every.items() if r.hidden}
+    assert hidden == needed_hidden(every), "a deleted step is kept only while a kept step's chain reaches it"
+    live = {o for r in every.values() for o in r.live_objects}
     data = {o.key for o in store.backend.list(DATA)}
     assert data == live, f"unreclaimed: {sorted(data - live)}; missing: {sorted(live - data)}"
     recs = store.list()
-    steps = {r.step for r in recs}
-    for r in recs:
+    for r in every.values():
         assert r.depth < store.keyframe_every
         assert r.objects == (r.object,) and r.copy is None, "one data object per step"
-        if r.kind == "delta":  # against a newer step that is committed
-            assert r.reverse and r.base_step in steps
+        if r.kind == "delta":  # against a newer step that is committed, or hidden and kept for it
+            assert r.reverse and r.base_step in every
     assert not recs or recs[-1].kind == "keyframe", "the newest step is whole"
 
 

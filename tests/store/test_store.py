@@ -100,7 +100,7 @@ def test_missing_step_and_empty_store(store_url: str) -> None:
     assert st.latest() == 5
 
 
-def test_delete_merges_dependents_and_reclaims(store_url: str) -> None:
+def test_delete_hides_a_middle_step_writes_nothing_and_reclaims(store_url: str) -> None:
     run = make_run(6)
     st = CheckpointStore(store_url, keyframe_every=10, profile="portable")
     for i, s in enumerate(run):
@@ -112,15 +112,27 @@ def test_delete_merges_dependents_and_reclaims(store_url: str) -> None:
     assert st.steps() == [1, 2, 3, 4, 5]
     assert {r.step: r.object for r in st.list()} == {i: before[i].object for i in range(1, 6)}
     assert before[0].object not in data_keys(st) and st.sizes()["base_only_bytes"] == 0
-    st.delete(3)  # a middle step: step 2, a delta against it, is merged onto step 4
-    assert st.info(2).base_step == 4 and st.info(2).object != before[2].object
-    assert {r.step: r.object for r in st.list() if r.step != 2} == {i: before[i].object for i in (1, 4, 5)}
+    keys = data_keys(st)
+    st.delete(3)  # a middle step: step 2 is a delta against it: hidden, nothing re-coded
+    assert st.steps() == [1, 2, 4, 5] and data_keys(st) == keys
+    assert {r.step: r.object for r in st.list()} == {i: before[i].object for i in (1, 2, 4, 5)}
+    assert st.info(2).base_step == 3 and st.sizes()["hidden_bytes"] == before[3].object_bytes
+    with pytest.raises(CheckpointNotFoundError):
+        st.load(3)
     st.delete(5)  # the newest: step 4, a delta against it, becomes whole
     assert st.info(4).kind == "keyframe" and st.info(4).base_step is None
     for i in (1, 2, 4):
         assert bits_equal(st.load(i), run[i])
         assert bits_equal(CheckpointStore(store_url).load(i), run[i])
-    assert data_keys(st) == {o for r in st.list() for o in r.live_objects}
+    sizes = st.sizes()
+    assert sizes["unreferenced_bytes"] == 0 and sizes["hidden_bytes"] == before[3].object_bytes
+    st.delete(2)  # step 1 is a delta against it: hidden too; step 3 still needed through it
+    assert st.steps() == [1, 4] and bits_equal(st.load(1), run[1])
+    st.delete(1)  # nothing needs the hidden steps any more: collected, records and data
+    assert st.steps() == [4] and data_keys(st) == {st.info(4).object}
+    assert st.sizes()["hidden_bytes"] == 0
+    st.save(run[3], 3)  # a step number that was hidden can be saved again
+    assert bits_equal(st.load(3), run[3])
     for s in list(st.steps()):
         st.delete(s)
     assert st.steps() == [] and data_keys(st) == set(), "all data reclaimed once nothing needs it"

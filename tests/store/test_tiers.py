@@ -195,14 +195,16 @@ def test_retention_delete_and_gc_cover_both_tiers(tmp_path: Path) -> None:
         st.wait()
         slow, fast = st.backend, open_backend(fast_url)
         assert st.steps() == [2, 3, 4] and _commits(slow) == [2, 3, 4] and _commits(fast) == [3, 4]
-        st.delete(3)
-        assert st.steps() == [2, 4] and 3 not in _commits(slow) and 3 not in _commits(fast)
+        st.delete(3)  # step 2 is a delta against it: hidden on both tiers, nothing re-coded
+        assert st.steps() == [2, 4]
+        for b in (slow, fast):
+            assert json.loads(b.get("commits/step_000000000003.json"))["hidden"] is True
         assert st.gc(grace_seconds=0) == 0  # nothing unreferenced was left on either tier
         for s in (2, 4):
             assert bits_equal(st.load(s), run[s])
-        st.delete(2, rebase=True)  # step 4's chain ran through 2: re-coded, uploaded, then freed
+        st.delete(2, rebase=True)  # nothing needs step 3 any more: collected from both tiers
         st.wait()
-        assert st.steps() == [4] and _commits(slow) == [4]
+        assert st.steps() == [4] and _commits(slow) == [4] and 3 not in _commits(fast)
         live = set(st.info(4).objects)
         assert _keys(slow, "data/") == live and _keys(fast, "data/") <= live
         assert bits_equal(st.load(4), run[4])
