@@ -19,13 +19,7 @@ TEST_ONLY = {"S4W_GPU_EXTRA", "S4W_GPU_RESULTS", "S4W_LONG_TESTS", "S4W_REQUIRE_
              "S4W_TEST_WORKERS", "S4W_WEED"}
 #: modules that still read their knobs from os.environ themselves (to be converted to config's
 #: accessors; this set only shrinks)
-PENDING = {
-    "s4w_core/gpu/__init__.py", "s4w_core/gpu/_nvcomp.py", "s4w_core/gpu/_decode.py", "s4w_core/gpu/_encode.py",
-    "s4w_core/gpu/kernels.py", "s4w_core/planes/triton_kernels.py", "s4w_core/planes/_jit.py",
-    "s4w_core/store/_s3.py", "s4w_core/store/_async.py", "integrations/s4w_accelerate/_hook.py",
-    # the same reads, moved by the split of gpu/_encode.py, gpu/_decode.py and store/_async.py
-    "s4w_core/gpu/_coder.py", "s4w_core/gpu/_decplan.py", "s4w_core/hostmem.py",
-}
+PENDING = {"s4w_core/store/_s3.py", "s4w_core/store/_async.py"}
 
 
 def _sources() -> dict[str, str]:
