@@ -78,7 +78,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from s4w_core import api, config, obs
+import s4w_core.config
+from s4w_core import api, obs
 from s4w_core._fsutil import atomic_write
 from s4w_core.dcp_run import (
     RunRoot,
@@ -548,7 +549,7 @@ class S4StorageWriter(StorageWriter):
         s3_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        config.check_profile(profile)
+        s4w_core.config.check_profile(profile)
         if stage_to not in ("device", "cpu"):
             raise ValueError(f"stage_to must be 'device' or 'cpu', got {stage_to!r}")
         self.profile = profile
