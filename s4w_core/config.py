@@ -6,7 +6,9 @@ reads it only through :func:`get_bool`, :func:`get_int`, :func:`get_float`, :fun
 :func:`get_opt_int`, :func:`get_opt_float` for a knob whose default is automatic),
 which parse the variable at each call (tests and benchmarks change them between calls) and raise
 :class:`~s4w_core.errors.ConfigError` naming the variable and what it accepts when the value does
-not parse. Reading an undeclared name is a ``KeyError`` (a bug, not a user error).
+not parse. Reading an undeclared name is a ``KeyError`` (a bug, not a user error). Each accessor
+takes an optional ``environ`` mapping to read instead of ``os.environ`` (an adapter's injectable
+environment).
 docs/CONFIG.md holds :func:`markdown_table` of this table (a test compares them).
 
 Example:
@@ -22,13 +24,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from s4w_core.errors import ConfigError
 
 __all__ = [
     "Knob",
     "KNOBS",
+    "Environ",
     "PROFILES",
     "check_profile",
     "raw",
@@ -123,10 +126,15 @@ _SIZE = re.compile(r"^(\d+)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def raw(name: str) -> str | None:
-    """The variable's text, stripped; ``None`` when it is unset or empty."""
+#: variables by name: what every accessor reads when given as ``environ`` (default ``os.environ``)
+Environ = Mapping[str, str]
+
+
+def raw(name: str, environ: Environ | None = None) -> str | None:
+    """The variable's text in ``environ`` (default: ``os.environ``), stripped; ``None`` when it is
+    unset or empty."""
     KNOBS[name]  # noqa: B018 - an undeclared knob is a KeyError
-    v = os.environ.get(name, "").strip()
+    v = ((os.environ if environ is None else environ).get(name) or "").strip()
     return v or None
 
 
@@ -141,11 +149,11 @@ def _number(k: Knob, v: str, x: float) -> None:
         raise _bad(k, v, f"a number{lo}{' and' if lo and hi else ''}{hi}")
 
 
-def get_bool(name: str) -> bool:
+def get_bool(name: str, environ: Environ | None = None) -> bool:
     """A ``bool`` knob: ``1/true/yes/on`` or ``0/false/no/off`` (any case); unset: its default."""
     k = KNOBS[name]
     assert k.kind == "bool", name
-    v = raw(name)
+    v = raw(name, environ)
     if v is None:
         return bool(k.default)
     if v.lower() in _TRUE:
@@ -155,12 +163,12 @@ def get_bool(name: str) -> bool:
     raise _bad(k, v, "1/true/yes/on or 0/false/no/off")
 
 
-def get_opt_int(name: str) -> int | None:
+def get_opt_int(name: str, environ: Environ | None = None) -> int | None:
     """An ``int`` or ``bytes`` knob (``bytes`` takes K, M, G, T suffixes: ``64M``); unset: its
     default (``None``: automatic)."""
     k = KNOBS[name]
     assert k.kind in ("int", "bytes"), name
-    v = raw(name)
+    v = raw(name, environ)
     if v is None:
         return k.default  # type: ignore[no-any-return]
     if k.kind == "bytes":
@@ -174,19 +182,19 @@ def get_opt_int(name: str) -> int | None:
     return x
 
 
-def get_int(name: str) -> int:
+def get_int(name: str, environ: Environ | None = None) -> int:
     """:func:`get_opt_int` of a knob with a default."""
     assert KNOBS[name].default is not None, name
-    x = get_opt_int(name)
+    x = get_opt_int(name, environ)
     assert x is not None
     return x
 
 
-def get_opt_float(name: str) -> float | None:
+def get_opt_float(name: str, environ: Environ | None = None) -> float | None:
     """A ``float`` knob; unset: its default (``None``: automatic)."""
     k = KNOBS[name]
     assert k.kind == "float", name
-    v = raw(name)
+    v = raw(name, environ)
     if v is None:
         return k.default  # type: ignore[no-any-return]
     try:
@@ -199,19 +207,19 @@ def get_opt_float(name: str) -> float | None:
     return x
 
 
-def get_float(name: str) -> float:
+def get_float(name: str, environ: Environ | None = None) -> float:
     """:func:`get_opt_float` of a knob with a default."""
     assert KNOBS[name].default is not None, name
-    x = get_opt_float(name)
+    x = get_opt_float(name, environ)
     assert x is not None
     return x
 
 
-def get_str(name: str) -> str:
+def get_str(name: str, environ: Environ | None = None) -> str:
     """A ``str`` or ``choice`` knob (a choice compared in lower case); unset: its default."""
     k = KNOBS[name]
     assert k.kind in ("str", "choice"), name
-    v = raw(name)
+    v = raw(name, environ)
     if v is None:
         return str(k.default)
     if k.kind == "choice":

@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+import s4w_core.config
 from s4w_core import api, obs
 from s4w_core._fsutil import atomic_write, name_parts
 from s4w_core.dcp_run import (
@@ -550,8 +551,7 @@ class S4StorageWriter(StorageWriter):
         s3_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if profile not in api.PROFILES:
-            raise ValueError(f"profile must be one of {api.PROFILES}, got {profile!r}")
+        s4w_core.config.check_profile(profile)
         if stage_to not in ("device", "cpu"):
             raise ValueError(f"stage_to must be 'device' or 'cpu', got {stage_to!r}")
         self.profile = profile

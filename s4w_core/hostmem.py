@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from s4w_core import config
+
 __all__ = ["PinnedPool", "HostFill", "pinned_slab", "pinned_buffers", "host_copies"]
 
 log = logging.getLogger("s4w_core.hostmem")
@@ -68,7 +70,7 @@ def _anonymous(nbytes: int) -> mmap.mmap:
         return mmap.mmap(-1, nbytes)
     mm = mmap.mmap(-1, nbytes, flags=flags | anon)
     advice = [getattr(mmap, "MADV_DONTFORK", None)]
-    if os.environ.get("S4W_PINNED_THP", "1") != "0":
+    if config.get_bool("S4W_PINNED_THP"):
         advice.append(getattr(mmap, "MADV_HUGEPAGE", None))
     for a in advice:
         if a is not None:

@@ -17,7 +17,7 @@ from typing import IO, Any, Callable, Mapping, Union
 
 import torch
 
-from s4w_core import engine
+from s4w_core import config, engine
 from s4w_core._fsutil import store_error
 from s4w_core._version import __version__
 from s4w_core.codecs import CODECS, get_codec
@@ -50,7 +50,7 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 MapLocation = Union[None, str, torch.device, Mapping[str, str], Callable[[str], Any]]
-PROFILES = ("auto", "portable", "fast")
+PROFILES = config.PROFILES
 
 
 def executor(threads: int | None) -> ThreadPoolExecutor:
@@ -112,10 +112,9 @@ def gpu_backend() -> Any:
 
 def resolve_profile(profile: str, jobs: list[engine.StorageJob]) -> str:
     """The profile a save of ``jobs`` uses: ``auto`` is ``fast`` when a storage is on a usable
-    GPU, else ``portable``.  Raises ValueError for an unknown name, BackendUnavailableError for
-    ``fast`` without a GPU."""
-    if profile not in PROFILES:
-        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    GPU, else ``portable``.  Raises ConfigError (a ValueError) for an unknown name,
+    BackendUnavailableError for ``fast`` without a GPU."""
+    config.check_profile(profile)
     if profile == "auto":
         on_gpu = any(j.raw.device.type == "cuda" for j in jobs)
         return "fast" if on_gpu and gpu_backend() is not None else "portable"

@@ -27,6 +27,7 @@ from accelerate.utils import DistributedType
 
 import s4w_core
 from s4w_core import CheckpointNotFoundError, ConflictError, frameworks
+from s4w_core import config as knobs
 from s4w_core.filepack import pack_folder, unpack_folder
 from s4w_core.frameworks import StateMismatchError, check_count, check_state_dict
 from s4w_core.store import CheckpointStore
@@ -332,8 +333,7 @@ def enable(
             durable (:func:`finish_pending`).
     """
     global _config
-    if profile not in s4w_core.PROFILES:
-        raise ValueError(f"profile must be one of {s4w_core.PROFILES}, got {profile!r}")
+    knobs.check_profile(profile)
     _saver.finish()
     _config = Config(None if store is None else os.fspath(store), profile, store_options, async_save)
     _stores.clear()
@@ -359,15 +359,15 @@ def disable() -> None:
         Accelerator.load_state = _originals.pop("load_state")  # type: ignore[method-assign]
 
 
-def enable_from_env(environ: Any = os.environ) -> bool:
-    """Enable from ``S4W_ACCELERATE*`` variables (what ``import s4w_accelerate`` does)."""
-    v = (environ.get(ENV) or "").strip()
+def enable_from_env(environ: knobs.Environ | None = None) -> bool:
+    """Enable from ``S4W_ACCELERATE*`` variables of ``environ`` (default ``os.environ``; what
+    ``import s4w_accelerate`` does). A value that does not parse is a ConfigError naming it."""
+    v = knobs.get_str("S4W_ACCELERATE", environ)
     if not v or v.lower() in ("0", "false", "no", "off"):
         return False
-    on = ("1", "true", "yes", "on")
     enable(
-        None if v.lower() in on else v,
-        profile=(environ.get(f"{ENV}_PROFILE") or "auto").strip(),
-        async_save=(environ.get(f"{ENV}_ASYNC") or "0").strip().lower() in on,
+        None if v.lower() in ("1", "true", "yes", "on") else v,
+        profile=knobs.get_str("S4W_ACCELERATE_PROFILE", environ),
+        async_save=knobs.get_bool("S4W_ACCELERATE_ASYNC", environ),
     )
     return True

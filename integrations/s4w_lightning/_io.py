@@ -25,6 +25,7 @@ import torch
 
 import s4w_core
 from s4w_core import FormatError, pointer
+from s4w_core.config import check_profile
 from s4w_core.frameworks import (
     Files,
     PointerFiles,
@@ -81,8 +82,7 @@ class _S4CheckpointIOImpl:
         rebase_on_delete: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
-        if profile not in s4w_core.PROFILES:
-            raise ValueError(f"profile must be one of {s4w_core.PROFILES}, got {profile!r}")
+        check_profile(profile)
         if store is not None and not delta:
             raise ValueError("store= needs delta=True (delta=False writes self-contained files at Lightning's paths)")
         self.store_url = None if store is None else norm_path(store)

@@ -32,6 +32,7 @@ from transformers.training_args import ParallelMode
 
 import s4w_core
 from s4w_core import CheckpointNotFoundError, ConflictError, S4WError, frameworks
+from s4w_core.config import check_profile
 from s4w_core.filepack import pack_folder
 from s4w_core.frameworks import barrier
 from s4w_core.store import CheckpointStore
@@ -101,8 +102,7 @@ class S4Callback(TrainerCallback):
         overwrite: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
-        if profile not in s4w_core.PROFILES:
-            raise ValueError(f"profile must be one of {s4w_core.PROFILES}, got {profile!r}")
+        check_profile(profile)
         self.store_url = None if store is None else os.fspath(store)
         self.profile, self.async_save, self.overwrite = profile, async_save, overwrite
         if profile != "portable":  # compile the GPU codec's kernels before the first save, once CUDA is up

@@ -27,6 +27,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
+from s4w_core import config
+
 if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import ThreadPoolExecutor
     from typing import Callable
@@ -76,7 +78,7 @@ def _probe() -> tuple[bool, str]:
 def available() -> bool:
     """True if the GPU backend can run here (cached; ``S4W_DISABLE_GPU=1`` forces False)."""
     global _PROBE
-    if os.environ.get("S4W_DISABLE_GPU", "") not in ("", "0"):
+    if config.get_bool("S4W_DISABLE_GPU"):
         return False
     if _PROBE is None:
         _PROBE = _probe()
@@ -85,7 +87,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False ("" when it is True)."""
-    if os.environ.get("S4W_DISABLE_GPU", "") not in ("", "0"):
+    if config.get_bool("S4W_DISABLE_GPU"):
         return "disabled by S4W_DISABLE_GPU"
     available()
     assert _PROBE is not None
@@ -205,12 +207,12 @@ def warm_up(
     :data:`WARM_UP_WAIT_S`) instead of compiling the same kernels beside it. A failed warm-up is
     logged and changes nothing: the first save compiles as it would have. Never changes the bytes
     a save writes."""
-    if os.environ.get(WARM_UP_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not config.get_bool("S4W_WARM_UP"):
         return False
     import torch
 
     if when_cuda_used:  # the probe (nvCOMP creates a CUDA context) runs in the thread once CUDA is in use
-        if os.environ.get("S4W_DISABLE_GPU", "") not in ("", "0") or not torch.cuda.is_available():
+        if config.get_bool("S4W_DISABLE_GPU") or not torch.cuda.is_available():
             return False
     elif not available():
         return False

@@ -5,13 +5,13 @@ cuts a checkpoint's storages into batches and writes the chunks to the container
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from s4w_core import config
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW
 from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, ROTL1
 from s4w_core.gpu import _nvcomp
@@ -259,15 +259,9 @@ def probe_min_gain(delta: bool = False) -> float:
     1 stores raw every later-plane chunk the probe samples (those of at least :data:`PROBE_BYTES`):
     the encode and decode skip nvCOMP on the mantissa planes, for less ratio
     (docs/PERFORMANCE.md, "Knobs")."""
-    env = os.environ.get("S4W_PROBE_MIN_GAIN")
-    if env is None or env == "":
+    gain = config.get_opt_float("S4W_PROBE_MIN_GAIN")  # a ConfigError (a ValueError) outside 0 to 1
+    if gain is None:
         return PROBE_MIN_GAIN_DELTA if delta else PROBE_MIN_GAIN
-    try:
-        gain = float(env)
-    except ValueError:
-        gain = -1.0
-    if not 0.0 <= gain <= 1.0:
-        raise ValueError(f"S4W_PROBE_MIN_GAIN={env!r}: expected a number from 0 to 1")
     return gain
 
 #: columns of a batch's chunk table (int64, one entry per chunk each; one upload): the first five

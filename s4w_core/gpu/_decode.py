@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from s4w_core import checksum as ck
-from s4w_core import engine
+from s4w_core import config, engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW, get_codec
 from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
@@ -67,11 +67,9 @@ _MAX_GAP = 64 << 10
 #: ... unless the gaps so read would add more than this fraction of the chunks' own bytes: then
 #: only chunks that lie back to back share a read
 _MAX_OVERREAD = 0.25
-#: default bytes per read (``S4W_READ_BLOCK``); a smaller batch is cut into :data:`_MIN_READS`
-#: reads of at least :data:`_MIN_READ` bytes, so that its reads still run in parallel
-_READ_BLOCK = 32 << 20
-#: batches staged (read and checked) ahead of the one being decoded (``S4W_STAGE_AHEAD``)
-_STAGE_AHEAD = 2
+#: a read is at most ``S4W_READ_BLOCK`` bytes (32 MiB); a smaller batch is cut into :data:`_MIN_READS`
+#: reads of at least :data:`_MIN_READ` bytes, so that its reads still run in parallel. Batches are
+#: staged (read and checked) ``S4W_STAGE_AHEAD`` (2) ahead of the one being decoded.
 _MIN_READS = 4
 _MIN_READ = 1 << 20
 
@@ -99,7 +97,7 @@ def decode_storages(
     # ahead, so the reads of the next batch are queued while this one's last reads finish (one
     # batch ahead, the disk idled at every batch boundary); stage() itself never runs in `pool`,
     # where it could wait on tasks queued behind it
-    depth = max(1, int(os.environ.get("S4W_STAGE_AHEAD", _STAGE_AHEAD)))
+    depth = config.get_int("S4W_STAGE_AHEAD")
     stager = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="s4w-stage")
     ahead: deque[Future[Staged | None]] = deque()
     try:
@@ -174,7 +172,7 @@ def _gpu_inflate() -> bool:
     deflate streams); ``S4W_GPU_INFLATE=0`` keeps them on the CPU. zstd chunks always decode on
     the CPU: nvCOMP's Zstd decoder can hang on malformed input (FACTS) and an xxh3 match is no
     protection against a deliberately forged file."""
-    return os.environ.get("S4W_GPU_INFLATE", "1") != "0"
+    return config.get_bool("S4W_GPU_INFLATE")
 
 
 
@@ -270,8 +268,8 @@ def stage(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPo
 
 
 def _read_block(data: int) -> int:
-    """Bytes per read for a batch of ``data`` chunk bytes (see :data:`_READ_BLOCK`)."""
-    block = int(os.environ.get("S4W_READ_BLOCK", _READ_BLOCK))
+    """Bytes per read for a batch of ``data`` chunk bytes (see :data:`_MIN_READS`)."""
+    block = config.get_int("S4W_READ_BLOCK")
     return max(1, min(block, max(_MIN_READ, -(-data // _MIN_READS))))
 
 

@@ -4,12 +4,12 @@ depend on where the batch's buffers lie, built with numpy and checked on the sta
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
+from s4w_core import config
 from s4w_core.errors import DecodeError
 from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS
 from s4w_core.gpu import _nvcomp
@@ -45,7 +45,7 @@ class StagedChunks(Protocol):
 
 def plan_key() -> tuple[Any, ...]:
     """What a plan depends on besides its batch: the in-place merge switch and the merge block."""
-    return os.environ.get("S4W_MERGE_IN_PLACE", "1"), block_config()
+    return config.get_bool("S4W_MERGE_IN_PLACE"), block_config()
 
 
 class Call(NamedTuple):
@@ -186,7 +186,7 @@ class DecodePlan:
         # never); other raw chunks are placed into the planes buffer first
         block = merge_block()
         p.in_place = in_place = (
-            bool(rot.any()) and not (seg[rot] % block).any() and os.environ.get("S4W_MERGE_IN_PLACE", "1") != "0"
+            bool(rot.any()) and not (seg[rot] % block).any() and config.get_bool("S4W_MERGE_IN_PLACE")
         )
         place = cp & ~rot[k] if in_place else cp
         p.place = (slot[place], dst[place], raw_len[place])

@@ -18,6 +18,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from s4w_core import config
+
 __all__ = [
     "versions",
     "codec",
@@ -134,9 +136,9 @@ DEFAULT_BATCH_BYTES = 48 << 20
 
 def batch_bytes(device: torch.device) -> int:
     """Raw bytes per batch: ``S4W_GPU_BATCH_BYTES`` or min(48 MiB, free device memory / 8)."""
-    env = os.environ.get("S4W_GPU_BATCH_BYTES")
-    if env:
-        return max(1 << 20, int(env))
+    env = config.get_opt_int("S4W_GPU_BATCH_BYTES")
+    if env is not None:
+        return max(1 << 20, env)
     free, _total = torch.cuda.mem_get_info(device)
     return max(16 << 20, min(DEFAULT_BATCH_BYTES, free // 8))
 
@@ -198,7 +200,7 @@ def _ans_c() -> Any:
         if _C_TRIED:
             return _C_LIB
         _C_TRIED = True
-        if os.environ.get("S4W_NVCOMP_C", "1") == "0" or ctypes.sizeof(_AnsCompressOpts) != 64:
+        if not config.get_bool("S4W_NVCOMP_C") or ctypes.sizeof(_AnsCompressOpts) != 64:
             return None
         try:
             major = int(str(versions().get("nvcomp", "0")).split(".")[0])

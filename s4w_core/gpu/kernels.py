@@ -23,7 +23,6 @@ arguments, so one compiled variant per set of constexprs serves every call: what
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import numpy as np
@@ -31,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from s4w_core import config
+from s4w_core.errors import ConfigError
 from s4w_core.planes.triton_kernels import fwd16, fwd32, item_table, upload
 
 __all__ = [
@@ -128,8 +129,8 @@ def gather_copy(
     )
     if words:
         table_np = np.stack([so // 8, do // 8, rounded // 8])
-        block = int(os.environ.get("S4W_GATHER_WORDS", "8192"))
-        iters = int(os.environ.get("S4W_GATHER_ITERS", "2"))
+        block = config.get_int("S4W_GATHER_WORDS")
+        iters = config.get_int("S4W_GATHER_ITERS")
     else:
         table_np = np.stack([so, do, ln])
         block = _COPY_BLOCK
@@ -139,7 +140,7 @@ def gather_copy(
         grid = (len(ln), triton.cdiv(longest, 8 * block * iters))
         _gather_words_kernel[grid](
             src.view(torch.int64), dst.view(torch.int64), table[0], table[1], table[2], BLOCK=block, ITERS=iters,
-            num_warps=int(os.environ.get("S4W_GATHER_WARPS", "16")),
+            num_warps=config.get_int("S4W_GATHER_WARPS"),
         )
     else:
         grid = (len(ln), triton.cdiv(longest, _COPY_BLOCK))
@@ -421,12 +422,13 @@ def _gather_chosen_kernel(res_ptr, first_ptr, off_ptr, comp_off_ptr, n, out_ptr,
 
 def _compact_config() -> tuple[int, int, int]:
     """(int64 words per tile, tiles per program, warps) of the compaction's 16-byte copies:
-    ``S4W_COMPACT_CONFIG="words,tiles,warps"`` (benchmarks sweep it) or the default."""
-    env = os.environ.get("S4W_COMPACT_CONFIG")
-    if env:
-        b, i, w = (int(x) for x in env.split(","))
-        return b, i, w
-    return 8192, 2, 16
+    ``S4W_COMPACT_CONFIG="words,tiles,warps"`` (benchmarks sweep it; default ``8192,2,16``)."""
+    text = config.get_str("S4W_COMPACT_CONFIG")
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdecimal() and int(p) > 0 for p in parts):
+        raise ConfigError(f"S4W_COMPACT_CONFIG={text!r}: expected three whole numbers >= 1: words,tiles,warps")
+    b, i, w = (int(p) for p in parts)
+    return b, i, w
 
 
 def choose_and_gather(

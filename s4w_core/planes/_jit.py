@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from s4w_core import config
+
 __all__ = ["enabled", "split_into", "merge_into", "merge_range"]
 
 _lock = threading.Lock()
@@ -138,7 +140,7 @@ def _get(wait: bool = False, nbytes: int = 0) -> dict[str, Any] | None:
     the CPU path has asked for :data:`START_AFTER_BYTES` of work; numpy does the work until then,
     so a small save or load never waits for numba."""
     global _started, _seen
-    if os.environ.get("S4W_NUMBA", "1") == "0":
+    if not config.get_bool("S4W_NUMBA"):
         return None
     if not _ready.is_set():
         if not _started:
@@ -169,7 +171,6 @@ def enabled(wait: bool = True) -> bool:
 
 
 _UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32}
-_ENV = os.environ
 _EMPTY: dict[int, np.ndarray] = {2: np.empty(0, np.uint16), 4: np.empty(0, np.uint32)}
 
 
@@ -219,7 +220,7 @@ def _merge_args(
 
 def _merge_kernel(w: int, nbytes: int) -> Any:
     """The compiled merge of ``w``-byte elements, or None while the kernels are not available."""
-    k = _kernels if _ready.is_set() and _ENV.get("S4W_NUMBA", "1") != "0" else _get(nbytes=nbytes)
+    k = _kernels if _ready.is_set() and config.get_bool("S4W_NUMBA") else _get(nbytes=nbytes)
     if k is None or w not in _UINT:
         return None
     return k["merge2"] if w == 2 else k["merge4"]

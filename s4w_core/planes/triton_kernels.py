@@ -27,7 +27,6 @@ The table and map arguments are not specialized on alignment (see the note in
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from s4w_core import config
 from s4w_core.planes.reference import PLANE_DTYPES, plane_width
 
 __all__ = [
@@ -75,8 +75,8 @@ def block_config(kernel: Any = None) -> tuple[int, int]:
     ``S4W_SPLIT_WARPS``, default 2048 / 4 (1.21 against 1.32 ms at 4096 for a 1.82 GB bf16 state on
     an H100, docs/PERFORMANCE.md)."""
     if kernel is _split_kernel:
-        return int(os.environ.get("S4W_SPLIT_BLOCK", "2048")), int(os.environ.get("S4W_SPLIT_WARPS", "4"))
-    return int(os.environ.get("S4W_PLANES_BLOCK", "4096")), int(os.environ.get("S4W_PLANES_WARPS", "4"))
+        return config.get_int("S4W_SPLIT_BLOCK"), config.get_int("S4W_SPLIT_WARPS")
+    return config.get_int("S4W_PLANES_BLOCK"), config.get_int("S4W_PLANES_WARPS")
 
 
 @triton.jit
@@ -480,7 +480,7 @@ def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops:
 
 
 def _wide() -> bool:
-    return os.environ.get("S4W_PLANES_WIDE", "1") != "0"
+    return config.get_bool("S4W_PLANES_WIDE")
 
 
 def merge_chunks(w: int, chunks: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: bool) -> None:

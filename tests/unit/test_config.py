@@ -19,13 +19,7 @@ TEST_ONLY = {"S4W_GPU_EXTRA", "S4W_GPU_RESULTS", "S4W_LONG_TESTS", "S4W_REQUIRE_
              "S4W_TEST_WORKERS", "S4W_WEED"}
 #: modules that still read their knobs from os.environ themselves (to be converted to config's
 #: accessors; this set only shrinks)
-PENDING = {
-    "s4w_core/gpu/__init__.py", "s4w_core/gpu/_nvcomp.py", "s4w_core/gpu/_decode.py", "s4w_core/gpu/_encode.py",
-    "s4w_core/gpu/kernels.py", "s4w_core/planes/triton_kernels.py", "s4w_core/planes/_jit.py",
-    "s4w_core/store/_s3.py", "s4w_core/store/_async.py", "integrations/s4w_accelerate/_hook.py",
-    # the same reads, moved by the split of gpu/_encode.py, gpu/_decode.py and store/_async.py
-    "s4w_core/gpu/_coder.py", "s4w_core/gpu/_decplan.py", "s4w_core/hostmem.py",
-}
+PENDING = {"s4w_core/store/_s3.py", "s4w_core/store/_async.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -130,3 +124,97 @@ def test_the_cli_names_a_bad_knob_in_one_line(tmp_path, monkeypatch: pytest.Monk
     finally:
         monkeypatch.delenv("S4W_LIMITS")
         set_limits(None)
+
+
+def test_an_accessor_reads_a_given_mapping_instead_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("S4W_STAGE_AHEAD", "5")
+    assert config.get_int("S4W_STAGE_AHEAD", {"S4W_STAGE_AHEAD": " 3 "}) == 3
+    assert config.get_int("S4W_STAGE_AHEAD", {}) == 2  # unset there: the default, not the process's 5
+    assert config.get_int("S4W_STAGE_AHEAD") == 5
+    assert config.get_bool("S4W_ACCELERATE_ASYNC", {"S4W_ACCELERATE_ASYNC": "Yes"}) is True
+    assert config.get_str("S4W_ACCELERATE_PROFILE", {"S4W_ACCELERATE_PROFILE": "Fast"}) == "fast"
+    with pytest.raises(ConfigError, match="S4W_ACCELERATE_PROFILE='zstd': expected"):
+        config.get_str("S4W_ACCELERATE_PROFILE", {"S4W_ACCELERATE_PROFILE": "zstd"})
+
+
+def _gpu_available() -> object:
+    from s4w_core import gpu
+
+    return gpu.available()
+
+
+def _warm_up() -> object:
+    from s4w_core import gpu
+
+    return gpu.warm_up()
+
+
+def _numba() -> object:
+    from s4w_core.planes import _jit
+
+    return _jit.enabled(wait=False)
+
+
+def _compact() -> object:
+    pytest.importorskip("triton")
+    from s4w_core.gpu import kernels
+
+    return kernels._compact_config()  # noqa: SLF001
+
+
+def _probe_gain() -> object:
+    pytest.importorskip("triton")
+    from s4w_core.gpu import _coder
+
+    return _coder.probe_min_gain()
+
+
+def _split_block() -> object:
+    pytest.importorskip("triton")
+    from s4w_core.planes import triton_kernels
+
+    return triton_kernels.block_config(triton_kernels.SPLIT)
+
+
+@pytest.mark.parametrize("name,good,want,bad,read", [
+    ("S4W_DISABLE_GPU", "1", False, "maybe", _gpu_available),
+    ("S4W_WARM_UP", "off", False, "2", _warm_up),
+    ("S4W_NUMBA", "0", False, "nope", _numba),
+    ("S4W_COMPACT_CONFIG", " 4096, 1, 8", (4096, 1, 8), "4096,1", _compact),
+    ("S4W_PROBE_MIN_GAIN", "1", 1.0, "1.5", _probe_gain),
+    ("S4W_SPLIT_BLOCK", "4096", (4096, 4), "big", _split_block),
+], ids=lambda x: x if isinstance(x, str) and x.startswith("S4W_") else "")
+def test_the_library_reads_its_knobs_through_config(monkeypatch: pytest.MonkeyPatch, name: str, good: str,
+                                                    want: object, bad: str, read: object) -> None:
+    """A converted read: a valid value does what it did, each call reads the variable again (tests
+    and benchmarks set it at run time), and a bad one is a ConfigError naming it."""
+    assert callable(read)
+    monkeypatch.setenv(name, good)
+    assert read() == want
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ConfigError, match=re.escape(f"{name}={bad!r}")):
+        read()
+
+
+def test_accelerate_reads_its_switches_from_an_injected_mapping(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("accelerate")
+    import s4w_accelerate
+
+    monkeypatch.setenv("S4W_ACCELERATE", "0")  # the process's variables are not what is read
+    monkeypatch.setenv("S4W_WARM_UP", "0")
+    store = str(tmp_path / "s")
+    try:
+        assert s4w_accelerate.enable_from_env({"S4W_ACCELERATE": " off "}) is False
+        assert s4w_accelerate.config() is None
+        with pytest.raises(ConfigError, match="S4W_ACCELERATE_ASYNC='maybe'"):
+            s4w_accelerate.enable_from_env({"S4W_ACCELERATE": "1", "S4W_ACCELERATE_ASYNC": "maybe"})
+        assert s4w_accelerate.config() is None
+        env = {"S4W_ACCELERATE": store, "S4W_ACCELERATE_PROFILE": "Portable", "S4W_ACCELERATE_ASYNC": "yes"}
+        assert s4w_accelerate.enable_from_env(env) is True
+        cfg = s4w_accelerate.config()
+        assert cfg is not None and (cfg.store, cfg.profile, cfg.async_save) == (store, "portable", True)
+        assert s4w_accelerate.enable_from_env({"S4W_ACCELERATE": "TRUE"}) is True
+        cfg = s4w_accelerate.config()
+        assert cfg is not None and (cfg.store, cfg.profile, cfg.async_save) == (None, "auto", False)
+    finally:
+        s4w_accelerate.disable()

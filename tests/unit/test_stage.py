@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import s4w_core
-from s4w_core import engine
+from s4w_core import config, engine
 from s4w_core.codecs import get_codec
 from s4w_core.errors import ChecksumMismatchError, DecodeError, ManifestError, StoreError, TruncatedError
 from s4w_core.format.container import ContainerReader
@@ -465,7 +465,7 @@ def depth(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> in
 
 
 def test_pipeline_stages_ahead_by_default_two() -> None:
-    assert _decode._STAGE_AHEAD == 2  # noqa: SLF001
+    assert config.KNOBS["S4W_STAGE_AHEAD"].default == 2
 
 
 def test_pipeline_stages_the_next_batch_during_a_decode(monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
