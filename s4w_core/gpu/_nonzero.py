@@ -84,9 +84,7 @@ def nonzero_choices_device(
     :data:`NZ_TRANSFORM` -- the order-0 estimate on a sample (module docstring), every storage's
     estimate on the device and one read-back for all of them."""
     out = [False] * len(items)
-    stats: list[torch.Tensor] = []
-    idx: list[int] = []
-    sizes: list[int] = []
+    samples: list[tuple[int, torch.Tensor, int]] = []
     for i, (raw, base, op, dtype) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
@@ -95,7 +93,18 @@ def nonzero_choices_device(
         ranges = choice.delta_sample_ranges(n)
         r = torch.cat([raw[a * w : z * w].to(dev) for a, z in ranges])
         b = None if base is None or op is None else torch.cat([base[a * w : z * w].to(dev) for a, z in ranges])
-        words = _residual_words(r, b, op, dtype)
+        samples.append((i, _residual_words(r, b, op, dtype), w))
+    if not samples:
+        return out
+    # the zero count first, for every sample at once (one read-back): the entropy estimates (about
+    # twenty small kernels per storage) only for the storages with enough zeros to be candidates
+    zeros_of = torch.stack([(words == 0).sum() for _, words, _w in samples]).cpu().tolist()
+    stats: list[torch.Tensor] = []
+    idx: list[int] = []
+    sizes: list[int] = []
+    for (i, words, w), zeros in zip(samples, zeros_of):
+        if zeros < choice.NZ_MIN_ZERO_FRAC * words.numel():
+            continue
         bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         plain = sum((_bits(p) for p in _plane_bytes(words, w)), zero)
