@@ -79,14 +79,15 @@ class _Spy:
 
 @check
 def constant_data_is_proven_then_loaded() -> None:
-    """A fast-profile file whose zero tensor claims far more than 16x its stored bytes loads
+    """A fast-profile file whose constant tensor claims far more than 16x its stored bytes loads
     bit-exact; its chunks are decoded first in groups of at most PROOF_BYTES, one scratch buffer."""
     import s4w_core
     from s4w_core import api
     from s4w_core.gpu import _nvcomp, _prove, decode_storages
     from tests.parity._interpret_checks import simulated_gpu
 
-    obj = {"z": torch.zeros(1 << 20, dtype=torch.bfloat16), "w": torch.randn(5000).to(torch.bfloat16)}
+    # constant, not zero: an all-zero tensor takes the nonzero transform (its own claim check)
+    obj = {"z": torch.full((1 << 20,), 0.5, dtype=torch.bfloat16), "w": torch.randn(5000).to(torch.bfloat16)}
     buf = io.BytesIO()
     old = _prove.PROOF_BYTES
     with simulated_gpu(segment_elems=1 << 16):
