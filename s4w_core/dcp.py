@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 import s4w_core.config
-from s4w_core import api, obs
+from s4w_core import api, obs, pipeline
 from s4w_core._fsutil import atomic_write, name_parts
 from s4w_core.dcp_run import (
     RunRoot,
@@ -96,7 +96,7 @@ from s4w_core.skeleton import decode_tree, encode_tree
 from s4w_core.store.records import check_step
 
 if TYPE_CHECKING:
-    from s4w_core.store._async import PinnedPool
+    from s4w_core.hostmem import PinnedPool
 
 __all__ = ["S4StorageWriter", "S4StorageReader", "METADATA_NAME", "committed_steps", "close_rank_stores", "wait_rank_stores"]
 
@@ -433,7 +433,7 @@ def _pinned_pool() -> PinnedPool:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            from s4w_core.store._async import PinnedPool
+            from s4w_core.hostmem import PinnedPool
 
             _POOL = PinnedPool()
         return _POOL
@@ -746,7 +746,7 @@ class S4StorageWriter(StorageWriter):
             profile = self.profile
             if profile == "auto" and info is not None and info.device is not None and self.stage_to == "cpu":
                 # staged from the GPU into host memory: code it on the GPU still, as device staging does
-                profile = "fast" if api._gpu() is not None else profile  # noqa: SLF001
+                profile = "fast" if pipeline.gpu_backend() is not None else profile
             # DCP's async thread starts on cuda:0: code on the device the state came from
             dev = None if info is None else info.device
             on: contextlib.AbstractContextManager[Any] = (

@@ -96,8 +96,6 @@ __all__ = [
 #: elements per segment written by the CPU path (1 MiB per plane chunk).
 SEGMENT_ELEMS = 1 << 20
 
-#: the pool's old private name, kept while callers outside this module switch to :func:`executor`
-_executor = executor
 
 
 #: storages of at most this many bytes are coded on the calling thread: handing their few small

@@ -55,7 +55,7 @@ PROFILES = config.PROFILES
 
 def executor(threads: int | None) -> ThreadPoolExecutor:
     """The coding threads of one encode or decode (default: up to 8, the core count)."""
-    return engine._executor(threads)  # TODO(#29): engine.executor once the engine's split lands
+    return engine.executor(threads)
 
 
 # ----------------------------------------------------------------------------- reports

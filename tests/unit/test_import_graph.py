@@ -36,9 +36,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 # (importing module, "module.private_name") -- TODO(#29): the redesign removes each of these; never add one.
 KNOWN_PRIVATE: frozenset[tuple[str, str]] = frozenset(
     {
-        ("s4w_core.dcp", "s4w_core.api._gpu"),
-        ("s4w_core.dcp", "s4w_core.store._async"),  # PinnedPool
-        ("s4w_core.pipeline", "s4w_core.engine._executor"),  # was api's and store.chain's: one reach left
     }
 )
 
