@@ -122,9 +122,15 @@ def _sequence(s0: dict[str, torch.Tensor], s1: dict[str, torch.Tensor] | None, k
     if s1 is not None:
         delta = _jobs(s1, s0)
         r1 = _encode(delta, pool)
-        if device.type == "cuda":  # a re-encoding: pinned host copies of both steps
-            h0 = {k: v.cpu().pin_memory() for k, v in s0.items()}
-            _encode(_jobs({k: v.cpu().pin_memory() for k, v in s1.items()}, h0, str(device)), pool)
+        # the sample kernels of the delta-op choice take their aligned variant only when every
+        # storage of the batch is whole 16-byte words (a model's usual case): such a batch too
+        w0 = {k: v for k, v in s0.items() if v.numel() * v.element_size() % 16 == 0}
+        w1 = {k: s1[k] for k in w0}
+        _encode(_jobs(w1, w0), pool)
+        if device.type == "cuda":  # a re-encoding: pinned host copies of both steps, both batches
+            for a, b in ((s0, s1), (w0, w1)):
+                h0 = {k: v.cpu().pin_memory() for k, v in a.items()}
+                _encode(_jobs({k: v.cpu().pin_memory() for k, v in b.items()}, h0, str(device)), pool)
         on_stage(("delta", key))
     _decode(r0, plain, None, device, pool)
     if s1 is not None:

@@ -58,7 +58,8 @@ def test_warm_up_sequence_on_the_simulated_gpu() -> None:
         "_warmup._SIZES, _warmup._INT_SIZES = (3, 1000, 5000), (100, 3000)  # interpreted kernels are slow\n"
         "with simulated_gpu(batch_bytes=1 << 14):\n"
         "    _warmup.run(torch.device('cpu'), (torch.bfloat16,))\n"
-        "assert [any(x) for x in seen] == [False, True, False, True] and all(seen[1]) and all(seen[3]), seen\n"
+        "assert [any(x) for x in seen] == [False, True, True, False, True, True], seen  # plain, delta, aligned delta\n"
+        "assert all(seen[1]) and all(seen[2]) and all(seen[4]) and all(seen[5]), seen\n"
         "print('ok warm-up')\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
