@@ -41,7 +41,15 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from s4w_core.errors import BackendUnavailableError, CheckpointNotFoundError, ConflictError, S4WError, StoreError
+from s4w_core import config
+from s4w_core.errors import (
+    BackendUnavailableError,
+    CheckpointNotFoundError,
+    ConfigError,
+    ConflictError,
+    S4WError,
+    StoreError,
+)
 from s4w_core.format.container import copy_bytes, copy_into
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
 
@@ -53,16 +61,10 @@ DEFAULT_DEADLINE_S = 15.0
 
 def deadline_from_env() -> float:
     """``S4W_S3_DEADLINE`` (seconds, > 0), else :data:`DEFAULT_DEADLINE_S`."""
-    v = os.environ.get("S4W_S3_DEADLINE")
-    if not v:
-        return DEFAULT_DEADLINE_S
     try:
-        d = float(v)
-    except ValueError:
-        d = -1.0
-    if not d > 0:
-        raise StoreError(f"S4W_S3_DEADLINE must be a number of seconds > 0, got {v!r}")
-    return d
+        return config.get_float("S4W_S3_DEADLINE")
+    except ConfigError as e:
+        raise StoreError(f"S4W_S3_DEADLINE must be a number of seconds > 0: {e}") from e
 
 
 def _with_deadline(fn: Callable[[], Any], seconds: float) -> tuple[bool, Any, BaseException | None]:
@@ -490,8 +492,8 @@ class S3Backend(Backend):
         in 0.76-0.83 s with 32 MiB x 8 (download 2.1-2.3 GB/s), 0.95-1.01 s with 64 MiB x 4."""
         head = self._head(key)
         name = f"s3://{self.bucket}/{self._key(key)}"
-        part = max(1 << 20, int(os.environ.get("S4W_S3_FETCH_PART", 32 << 20)))
-        threads = max(1, int(os.environ.get("S4W_S3_FETCH_THREADS", 8)))
+        part = max(1 << 20, config.get_int("S4W_S3_FETCH_PART"))
+        threads = config.get_int("S4W_S3_FETCH_THREADS")
         stream = self._raw_stream()
 
         def get(off: int, into: memoryview) -> int:

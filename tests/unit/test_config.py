@@ -17,9 +17,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 #: variables of the test suite and CI, not of the library (docs/DEVELOPING.md)
 TEST_ONLY = {"S4W_GPU_EXTRA", "S4W_GPU_RESULTS", "S4W_LONG_TESTS", "S4W_REQUIRE_NUMBA", "S4W_REQUIRE_S3",
              "S4W_TEST_WORKERS", "S4W_WEED"}
-#: modules that still read their knobs from os.environ themselves (to be converted to config's
-#: accessors; this set only shrinks)
-PENDING = {"s4w_core/store/_s3.py", "s4w_core/store/_async.py"}
+#: modules that read their knobs from os.environ themselves: none (keep it so)
+PENDING: set[str] = set()
 
 
 def _sources() -> dict[str, str]:
