@@ -48,7 +48,6 @@ import functools
 import io
 import json
 import os
-import re
 import threading
 import time
 import uuid
@@ -58,312 +57,56 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 import s4w_core.config
 from s4w_core import api, obs, pipeline
-from s4w_core._fsutil import atomic_write, name_parts
 from s4w_core.dcp_run import (
     RunRoot,
     cleanup_orphans,
     close_rank_stores,
     committed_steps,
-    load_items,
     rank_store,
     rank_store_name,
     wait_rank_stores,
 )
-from s4w_core.errors import CheckpointNotFoundError, ManifestError, UnsupportedTypeError
-from s4w_core.skeleton import decode_tree, encode_tree
+from s4w_core.errors import UnsupportedTypeError
 from s4w_core.store.records import check_step
 
 if TYPE_CHECKING:
     from s4w_core.hostmem import PinnedPool
 
+from s4w_core.dcp_meta import (
+    METADATA_NAME,
+    SUFFIX,
+    Folder,
+    ItemInfo,
+    Prefix,
+    item_key,
+    merge_stages,
+    metadata_name,
+    metadata_to_json,
+    projection,
+    step_from,
+    valid_id,
+)
+from s4w_core.dcp_reader import S4StorageReader
+
 __all__ = ["S4StorageWriter", "S4StorageReader", "METADATA_NAME", "committed_steps", "close_rank_stores", "wait_rank_stores"]
 
-#: name of the committed metadata file inside a checkpoint folder.
-METADATA_NAME = ".s4w_metadata.json"
-_SCHEMA = "s4weights-dcp/1"
-_SUFFIX = ".s4w"
 
-
-# ----------------------------------------------------------------------------- where bytes live
-class _Folder:
-    """A checkpoint folder: local directory or ``s3://bucket/prefix`` (through s4w_core.store)."""
-
-    def __init__(self, location: str | os.PathLike[str], s3_options: dict[str, Any] | None = None) -> None:
-        self.location = os.fspath(location)
-        self.is_s3 = self.location.startswith("s3://")
-        self._s3_options = dict(s3_options or {})
-        self._backend: Any = None
-
-    def __repr__(self) -> str:
-        return self.location
-
-    # S3 goes through the store's object backend, so there is one S3 client implementation.
-    def _s3(self) -> Any:
-        if self._backend is None:
-            from s4w_core.store import open_backend
-
-            self._backend = open_backend(self.location, **self._s3_options)
-        return self._backend
-
-    def mkdir(self) -> None:
-        if not self.is_s3:
-            os.makedirs(self.location, exist_ok=True)
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.location, name)
-
-    def exists(self, name: str) -> bool:
-        if self.is_s3:
-            return any(o.key == name for o in self._s3().list(name))
-        return os.path.exists(self.path(name))
-
-    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
-        """Atomic write (temp + fsync + rename locally; an S3 object appears only when complete)."""
-        if self.is_s3:
-            self._s3().put(name, bytes(data))
-            return
-        with atomic_write(self.path(name)) as f:
-            f.write(data)
-
-    def read_bytes(self, name: str) -> bytes:
-        try:
-            if self.is_s3:
-                return bytes(self._s3().get(name))
-            with open(self.path(name), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, CheckpointNotFoundError):
-            raise CheckpointNotFoundError(f"no {name} in DCP checkpoint {self.location}") from None
-
-    def save_container(self, obj: Any, name: str, profile: str, threads: int | None) -> api.SaveReport:
-        if self.is_s3:
-            with self._s3().writer(name) as fp:
-                return api.save(obj, fp, profile=profile, threads=threads)
-        return api.save(obj, self.path(name), profile=profile, threads=threads)
-
-    def load_container(self, name: str, map_location: Any, threads: int | None) -> Any:
-        try:
-            if self.is_s3:
-                from s4w_core.format.container import ContainerReader
-
-                rr = self._s3().fetch(name)
-                try:
-                    reader: Any = ContainerReader(rr.read, rr.size, rr.name, readinto=rr.readinto)  # api.load accepts a reader
-                    return api.load(reader, map_location=map_location, threads=threads)
-                finally:
-                    rr.close()
-            return api.load(self.path(name), map_location=map_location, threads=threads)
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"no {name} in DCP checkpoint {self.location}") from None
-
-    def list(self) -> list[str]:
-        if self.is_s3:
-            return [o.key for o in self._s3().list("") if "/" not in o.key]
-        try:
-            return os.listdir(self.location)
-        except FileNotFoundError:
-            return []
-
-    def remove(self, name: str) -> None:
-        if self.is_s3:
-            self._s3().delete(name)
-            return
-        try:
-            os.unlink(self.path(name))
-        except FileNotFoundError:
-            pass
-
-
-def _valid_id(checkpoint_id: str | os.PathLike[str]) -> bool:
-    s = os.fspath(checkpoint_id)
-    if s.startswith("s3://"):
-        return len(s) > 5
-    if "://" in s:
-        return False
-    return True
-
-
-# ----------------------------------------------------------------------------- plan storage data
-@dataclass(frozen=True)
-class _Prefix:
-    """Per-rank file prefix chosen by the coordinator (shared save id)."""
-
-    prefix: str
-
-
-@dataclass(frozen=True)
-class _ItemInfo:
-    """Where one write item lives: the rank file and the key inside its container."""
-
-    file: str
-    kind: str  # "t" (tensor) or "b" (bytes)
-    key: str
-
-
-# ----------------------------------------------------------------------------- metadata as JSON
-def _size(v: Any) -> list[int]:
-    return [int(x) for x in v]
-
-
-def _enum_name(v: Any) -> str:
-    return str(v).removeprefix("torch.")
-
-
-def _torch_attr(name: Any, kind: type) -> Any:
-    v = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(v, kind):
-        raise ManifestError(f"DCP metadata: unknown torch attribute {name!r}")
-    return v
-
-
-def _no_tensors(t: torch.Tensor, path: str) -> int:
-    raise UnsupportedTypeError(f"DCP planner_data holds a tensor at {path!r}; it must be plain values")
-
-
-def _metadata_to_json(md: Metadata) -> dict[str, Any]:
-    sdm: dict[str, Any] = {}
-    for fqn, v in md.state_dict_metadata.items():
-        if isinstance(v, BytesStorageMetadata):
-            sdm[fqn] = {"type": "bytes"}
-        elif isinstance(v, TensorStorageMetadata):
-            p = v.properties
-            sdm[fqn] = {
-                "type": "tensor",
-                "dtype": _enum_name(p.dtype),
-                "layout": _enum_name(p.layout),
-                "requires_grad": bool(p.requires_grad),
-                "memory_format": _enum_name(p.memory_format),
-                "pin_memory": bool(p.pin_memory),
-                "size": _size(v.size),
-                "chunks": [{"offsets": _size(c.offsets), "sizes": _size(c.sizes)} for c in v.chunks],
-            }
-        else:
-            raise UnsupportedTypeError(f"DCP metadata: unknown storage metadata {type(v).__qualname__} for {fqn!r}")
-    storage = []
-    for idx, info in (md.storage_data or {}).items():
-        storage.append(
-            {
-                "fqn": idx.fqn,
-                "offset": None if idx.offset is None else _size(idx.offset),
-                "index": idx.index,
-                "file": info.file,
-                "kind": info.kind,
-                "key": info.key,
-            }
-        )
-    sm = md.storage_meta
-    return {
-        "format": _SCHEMA,
-        "version": md.version,
-        "state_dict_metadata": sdm,
-        "planner_data": encode_tree(md.planner_data, _no_tensors),
-        "storage_data": storage,
-        "storage_meta": None
-        if sm is None
-        else {
-            "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
-            "save_id": sm.save_id,
-            "modules": list(sm.modules),
-        },
-    }
-
-
-def _metadata_from_json(doc: Any, where: str) -> Metadata:
-    try:
-        if not isinstance(doc, dict) or doc.get("format") != _SCHEMA:
-            raise ManifestError(f"{where}: not an s4weights DCP metadata file (format {doc.get('format')!r})")
-        sdm: dict[str, Any] = {}
-        for fqn, v in doc["state_dict_metadata"].items():
-            if v["type"] == "bytes":
-                sdm[fqn] = BytesStorageMetadata()
-            elif v["type"] == "tensor":
-                props = TensorProperties(
-                    dtype=_torch_attr(v["dtype"], torch.dtype),
-                    layout=_torch_attr(v["layout"], torch.layout),
-                    requires_grad=bool(v["requires_grad"]),
-                    memory_format=_torch_attr(v["memory_format"], torch.memory_format),
-                    pin_memory=bool(v["pin_memory"]),
-                )
-                chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in v["chunks"]]
-                sdm[fqn] = TensorStorageMetadata(props, torch.Size(v["size"]), chunks)
-            else:
-                raise ManifestError(f"{where}: unknown storage type {v['type']!r}")
-        storage = {
-            MetadataIndex(e["fqn"], e["offset"], e["index"]): _ItemInfo(
-                "/".join(name_parts(e["file"], f"{where}: data file", ManifestError)), str(e["kind"]), str(e["key"])
-            )
-            for e in doc["storage_data"]
-        }
-        sm = doc.get("storage_meta")
-        meta = (
-            None
-            if sm is None
-            else StorageMeta(sm.get("checkpoint_id"), sm.get("save_id"), None, list(sm.get("modules", [])))
-        )
-        return Metadata(
-            state_dict_metadata=sdm,
-            planner_data=decode_tree(doc.get("planner_data"), []),
-            storage_data=storage,
-            storage_meta=meta,
-            version=doc.get("version"),
-        )
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
-        if isinstance(e, ManifestError):
-            raise
-        raise ManifestError(f"{where}: malformed DCP metadata ({type(e).__name__}: {e})") from e
-
-
-def _metadata_name(rank: int | None) -> str:
-    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-
-
-# ----------------------------------------------------------------------------- helpers
-def _item_key(item: WriteItem) -> str:
-    key = item.index.fqn.replace(".", "/")
-    off = item.index.offset
-    if off is not None and any(int(x) for x in off):
-        key += "@" + ",".join(str(int(x)) for x in off)
-    return key
-
-
-def _projection(t: torch.Tensor) -> torch.Tensor:
-    """The tensor alone, dense and owning exactly its bytes (DCP: only the projection is saved)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        return t.contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
-        return t.clone()
-    return t
-
-
-def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
-    for dim, (off, length) in enumerate(zip(offsets, lengths)):
-        if off != 0 or length != t.size(dim):
-            t = t.narrow(dim, int(off), int(length))
-    return t
-
-
+# ----------------------------------------------------------------------------- staging
 def _stage_tree(obj: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] = copy.deepcopy) -> Any:
     """A copy of a (nested) state dict: ``fn`` applied to every tensor, ``leaf`` to every other
     value (dicts, lists and tuples are rebuilt; a namedtuple is a leaf)."""
@@ -468,21 +211,6 @@ def _sync_streams(devices: Iterable[torch.device]) -> None:
             torch.cuda.current_stream(d).synchronize()
 
 
-_STEP_RE = re.compile(r"(?:^|[^0-9a-z])(?:step|global_step|checkpoint|ckpt)[-_=]?(\d+)$", re.IGNORECASE)
-
-
-def _step_from(location: str) -> int | None:
-    """The step for the log line, from a folder named like ``.../step_100`` (None otherwise)."""
-    m = _STEP_RE.search(os.path.basename(location.rstrip("/")))
-    return int(m.group(1)) if m else None
-
-
-def _merge_stages(into: dict[str, float], events: list[obs.OpEvent]) -> None:
-    for e in events:
-        for k, v in e.stages.items():
-            into[k] = into.get(k, 0.0) + v
-
-
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -559,7 +287,7 @@ class S4StorageWriter(StorageWriter):
         self.threads = threads
         self.stage_to = stage_to
         self._s3_options = s3_options
-        self.folder = _Folder(path, s3_options) if path is not None else None
+        self.folder = Folder(path, s3_options) if path is not None else None
         self.step = None if step is None else check_step(step)
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1 or step is None):
             raise ValueError(f"keep_last must be a positive integer, and needs step=, got {keep_last!r}")
@@ -682,7 +410,7 @@ class S4StorageWriter(StorageWriter):
     # ---- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.folder = _Folder(checkpoint_id, self._s3_options)
+            self.folder = Folder(checkpoint_id, self._s3_options)
             if self.step is not None:
                 self.run = RunRoot(checkpoint_id, self._s3_options)
         if self.folder is None:
@@ -699,7 +427,7 @@ class S4StorageWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def _meta_name(self) -> str:
-        return _metadata_name(None if self.use_collectives or self.rank is None else self.rank)
+        return metadata_name(None if self.use_collectives or self.rank is None else self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         assert self.folder is not None
@@ -710,24 +438,24 @@ class S4StorageWriter(StorageWriter):
                 if self.run.has(self.step, mine):
                     raise RuntimeError(f"step {self.step} is committed under {self.run} and overwrite=False")
             if not self.use_collectives and self.rank is not None:
-                plan = dataclasses.replace(plan, storage_data=_Prefix(rank_store_name(self.rank)))
+                plan = dataclasses.replace(plan, storage_data=Prefix(rank_store_name(self.rank)))
             return plan
         if self.is_coordinator or not self.use_collectives:
             if self.folder.exists(self._meta_name()) and not self.overwrite:
                 raise RuntimeError(f"a DCP checkpoint exists at {self.folder} and overwrite=False")
         if not self.use_collectives and self.rank is not None:
-            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_{self.save_id[:12]}"))
+            plan = dataclasses.replace(plan, storage_data=Prefix(f"__{self.rank}_{self.save_id[:12]}"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self.run is not None:
             return [
-                dataclasses.replace(p, storage_data=_Prefix(rank_store_name(i))) if p.storage_data is None else p
+                dataclasses.replace(p, storage_data=Prefix(rank_store_name(i))) if p.storage_data is None else p
                 for i, p in enumerate(plans)
             ]
         sid = self.save_id[:12]
         return [
-            dataclasses.replace(p, storage_data=_Prefix(f"__{i}_{sid}")) if p.storage_data is None else p
+            dataclasses.replace(p, storage_data=Prefix(f"__{i}_{sid}")) if p.storage_data is None else p
             for i, p in enumerate(plans)
         ]
 
@@ -767,7 +495,7 @@ class S4StorageWriter(StorageWriter):
             self._record(t0, None if info is None else info.staged_s, timer.stages, inner, None, e)
             raise
         self._give_back(info, failed=False)
-        _merge_stages(timer.stages, inner)
+        merge_stages(timer.stages, inner)
         # closing the data object (an S3 multipart upload completes here) happens after save() returned
         late = container_s - sum(e.total_s for e in inner)
         if late > 0:
@@ -775,7 +503,7 @@ class S4StorageWriter(StorageWriter):
         self._record(t0, None if info is None else info.staged_s, timer.stages, inner, report, None)
         self.last_reports.append(report)
         results = [
-            WriteResult(index=it.index, size_in_bytes=n, storage_data=_ItemInfo(fname, kind, key))
+            WriteResult(index=it.index, size_in_bytes=n, storage_data=ItemInfo(fname, kind, key))
             for it, kind, key, n in placed
         ]
         fut: Future[list[WriteResult]] = Future()
@@ -857,13 +585,13 @@ class S4StorageWriter(StorageWriter):
     def _gather(
         self, plan: SavePlan, planner: SavePlanner
     ) -> tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor], list[tuple[WriteItem, str, str, int]]]:
-        prefix: _Prefix = plan.storage_data
-        fname = prefix.prefix if self.run is not None else prefix.prefix + _SUFFIX
+        prefix: Prefix = plan.storage_data
+        fname = prefix.prefix if self.run is not None else prefix.prefix + SUFFIX
         tensors: dict[str, torch.Tensor] = {}
         blobs: dict[str, torch.Tensor] = {}
         placed: list[tuple[WriteItem, str, str, int]] = []
         for item in plan.items:
-            key = _item_key(item)
+            key = item_key(item)
             if self.run is not None and item.tensor_data is not None:
                 # a shard of another shape (another placement) is another storage: stored whole
                 key += "#" + "x".join(str(int(x)) for x in item.tensor_data.chunk.sizes)
@@ -881,7 +609,7 @@ class S4StorageWriter(StorageWriter):
                     raise UnsupportedTypeError(
                         f"DCP item {item.index.fqn!r} resolved to {type(data).__qualname__}, not a tensor"
                     )
-                t = _projection(data)
+                t = projection(data)
                 tensors[key] = t
                 placed.append((item, "t", key, t.numel() * t.element_size()))
         return fname, tensors, blobs, placed
@@ -889,12 +617,12 @@ class S4StorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.folder is not None
         metadata.version = "1.0.0"
-        storage: dict[MetadataIndex, _ItemInfo] = {}
+        storage: dict[MetadataIndex, ItemInfo] = {}
         for wr_list in results:
             storage.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        body = _metadata_to_json(metadata)
+        body = metadata_to_json(metadata)
         if self.step is not None:
             body["step"] = self.step
         doc = json.dumps(body, separators=(",", ":")).encode()
@@ -920,16 +648,16 @@ class S4StorageWriter(StorageWriter):
         # The previous save's data files (other save ids) are garbage now.
         keep = {i.file for i in storage.values()}
         if self.use_collectives or self.rank is None:
-            stale = [n for n in self.folder.list() if n.startswith("__") and n.endswith(_SUFFIX) and n not in keep]
+            stale = [n for n in self.folder.list() if n.startswith("__") and n.endswith(SUFFIX) and n not in keep]
         else:
             mine = f"__{self.rank}_"
-            stale = [n for n in self.folder.list() if n.startswith(mine) and n.endswith(_SUFFIX) and n not in keep]
+            stale = [n for n in self.folder.list() if n.startswith(mine) and n.endswith(SUFFIX) and n not in keep]
         for n in stale:
             self.folder.remove(n)
 
     def _obs_step(self) -> int | None:
         assert self.folder is not None
-        return self.step if self.step is not None else _step_from(self.folder.location)
+        return self.step if self.step is not None else step_from(self.folder.location)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.folder is None else self.folder.location, save_id=self.save_id)
@@ -940,186 +668,4 @@ class S4StorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _valid_id(checkpoint_id)
-
-
-# ----------------------------------------------------------------------------- reader
-class S4StorageReader(StorageReader):
-    """A DCP :class:`StorageReader` for checkpoints written by :class:`S4StorageWriter`.
-
-    Each rank decodes only the rank files its load plan needs (on the device of the tensors it
-    loads into when that is a GPU), then copies the requested slices into place, so resharding
-    (a different world size or placement on load) works.  From a run (``S4StorageWriter(root,
-    step=N)``) it reads, by byte ranges, only the storages holding the items its plan asks for.
-
-    Args:
-        path: the checkpoint folder (local or ``s3://``), or a run's root; ``dcp.load``'s
-            ``checkpoint_id`` overrides it.
-        step: the step of the run at ``path`` to load; None: the newest committed step when
-            ``path`` is a run's root (a folder without a single checkpoint's metadata).
-        threads: CPU threads for decoding.
-        s3_options: passed to the store's S3 backend.
-    Raises:
-        CheckpointNotFoundError: no committed checkpoint at ``path`` (or no such ``step``).
-        ManifestError: the metadata file is malformed.
-    Example: see :class:`S4StorageWriter`.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        *,
-        step: int | None = None,
-        threads: int | None = None,
-        s3_options: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        self._s3_options = s3_options
-        self.folder = _Folder(path, s3_options) if path is not None else None
-        self.step = None if step is None else check_step(step)
-        self.run: RunRoot | None = None
-        self.loaded_step: int | None = None  # run mode: the step read_metadata chose
-        self.threads = threads
-        self.storage_data: dict[MetadataIndex, _ItemInfo] = {}
-        self.load_id = uuid.uuid4().hex
-        self.rank: int | None = None
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.storage_data = {}
-        if checkpoint_id:
-            self.folder = _Folder(checkpoint_id, self._s3_options)
-            self.run = None
-        self.load_id = uuid.uuid4().hex
-
-    def _run_mode(self) -> bool:
-        """A run root (``step`` given, or no single checkpoint's metadata at the path)."""
-        assert self.folder is not None
-        if self.run is None and (self.step is not None or not self.folder.exists(METADATA_NAME)):
-            run = RunRoot(self.folder.location, self._s3_options)
-            if self.step is None and not run.steps() and not run.steps(0):
-                return False  # neither: the single-checkpoint error below names what is missing
-            self.run = run
-        return self.run is not None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.folder is None:
-            raise ValueError("S4StorageReader needs a path (or a checkpoint_id passed to dcp.load)")
-        rank = kwargs.get("rank")
-        if self._run_mode():
-            assert self.run is not None
-            wait_rank_stores(self.run.url)  # this process's re-encodings of the run land first
-            where = self.run.url
-            self.loaded_step, raw = self.run.get_record(self.step, rank)
-            name = f"step {self.loaded_step}"
-        else:
-            name = _metadata_name(rank)
-            where = self.folder.location
-            try:
-                raw = self.folder.read_bytes(name)
-            except CheckpointNotFoundError:
-                raise CheckpointNotFoundError(
-                    f"no committed s4weights DCP checkpoint at {self.folder} ({name} is missing)"
-                ) from None
-        try:
-            doc = json.loads(raw)
-        except ValueError as e:
-            raise ManifestError(f"{where}/{name}: not JSON ({e})") from e
-        md = _metadata_from_json(doc, f"{where}/{name}")
-        if md.storage_meta is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
-        self.rank = kwargs.get("rank")
-        if self.storage_data is None:
-            raise ManifestError("DCP metadata has no storage_data")
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        assert self.folder is not None
-        t0 = time.perf_counter()
-        timer = obs.StageTimer()
-        inner: list[obs.OpEvent] = []
-        try:
-            with obs.suppress() as inner:  # one event per rank and load, not one per rank file
-                self._read_data(plan, planner, timer)
-        except BaseException as e:
-            self._record(t0, timer, inner, e)
-            raise
-        self._record(t0, timer, inner, None)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    def _record(self, t0: float, timer: obs.StageTimer, inner: list[obs.OpEvent], error: BaseException | None) -> None:
-        assert self.folder is not None
-        took = time.perf_counter() - t0
-        stages = dict(timer.stages)
-        _merge_stages(stages, inner)
-        obs.record(obs.OpEvent(
-            op="load", url=self.folder.location,
-            step=self.loaded_step if self.run is not None else _step_from(self.folder.location),
-            raw_bytes=sum(e.raw_bytes for e in inner), stored_bytes=sum(e.stored_bytes for e in inner),
-            blocked_s=took, total_s=took, stages=stages, mode="dcp", ok=error is None,
-            error=None if error is None else f"{type(error).__name__}: {error}", rank=self.rank,
-            extra={"files": len(inner)},
-        ))
-
-    def _read_data(self, plan: LoadPlan, planner: LoadPlanner, timer: obs.StageTimer) -> None:
-        assert self.folder is not None
-        per_file: dict[str, list[Any]] = {}
-        for req in plan.items:
-            info = self.storage_data.get(req.storage_index)
-            if info is None:
-                raise ManifestError(f"DCP metadata has no storage entry for {req.storage_index}")
-            per_file.setdefault(info.file, []).append(req)
-        for fname, reqs in per_file.items():
-            # decode straight onto the GPU when the first tensor we load into lives there
-            target = "cpu"
-            for req in reqs:
-                if req.type != LoadItemType.BYTE_IO:
-                    dev = planner.resolve_tensor(req).device
-                    if dev.type == "cuda":
-                        target = str(dev)
-                    break
-            if self.run is not None and self.loaded_step is not None:
-                store = rank_store(self.run, fname, threads=self.threads)
-                wanted = [(self.storage_data[r.storage_index].kind, self.storage_data[r.storage_index].key) for r in reqs]
-                got = load_items(store, self.loaded_step, wanted, target, self.threads)
-                content: dict[str, dict[str, torch.Tensor]] = {"t": {}, "b": {}}
-                for (kind, key), t in got.items():
-                    content[kind][key] = t
-            else:
-                content = self.folder.load_container(fname, target, self.threads)
-            with timer.stage("copy"):
-                for req in reqs:
-                    info = self.storage_data[req.storage_index]
-                    if req.type == LoadItemType.BYTE_IO:
-                        blob = content["b"][info.key]
-                        planner.load_bytes(req, io.BytesIO(blob.cpu().numpy().tobytes()))
-                    else:
-                        src = _narrow(content["t"][info.key], req.storage_offsets, req.lengths)
-                        dst = planner.resolve_tensor(req).detach()
-                        if dst.size() != src.size():
-                            raise ManifestError(
-                                f"DCP item {req.storage_index.fqn!r}: stored slice {tuple(src.size())} does not "
-                                f"fit the target {tuple(dst.size())}"
-                            )
-                        dst.copy_(src)
-                        planner.commit_tensor(req, dst)
-            del content
-
-    @property
-    def checkpoint_id(self) -> str | None:
-        return None if self.folder is None else self.folder.location
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _valid_id(checkpoint_id)
+        return valid_id(checkpoint_id)

@@ -343,7 +343,7 @@ def test_pool_staging_gives_back_after_failed_or_abandoned_saves(tmp_path, fake_
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(s4dcp._Folder, "save_container", boom)  # noqa: SLF001
+    monkeypatch.setattr(s4dcp.Folder, "save_container", boom)
     with pytest.raises(BaseException, match="disk full"):
         dcp.save(staged, checkpoint_id=tmp_path / "f", storage_writer=w, no_dist=True)
     assert len(pool.given) == 2 and w._generations == []  # noqa: SLF001 - a failed write gives back too
@@ -498,13 +498,13 @@ def test_gpu_background_write_codes_on_the_state_device(tmp_path, monkeypatch):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     seen: list[int] = []
-    real = s4dcp._Folder.save_container  # noqa: SLF001
+    real = s4dcp.Folder.save_container
 
     def save_container(self, *args, **kwargs):
         seen.append(torch.cuda.current_device())
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(s4dcp._Folder, "save_container", save_container)  # noqa: SLF001
+    monkeypatch.setattr(s4dcp.Folder, "save_container", save_container)
     with torch.cuda.device(1):
         sd = _cuda_state()
     assert torch.cuda.current_device() == 0 and sd["w_f32"].device.index == 1
