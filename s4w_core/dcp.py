@@ -91,6 +91,7 @@ from s4w_core.dcp_meta import (
     METADATA_NAME,
     SUFFIX,
     Folder,
+    FolderCheckpoint,
     ItemInfo,
     Prefix,
     item_key,
@@ -99,7 +100,6 @@ from s4w_core.dcp_meta import (
     metadata_to_json,
     projection,
     step_from,
-    valid_id,
 )
 from s4w_core.dcp_reader import S4StorageReader
 
@@ -223,7 +223,7 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- writer
-class S4StorageWriter(StorageWriter):
+class S4StorageWriter(FolderCheckpoint, StorageWriter):
     """A DCP :class:`StorageWriter` that writes one compressed s4weights container per rank.
 
     Works with ``dcp.save`` and ``dcp.async_save`` (it is its own ``AsyncStager``).  By default
@@ -662,10 +662,3 @@ class S4StorageWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.folder is None else self.folder.location, save_id=self.save_id)
 
-    @property
-    def checkpoint_id(self) -> str | None:
-        return None if self.folder is None else self.folder.location
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return valid_id(checkpoint_id)

@@ -32,7 +32,24 @@ if TYPE_CHECKING:
     pass
 
 
-__all__ = ['METADATA_NAME', 'SCHEMA', 'SUFFIX', 'Folder', 'valid_id', 'Prefix', 'ItemInfo', 'metadata_to_json', 'metadata_from_json', 'metadata_name', 'item_key', 'projection', 'narrow', 'step_from', 'merge_stages']
+__all__ = [
+    "METADATA_NAME",
+    "SCHEMA",
+    "SUFFIX",
+    "Folder",
+    "FolderCheckpoint",
+    "valid_id",
+    "Prefix",
+    "ItemInfo",
+    "metadata_to_json",
+    "metadata_from_json",
+    "metadata_name",
+    "item_key",
+    "projection",
+    "narrow",
+    "step_from",
+    "merge_stages",
+]
 
 #: name of the committed metadata file inside a checkpoint folder.
 METADATA_NAME = ".s4w_metadata.json"
@@ -127,6 +144,21 @@ class Folder:
             os.unlink(self.path(name))
         except FileNotFoundError:
             pass
+
+
+class FolderCheckpoint:
+    """What the writer and the reader answer alike about their checkpoint folder (DCP's
+    ``checkpoint_id`` and its validation): ``folder`` is None until DCP gives one."""
+
+    folder: Folder | None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return None if self.folder is None else self.folder.location
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return valid_id(checkpoint_id)
 
 
 def valid_id(checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -40,20 +40,20 @@ if TYPE_CHECKING:
 from s4w_core.dcp_meta import (
     METADATA_NAME,
     Folder,
+    FolderCheckpoint,
     ItemInfo,
     merge_stages,
     metadata_from_json,
     metadata_name,
     narrow,
     step_from,
-    valid_id,
 )
 
 __all__ = ["S4StorageReader"]
 
 
 # ----------------------------------------------------------------------------- reader
-class S4StorageReader(StorageReader):
+class S4StorageReader(FolderCheckpoint, StorageReader):
     """A DCP :class:`StorageReader` for checkpoints written by :class:`S4StorageWriter`.
 
     Each rank decodes only the rank files its load plan needs (on the device of the tensors it
@@ -225,11 +225,4 @@ class S4StorageReader(StorageReader):
                         planner.commit_tensor(req, dst)
             del content
 
-    @property
-    def checkpoint_id(self) -> str | None:
-        return None if self.folder is None else self.folder.location
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return valid_id(checkpoint_id)
 

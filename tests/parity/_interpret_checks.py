@@ -493,19 +493,19 @@ def simulated_gpu(batch_bytes: int = 3 << 20, segment_elems: int | None = None) 
         (_encode, "_on_device", lambda t: True),
         (_encode, "_device_for", lambda jobs: torch.device("cpu")),
     ]
-    if segment_elems is not None:
-        import dataclasses
-
-        profs = {k: dataclasses.replace(v, segment_elems=segment_elems) for k, v in _encode.PROFILES.items()}
-        patches.append((_encode, "PROFILES", profs))
-        patches.append((_coder, "PROFILES", profs))  # the device coder's own reference (encode_tensors_device)
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    profiles = dict(_coder.PROFILES)  # one table (the encoder imports it): changed in place, as benchmarks do
     try:
         for obj, name, val in patches:
             setattr(obj, name, val)
+        if segment_elems is not None:
+            import dataclasses
+
+            _coder.PROFILES.update({k: dataclasses.replace(v, segment_elems=segment_elems) for k, v in profiles.items()})
         assert _decode is not None
         yield
     finally:
+        _coder.PROFILES.update(profiles)
         for obj, name, val in saved:
             setattr(obj, name, val)
 
