@@ -158,6 +158,8 @@ def _ratio(raw: int, stored: int) -> float:
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=f"s4w-chain-{variant}-", dir=args.workdir)
     names = ["chain"] + [n for n in ("chain_xor", "plain") if n in args.compare]
     stores = {

@@ -14,7 +14,7 @@ docs/CONFIG.md holds :func:`markdown_table` of this table (a test compares them)
 Example:
     >>> from s4w_core import config
     >>> config.get_int("S4W_STAGE_AHEAD")
-    2
+    4
     >>> config.check_profile("fast")
     'fast'
 """
@@ -93,7 +93,7 @@ _DECLARED = (
     Knob("S4W_DISABLE_GPU", "bool", False, "`1`: the CPU path on a GPU machine", "gpu"),
     Knob("S4W_WARM_UP", "bool", True, "`0`: no background compile of the GPU kernels when a store or adapter is created", "gpu"),
     Knob("S4W_GPU_BATCH_BYTES", "bytes", None, "raw bytes the GPU codes per batch (at least 1 MiB); a save's extra device memory is about 4x this", "gpu", low=1, auto="48 MiB, or free device memory / 8 if less"),
-    Knob("S4W_STAGE_AHEAD", "int", 2, "batches a GPU load reads and checks ahead of the one it decodes", "gpu", low=1),
+    Knob("S4W_STAGE_AHEAD", "int", 4, "batches a GPU load reads and checks ahead of the one it decodes", "gpu", low=1),
     Knob("S4W_READ_BLOCK", "bytes", 32 * _MiB, "largest read a GPU load issues into its pinned staging buffer", "gpu", low=1),
     Knob("S4W_PROBE_MIN_GAIN", "float", None, "the saving a later-plane chunk must promise to be sent to nvCOMP ANS (0 to 1; 1: later planes raw)", "gpu", low=0, high=1, auto="0.05; 0.01 for a batch with delta residuals"),
     Knob("S4W_NVCOMP_C", "bool", True, "`0`: nvCOMP ANS through its Python API instead of the batched C API", "gpu"),

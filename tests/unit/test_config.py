@@ -56,7 +56,7 @@ def test_only_config_reads_the_environment_for_knobs() -> None:
 def test_accessors(monkeypatch: pytest.MonkeyPatch) -> None:
     for v in ("", "  "):
         monkeypatch.setenv("S4W_STAGE_AHEAD", v)
-        assert config.get_int("S4W_STAGE_AHEAD") == 2
+        assert config.get_int("S4W_STAGE_AHEAD") == 4
     monkeypatch.setenv("S4W_STAGE_AHEAD", " 3 ")
     assert config.get_int("S4W_STAGE_AHEAD") == 3
     monkeypatch.setenv("S4W_GPU_BATCH_BYTES", "64M")
@@ -128,7 +128,7 @@ def test_the_cli_names_a_bad_knob_in_one_line(tmp_path, monkeypatch: pytest.Monk
 def test_an_accessor_reads_a_given_mapping_instead_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("S4W_STAGE_AHEAD", "5")
     assert config.get_int("S4W_STAGE_AHEAD", {"S4W_STAGE_AHEAD": " 3 "}) == 3
-    assert config.get_int("S4W_STAGE_AHEAD", {}) == 2  # unset there: the default, not the process's 5
+    assert config.get_int("S4W_STAGE_AHEAD", {}) == 4  # unset there: the default, not the process's 5
     assert config.get_int("S4W_STAGE_AHEAD") == 5
     assert config.get_bool("S4W_ACCELERATE_ASYNC", {"S4W_ACCELERATE_ASYNC": "Yes"}) is True
     assert config.get_str("S4W_ACCELERATE_PROFILE", {"S4W_ACCELERATE_PROFILE": "Fast"}) == "fast"

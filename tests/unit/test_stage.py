@@ -256,7 +256,7 @@ def test_plan_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _plan(small) == [(0, [0, 1]), (62_000, [2, 3])]
     # overlapping (forged) and empty chunks never share a read with what they overlap
     assert _plan([(0, 100), (50, 100), (150, 0), (150, 10)]) == [(0, [0]), (50, [1, 2, 3])]
-    # reads are cut at S4W_READ_BLOCK (a larger chunk alone), and a small batch into _MIN_READS reads
+    # reads are cut at S4W_READ_BLOCK (a larger chunk alone)
     monkeypatch.setenv("S4W_READ_BLOCK", str(3000))
     assert _plan([(0, 1000), (1000, 1000), (2000, 1000), (3000, 5000), (8000, 10)]) == [
         (0, [0, 1, 2]),
@@ -264,10 +264,10 @@ def test_plan_reads(monkeypatch: pytest.MonkeyPatch) -> None:
         (8000, [4]),
     ]
     monkeypatch.delenv("S4W_READ_BLOCK")
-    plan = _plan([(i * M, M) for i in range(40)])
-    assert [len(m) for _, m in plan] == [10, 10, 10, 10]
-    plan = _plan([(i * M, M) for i in range(100)])  # 100 MiB: four reads
-    assert [len(m) for _, m in plan] == [25, 25, 25, 25]
+    plan = _plan([(i * M, M) for i in range(40)])  # 40 MiB: a 32 MiB read and the rest
+    assert [len(m) for _, m in plan] == [32, 8]
+    plan = _plan([(i * M, M) for i in range(20)])
+    assert [len(m) for _, m in plan] == [20]
     plan = _plan([(i * M, M) for i in range(200)])
     assert [len(m) for _, m in plan] == [32] * 6 + [8]
 
@@ -457,15 +457,15 @@ def _stagers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("s4w-stage")]
 
 
-@pytest.fixture(params=[1, 2], ids=["ahead1", "ahead2"])
+@pytest.fixture(params=[1, 2, 4], ids=["ahead1", "ahead2", "ahead4"])
 def depth(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Batches staged ahead of the decode (``S4W_STAGE_AHEAD``; 2 by default)."""
+    """Batches staged ahead of the decode (``S4W_STAGE_AHEAD``; 4 by default)."""
     monkeypatch.setenv("S4W_STAGE_AHEAD", str(request.param))
     return int(request.param)
 
 
-def test_pipeline_stages_ahead_by_default_two() -> None:
-    assert config.KNOBS["S4W_STAGE_AHEAD"].default == 2
+def test_pipeline_stages_ahead_by_default_four() -> None:
+    assert config.KNOBS["S4W_STAGE_AHEAD"].default == 4
 
 
 def test_pipeline_stages_the_next_batch_during_a_decode(monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
