@@ -264,17 +264,17 @@ def bench_s4w_gpu(
     ts: dict[str, torch.Tensor], repeats: int, segs: list[int], e2e: bool, budget: Budget, res: dict[str, Any]
 ) -> None:
     import dataclasses
-    from concurrent.futures import ThreadPoolExecutor
 
     import s4w_core.gpu as gpu
     from s4w_core.gpu import _coder, _decode, _encode, _nvcomp
+    from s4w_core.workers import executor
 
     assert gpu.available(), gpu.unavailable_reason()
     dev = torch.device("cuda", torch.cuda.current_device())
     ts_gpu = {k: v.cuda() for k, v in ts.items()}
     tl = list(ts_gpu.values())
     raw = sum(t.numel() * t.element_size() for t in tl)
-    pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+    pool = executor(None)  # one thread per core, up to 8
     default_fast = _encode.PROFILES["fast"]
     e2e_reps = max(2, repeats // 5)
     configs = [("fast", seg) for seg in segs] + [("portable", _encode.PROFILES["portable"].segment_elems)]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU numbers for the README: ratio and save/load speed of s4weights' portable profile on this
+"""CPU numbers for docs/PERFORMANCE.md: ratio and save/load speed of s4weights' portable profile on this
 machine, against torch.save and zstd-3 over the raw bytes.
 
 Inputs: (1) the checkpoint of examples/train_tiny.py after --steps steps (model + AdamW + scheduler),

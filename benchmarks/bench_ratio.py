@@ -42,7 +42,6 @@ import os
 import platform
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from typing import Any, Callable
 
@@ -57,6 +56,7 @@ import _train_minilm  # noqa: E402
 
 from s4w_core import engine  # noqa: E402
 from s4w_core.planes import split_planes  # noqa: E402
+from s4w_core.workers import Pool  # noqa: E402
 
 GROUPS = ("weights", "exp_avg", "exp_avg_sq")
 _Z4 = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
@@ -78,7 +78,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def s4w_size(t: torch.Tensor, base: torch.Tensor | None, pool: ThreadPoolExecutor, name: str) -> int:
+def s4w_size(t: torch.Tensor, base: torch.Tensor | None, pool: Pool, name: str) -> int:
     w = _SizeWriter()
     job = engine.StorageJob(_u8(t), t.dtype, name, "cpu")
     if base is not None:
@@ -172,7 +172,7 @@ def measure(
 ) -> dict[str, Any]:
     """Sizes per group and codec; the peers' sizes are kept in ``memo`` (by ``tag``, group, step,
     tensor and column), so that a second run on the same cached series codes only s4weights'."""
-    pool = ThreadPoolExecutor(1)
+    pool = engine.executor(1)
     memo = {} if memo is None else memo
     res: dict[str, Any] = {}
     for g in GROUPS:

@@ -11,20 +11,10 @@
 # Output: $OUT/frameworks_<precision>.{json,md,log}, $OUT/env.txt; the table is printed last.
 set -u
 DIR=${1:?usage: device_frameworks.sh WHEELDIR PRECISION [args...]}; PREC=${2:?precision: bf16 or fp32master}; shift 2
-OUT=${OUT:-./device_out}; mkdir -p "$OUT"
-if ls "$DIR"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$DIR"/*.whl \
-    || { echo "wheel install failed"; exit 3; }
-fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" 2>&1
-  for m in lightning pytorch_lightning transformers accelerate; do
-    python3 -c "import importlib.metadata as md; print('$m', md.version('$m'))" 2>/dev/null || echo "$m MISSING"
-  done
-  python3 -c "import s4w_core.gpu as g; print('s4w gpu', g.available(), g.unavailable_reason())" 2>&1
-  echo "nproc $(nproc); disk $(df -h /tmp | awk 'NR==2{print $4" free"}')"
-  echo "source digest $(bash benchmarks/tree_digest.sh 2>/dev/null)"; } > "$OUT/env.txt" 2>&1
+. "$(dirname "$0")/device_env.sh"
+device_wheels "$DIR"
+device_paths
+device_env lightning pytorch_lightning transformers accelerate > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 BUDGET_S=${BUDGET_S:-470}
 WORK=${WORK:-/tmp/s4w_fw}; rm -rf "$WORK"; mkdir -p "$WORK"

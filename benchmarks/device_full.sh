@@ -5,15 +5,12 @@
 #   both : the DCP NCCL test (2 processes), after the benchmark finished
 # Usage: bash benchmarks/device_full.sh WHEELDIR   (logs and JSON under $OUT)
 set -u
-WHL=$1; OUT=${OUT:-./device_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-  || { echo "wheel install failed"; exit 3; }
-export PYTHONPATH=/tmp/site:$PWD:$PWD/integrations PYTHONUNBUFFERED=1
+WHL=${1:?usage: device_full.sh WHEELDIR}
+. "$(dirname "$0")/device_env.sh"
+device_wheels "$WHL" required
+device_paths
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; from nvidia import nvcomp; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'nvcomp', getattr(nvcomp, '__version__', '?'))"
-  echo "git HEAD $(git rev-parse HEAD 2>/dev/null) (the device's .git may lag the tree it was sent)"
-  echo "source digest $(bash benchmarks/tree_digest.sh) (benchmarks/tree_digest.sh REV gives a commit's)"; } > "$OUT/env.txt" 2>&1
+device_env > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_TIMEOUT:-470} python3 benchmarks/bench_chain.py --device cuda --profile fast \
   --layers 12 --d 768 --ctx 512 --batch 16 --steps ${BENCH_STEPS:-200} --every 10 --compare chain_xor,plain \

@@ -2,11 +2,11 @@
 # One device call: kernel sweep (bench_kernels.py), @gpu parity tests, codec throughput on 1 GB.
 # Usage: bash benchmarks/device_kernels.sh SITE_TAR_XZ   (results under $OUT)
 set -u
-OUT=${OUT:-./device_out}; mkdir -p "$OUT" /tmp/site
-tar xJf "$1" -C /tmp/site || { echo "site unpack failed"; exit 3; }
-export PYTHONPATH=/tmp/site:$PWD:$PWD/integrations PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; from nvidia import nvcomp; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/env.txt" 2>&1
+SITE=${1:?usage: device_kernels.sh SITE_TAR_XZ}
+. "$(dirname "$0")/device_env.sh"
+device_site "$SITE"
+device_paths
+device_env > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 timeout ${KTIME:-200} python3 benchmarks/bench_kernels.py --gb 1 --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | grep -v "^ " | tail -40
 timeout ${PTIME:-240} python3 -m pytest -q -p no:cacheprovider tests/parity -m gpu -k "not interpreted" -x -rs > "$OUT/parity_gpu.log" 2>&1

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200): kernel + gather sweep, codec segment sweep, and the issue-3 chain
+# One device call (nvidia-h200): kernel + gather sweep, codec segment sweep, and the delta-chain
 # benchmark (bf16 by default). Usage: bash benchmarks/device_main.sh SITE_TAR_XZ [PKDIR]  (results under $OUT)
 set -u
-OUT=${OUT:-./device_out}; mkdir -p "$OUT" /tmp/site
-tar xJf "$1" -C /tmp/site || { echo "site unpack failed"; exit 3; }
-export PYTHONPATH=/tmp/site:$PWD:$PWD/integrations PYTHONUNBUFFERED=1
+SITE=${1:?usage: device_main.sh SITE_TAR_XZ [PKDIR]}
+. "$(dirname "$0")/device_env.sh"
+device_site "$SITE"
+device_paths
 if [ -n "${2:-}" ] && ls "$2"/zipnn-*.tar.gz >/dev/null 2>&1; then
   (python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site "$2"/zipnn-*.tar.gz > "$OUT/zipnn_build.log" 2>&1; echo "zipnn build rc=$?" >> "$OUT/zipnn_build.log") &
 fi
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"; git log -1 --format=%H 2>/dev/null; } > "$OUT/env.txt" 2>&1
+device_env > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [ "${SKIP_KERNELS:-0}" != 1 ]; then
 timeout 90 python3 benchmarks/bench_kernels.py --gb 1 --configs 4096x4,4096x8,8192x4 --repeats 10 --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1

@@ -19,15 +19,12 @@
 #   and per-phase seconds), $OUT/env.txt. The table is also the last thing printed.
 set -u
 DIR=${1:?usage: device_peers.sh WHEELDIR [bench_peers args...]}; shift
-OUT=${OUT:-./device_out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
 phase() { echo "[device_peers] $1: $(( $(date +%s) - t0 ))s since start"; }
 
-if ls "$DIR"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$DIR"/*.whl \
-    || { echo "wheel install failed"; exit 3; }
-fi
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+device_wheels "$DIR"
+device_paths
 if [ -f "$DIR/weed.xz" ]; then
   xz -dc "$DIR/weed.xz" > /tmp/weed && chmod +x /tmp/weed && export S4W_WEED=/tmp/weed
 fi
@@ -37,16 +34,8 @@ if [ -f "$DIR/libnvcomp.so.5.xz" ]; then  # nvCOMP 5 for the cuZipNN peer (bench
 fi
 phase "install"
 
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" 2>&1
-  python3 -c "from nvidia import nvcomp; print('nvcomp', getattr(nvcomp, '__version__', '?'))" 2>&1
-  for m in s3torchconnector zipnn zstandard boto3 tenacity psutil; do
-    python3 -c "import importlib.metadata as md; print('$m', md.version('$m'))" 2>/dev/null || echo "$m MISSING"
-  done
-  echo "weed: ${S4W_WEED:-none} $([ -n "${S4W_WEED:-}" ] && "$S4W_WEED" version 2>&1 | head -1)"
-  echo "nproc $(nproc); $(free -g | awk '/Mem:/{print $2" GB RAM"}'); disk $(df -h "${BENCH_DIR:-/tmp}" | awk 'NR==2{print $4" free"}')"
-  echo "git HEAD $(git rev-parse HEAD 2>/dev/null) (the device's .git may lag the tree it was sent)"
-  echo "source digest $(bash benchmarks/tree_digest.sh) (benchmarks/tree_digest.sh REV gives a commit's)"; } > "$OUT/env.txt" 2>&1
+{ device_env s3torchconnector zipnn zstandard boto3 tenacity psutil
+  echo "weed: ${S4W_WEED:-none} $([ -n "${S4W_WEED:-}" ] && "$S4W_WEED" version 2>&1 | head -1)"; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 phase "env"
 

@@ -5,11 +5,10 @@
 #   MODE bench : benchmarks/bench_codec.py with the remaining arguments
 # Logs go to $OUT (or ./device_out when OUT is unset).
 set -u
-WHL=$1; MODE=$2; shift 2
-OUT=${OUT:-./device_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-  || { echo "wheel install failed"; exit 3; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+WHL=${1:?usage: device_run.sh WHEELDIR MODE [bench args...]}; MODE=${2:?MODE: tests or bench}; shift 2
+. "$(dirname "$0")/device_env.sh"
+device_wheels "$WHL" required
+device_paths
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 if [ "$MODE" = tests ]; then

@@ -152,18 +152,20 @@ def _dtensor_local(t: torch.Tensor) -> torch.Tensor | None:
     except ImportError:  # pragma: no cover - torch without torch.distributed
         return None
     if isinstance(t, DTensor):
-        local = t._local_tensor  # noqa: SLF001 - what DCP's own stagers copy
+        with torch.no_grad():  # no autograd: the shard itself (a view of it for a Parameter), no copy
+            local = t.to_local()
         if _pool_staged(local) or (type(local) is torch.Tensor and local.is_cuda and local.numel() == 0):
             return local
     return None
 
 
 def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """DTensor ``t``'s sharding over a staged copy of its local shard (as DCP's own transports
-    build it: ``DTensor.from_local`` would move a host shard back to the mesh's device)."""
+    """DTensor ``t``'s sharding over a staged copy of its local shard, as torch's own stagers build
+    it (``_state_dict_utils``, ``_pg_transport``). No public API keeps a host shard on the host:
+    ``DTensor.from_local`` moves it to the mesh's device, which would undo the staging."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]  # noqa: SLF001
+    return DTensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]  # noqa: SLF001 - no public way (above)
 
 
 _POOL: PinnedPool | None = None

@@ -17,7 +17,6 @@ import collections
 import errno
 import mmap
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -58,7 +57,7 @@ from s4w_core.jobs import (
 from s4w_core.planes import merge_planes
 from s4w_core.planes import nonzero as nzt
 from s4w_core.planes.reference import merge_hash_into, merge_into
-from s4w_core.workers import executor, ordered, ordered_window, segments
+from s4w_core.workers import Pool, executor, ordered, ordered_window, segments
 
 __all__ = [
     "SEGMENT_ELEMS",
@@ -105,7 +104,7 @@ INLINE_ENCODE_BYTES = 64 << 10
 def encode_storage_cpu(
     job: StorageJob,
     writer: ContainerWriter,
-    pool: ThreadPoolExecutor,
+    pool: Pool,
     segment_elems: int | None = None,
     *,
     transform: str | None = None,
@@ -144,7 +143,7 @@ def encode_storage_cpu(
         entry["nnz"] = []
 
     # encode segments in windows so memory stays bounded while all threads are busy
-    window = max(2, pool._max_workers)  # noqa: SLF001 - sized to the pool
+    window = max(2, pool.workers)  # sized to the pool
     segs = list(segments(n, segment_elems))
     for i in range(0, len(segs), window):
         calls: list[tuple[Any, ...]] = []
@@ -165,7 +164,7 @@ def encode_storage_cpu(
     return entry
 
 
-def encode_storages_cpu(jobs: list[StorageJob], writer: ContainerWriter, pool: ThreadPoolExecutor) -> list[dict[str, Any]]:
+def encode_storages_cpu(jobs: list[StorageJob], writer: ContainerWriter, pool: Pool) -> list[dict[str, Any]]:
     """:func:`encode_storage_cpu` for each of ``jobs`` in order (the default transforms), the
     delta ops of all of them chosen first in one pass (:func:`choose_delta_ops`)."""
     choose_delta_ops(jobs)
@@ -268,7 +267,7 @@ def chunk_layout(entry: dict[str, Any]) -> list[tuple[int, int, int]]:
 def decode_storage_cpu(
     reader: ContainerReader,
     entry: dict[str, Any],
-    pool: ThreadPoolExecutor,
+    pool: Pool,
     resolve_base: BaseResolver | None,
     name: str,
 ) -> torch.Tensor:

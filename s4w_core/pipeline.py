@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Mapping, Union
 
@@ -30,6 +29,7 @@ from s4w_core.errors import (
 from s4w_core.format.container import FORMAT_VERSION, ContainerReader, ContainerWriter
 from s4w_core.format.manifest import validate_manifest
 from s4w_core.skeleton import encode_tree
+from s4w_core.workers import Pool
 
 __all__ = [
     "PROFILES",
@@ -53,7 +53,7 @@ MapLocation = Union[None, str, torch.device, Mapping[str, str], Callable[[str], 
 PROFILES = config.PROFILES
 
 
-def executor(threads: int | None) -> ThreadPoolExecutor:
+def executor(threads: int | None) -> Pool:
     """The coding threads of one encode or decode (default: up to 8, the core count)."""
     return engine.executor(threads)
 

@@ -8,7 +8,18 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["DECODE_WINDOW_PER_THREAD", "executor", "ordered", "ordered_window", "segments"]
+__all__ = ["DECODE_WINDOW_PER_THREAD", "Pool", "executor", "ordered", "ordered_window", "segments"]
+
+
+class Pool(ThreadPoolExecutor):
+    """A thread pool that says how many workers it has (:attr:`workers`): the ordered maps below
+    size their windows by it, and run a one-thread pool's calls on the caller's thread."""
+
+    def __init__(self, workers: int, thread_name_prefix: str = "") -> None:
+        if workers < 1:
+            raise ValueError(f"a pool needs at least one worker, not {workers}")
+        super().__init__(max_workers=workers, thread_name_prefix=thread_name_prefix)
+        self.workers = workers
 
 
 def segments(n: int, seg: int) -> Iterator[tuple[int, int]]:
@@ -17,18 +28,18 @@ def segments(n: int, seg: int) -> Iterator[tuple[int, int]]:
         yield s, min(n, s + seg)
 
 
-def executor(threads: int | None) -> ThreadPoolExecutor:
+def executor(threads: int | None) -> Pool:
     """The CPU path's pool: ``threads`` workers, or one per core up to 8."""
-    return ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1))
+    return Pool(threads or min(8, os.cpu_count() or 1))
 
 
-def ordered(pool: ThreadPoolExecutor, fn: Callable[..., Any], calls: Iterable[tuple[Any, ...]]) -> Iterator[Any]:
+def ordered(pool: Pool, fn: Callable[..., Any], calls: Iterable[tuple[Any, ...]]) -> Iterator[Any]:
     """``fn(*args)`` for each of ``calls``, results in order: all submitted to ``pool`` at once,
     except that a one-thread pool runs each call right here when its result is wanted (handing
     every chunk to a single worker and waiting for it only adds two thread switches per chunk,
     with small tensors more than the coding itself). An exception is raised where its result is
     taken, as ``Future.result`` raises it."""
-    if pool._max_workers > 1:  # noqa: SLF001
+    if pool.workers > 1:
         futs = [pool.submit(fn, *args) for args in calls]
         return (f.result() for f in futs)
     return (fn(*args) for args in calls)
@@ -38,18 +49,17 @@ def ordered(pool: ThreadPoolExecutor, fn: Callable[..., Any], calls: Iterable[tu
 DECODE_WINDOW_PER_THREAD = 4
 
 
-def ordered_window(pool: ThreadPoolExecutor | None, fn: Callable[..., Any], n: int) -> Iterator[Any]:
+def ordered_window(pool: Pool | None, fn: Callable[..., Any], n: int) -> Iterator[Any]:
     """``fn(i)`` for ``i in range(n)``, results in order, with at most
     :data:`DECODE_WINDOW_PER_THREAD` calls per worker submitted ahead of the one being taken (a
     one-thread pool, or none, runs each call here). What a storage's decode holds and queues is
     bounded by the window, never by the chunk count a file claims; when a call fails, the calls
     not yet started are cancelled."""
-    workers = 1 if pool is None else pool._max_workers  # noqa: SLF001
-    if pool is None or workers <= 1:
+    if pool is None or pool.workers <= 1:
         for i in range(n):
             yield fn(i)
         return
-    window = workers * DECODE_WINDOW_PER_THREAD
+    window = pool.workers * DECODE_WINDOW_PER_THREAD
     futs: collections.deque[Any] = collections.deque()
     nxt = 0
     try:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from s4w_core import engine
     from s4w_core.format.container import ContainerReader, ContainerWriter
+    from s4w_core.workers import Pool
 
 __all__ = [
     "available",
@@ -151,7 +152,7 @@ def decode_storages(
     entries: list[dict[str, Any]],
     device: torch.device,
     resolve_base: engine.BaseResolver | None,
-    pool: ThreadPoolExecutor | None = None,
+    pool: Pool | None = None,
     on_batch: Callable[[int, list[torch.Tensor]], None] | None = None,
 ) -> list[torch.Tensor]:
     """Batched :func:`decode_storage`: all chunks of all ``entries`` in as few nvCOMP calls as memory allows.

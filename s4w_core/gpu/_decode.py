@@ -56,6 +56,7 @@ from s4w_core.planes.triton_kernels import (
     launch_items,
     launch_rows,
 )
+from s4w_core.workers import Pool
 
 __all__ = ["decode_storages", "stage", "decode_device", "Staged"]
 
@@ -82,7 +83,7 @@ def decode_storages(
     entries: list[dict[str, Any]],
     device: torch.device,
     resolve_base: engine.BaseResolver | None,
-    pool: ThreadPoolExecutor | None = None,
+    pool: Pool | None = None,
     on_batch: Callable[[int, list[torch.Tensor]], None] | None = None,
 ) -> list[torch.Tensor]:
     """See :func:`s4w_core.gpu.decode_storages`."""
@@ -91,7 +92,7 @@ def decode_storages(
     prove_claims(reader, entries, device)  # implausible GPU-only claims decoded first (gpu/_prove.py)
     own = pool is None
     if pool is None:
-        pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+        pool = Pool(min(8, os.cpu_count() or 1))
     # stager threads run stage() (which waits on reads it submits to `pool`) up to `depth` batches
     # ahead, so the reads of the next batch are queued while this one's last reads finish (one
     # batch ahead, the disk idled at every batch boundary); stage() itself never runs in `pool`,
@@ -130,7 +131,7 @@ def _decode_nonzero(
     e: dict[str, Any],
     device: torch.device,
     resolve_base: engine.BaseResolver | None,
-    pool: ThreadPoolExecutor,
+    pool: Pool,
 ) -> torch.Tensor:
     """One ``nz-`` storage on the device; one whose size claim is implausible for its stored bytes
     (:func:`engine.claims_plausible`) and that the CPU can decode goes through the CPU reader, which

@@ -39,6 +39,7 @@ from s4w_core.gpu import _decode as _decode_mod
 from s4w_core.gpu import _encode as _encode_mod
 from s4w_core.gpu import kernels as _gpu_kernels
 from s4w_core.planes import triton_kernels as _plane_kernels
+from s4w_core.workers import Pool
 
 __all__ = ["DEFAULT_DTYPES", "marker_path", "run", "stage_key", "synthetic_states"]
 
@@ -100,7 +101,7 @@ def _encode(jobs: list[engine.StorageJob], pool: ThreadPoolExecutor) -> Containe
 
 
 def _decode(reader: ContainerReader, jobs: list[engine.StorageJob], bases: dict[str, torch.Tensor] | None,
-            device: torch.device, pool: ThreadPoolExecutor) -> None:
+            device: torch.device, pool: Pool) -> None:
     """The GPU reader on ``reader``; every storage compared byte for byte with its job."""
 
     def resolve(ref: dict[str, Any], nbytes: int) -> torch.Tensor:
@@ -114,7 +115,7 @@ def _decode(reader: ContainerReader, jobs: list[engine.StorageJob], bases: dict[
 
 
 def _sequence(s0: dict[str, torch.Tensor], s1: dict[str, torch.Tensor] | None, key: Any, device: torch.device,
-              pool: ThreadPoolExecutor, on_stage: Callable[[tuple[str, Any]], None]) -> None:
+              pool: Pool, on_stage: Callable[[tuple[str, Any]], None]) -> None:
     """Plain step, then (with ``s1``) a delta step against it, then both decoded; ``on_stage`` after each."""
     plain = _jobs(s0, None)
     r0 = _encode(plain, pool)
@@ -210,7 +211,7 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         g0[path] = t
         g1[path] = s1[path]
     cuda = device.type == "cuda"
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="s4w-warm-up") as pool:
+    with Pool(2, "s4w-warm-up") as pool:
         if not cuda:  # the tests' simulated GPU (TRITON_INTERPRET=1, a stand-in for nvCOMP): one after another
             for key, (g0, g1) in groups.items():
                 _sequence(g0, g1, key, device, pool, note)

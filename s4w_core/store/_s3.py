@@ -22,9 +22,10 @@ Transfers (uploads and downloads of data) have no deadline: the client retries t
 Atomicity: an S3 object appears only when its (multipart) upload completes.  A failed write is
 *aborted*: s3torchconnector's ``S3Writer`` does not close on an exception, but an unclosed
 ``S3Writer`` that is garbage-collected later runs ``close()`` from the io finalizer and so
-*completes* the upload with whatever was written (measured with s3torchconnector 1.5.0).  We mark
-the writer closed and drop its native stream, which abandons the upload; tests/store checks that
-no object appears, even after ``gc.collect()``.
+*completes* the upload with whatever was written (measured with s3torchconnector 1.5.0).  We swap
+the writer's stream for one whose close completes nothing and close the writer: its native stream,
+dropped, abandons the upload; tests/store checks that no object appears, even after
+``gc.collect()``.
 """
 
 from __future__ import annotations
@@ -216,6 +217,13 @@ def _import() -> Any:
             "(or `pip install s3torchconnector`)"
         ) from e
     return s3torchconnector
+
+
+class _NoUpload:
+    """Stands in for an aborted upload's native stream in its ``S3Writer``: closing it completes nothing."""
+
+    def close(self) -> None:
+        pass
 
 
 class S3Backend(Backend):
@@ -431,9 +439,11 @@ class S3Backend(Backend):
 
     @staticmethod
     def _abort(w: Any) -> None:
-        # See the module docstring: never let the finalizer complete a failed upload.
-        w._closed = True  # noqa: SLF001
-        w.stream = None
+        # See the module docstring: never let the finalizer complete a failed upload. S3Writer has
+        # no abort; its public stream (the constructor's argument) is swapped for one whose close
+        # completes nothing, which drops the native stream, and the public close() marks it closed.
+        w.stream = _NoUpload()
+        w.close()
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         if if_absent and self._exists(key):

@@ -3,7 +3,7 @@ tensors (zero rows) and sparse fp32 deltas, read back by the GPU reader and, for
 reader; CPU-written nz files read by the GPU reader. The same paths run without a GPU, nvCOMP simulated, in
 tests/parity/_interpret_checks.py (``pipeline_nonzero``).
 
-Run on the device (see benchmarks/device_session.sh); skipped without CUDA.
+Run on the device (`bash benchmarks/device_run.sh WHEELDIR tests`); skipped without CUDA.
 """
 
 from __future__ import annotations

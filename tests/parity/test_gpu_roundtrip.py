@@ -1,6 +1,6 @@
 """@gpu: s4w_core.save/load through the GPU backend on CUDA tensors, bit for bit, and cross-decoding.
 
-Run on the device (see benchmarks/device_session.sh); skipped without CUDA.
+Run on the device (`bash benchmarks/device_run.sh WHEELDIR tests`); skipped without CUDA.
 """
 
 from __future__ import annotations

@@ -138,11 +138,11 @@ def test_small_storages_are_coded_without_the_pool() -> None:
     """A small storage's chunks are coded on the calling thread (no hand-off per chunk); a large
     one's still go to the pool. Either way the bytes are those of the one-thread path."""
     import io
-    from concurrent.futures import ThreadPoolExecutor
 
     from s4w_core.format.container import ContainerWriter
+    from s4w_core.workers import Pool
 
-    class CountingPool(ThreadPoolExecutor):
+    class CountingPool(Pool):
         submitted = 0
 
         def submit(self, *a, **k):  # type: ignore[no-untyped-def, override]
@@ -155,7 +155,7 @@ def test_small_storages_are_coded_without_the_pool() -> None:
         CountingPool.submitted = 0
         entries = []
         for threads in (2, 1):
-            with CountingPool(max_workers=threads) as pool:
+            with CountingPool(threads) as pool:
                 w = ContainerWriter(io.BytesIO())
                 entries.append(engine.encode_storage_cpu(engine.StorageJob(raw, torch.float32 if pooled else torch.bfloat16, "t", "cpu"), w, pool))
         assert (CountingPool.submitted > 0) == pooled

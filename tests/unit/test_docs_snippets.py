@@ -117,3 +117,22 @@ def test_documented_command_parses(doc: str, line: int, cmd: str) -> None:
 def test_commands_were_found() -> None:
     names = {c.split()[1] for _, _, c in COMMANDS}
     assert {"info", "verify", "convert", "selftest", "ls", "restore", "stats", "rm", "pin", "gc"} <= names, names
+
+
+def test_readme_setup_commands_name_what_exists() -> None:
+    """README's two set-up commands (the main job, and `bash .ci/run`) and the extras it names: the
+    example script, each extra in pyproject.toml, the torch pin CI installs, and CI's test command."""
+    readme = (ROOT / "README.md").read_text()
+    bash = "\n".join(code for doc, _, code in _blocks("bash") if doc == "README.md")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    table = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"^([\w-]+) = \[", table, re.MULTILINE))
+    ci = (ROOT / ".ci" / "run").read_text()
+    main_job = re.search(r"pip install (torch==\S+) && pip install -e \"\.\[(\w+)\]\" \\\n\s+&& python (\S+\.py)", bash)
+    assert main_job is not None, "README's main job command is missing or changed shape"
+    pin, extra, script = main_job.groups()
+    assert (ROOT / script).is_file() and extra in extras, (script, extra)
+    assert f"pip install {pin}" in ci, f"README pins {pin}, .ci/run does not"
+    named = set(re.findall(r"`\[([\w-]+)\]`", readme)) | set(re.findall(r"`\.\[([\w,-]+)\]`", readme)[0].split(","))
+    assert named and named <= extras, sorted(named - extras)
+    assert "`bash .ci/run`" in readme and "\npython -m pytest\n" in ci  # the test command README names

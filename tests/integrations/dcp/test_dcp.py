@@ -349,6 +349,44 @@ def test_pool_staging_gives_back_after_failed_or_abandoned_saves(tmp_path, fake_
     assert len(pool.given) == 2 and w._generations == []  # noqa: SLF001 - a failed write gives back too
 
 
+def test_pool_staging_of_dtensor_shards_simulated(tmp_path, fake_cuda):
+    """A DTensor's local shard (FSDP2 / TP state, here a Parameter and a plain DTensor on a one-rank
+    gloo mesh) is staged into the pool, wrapped again with the same sharding, with no autograd
+    link, and the staging leaves the live shard alone."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+
+    pool = fake_cuda
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(5)
+        sd = {
+            "w": torch.nn.Parameter(distribute_tensor(torch.randn(64, 8, generator=g), mesh, [Shard(0)])),
+            "m": distribute_tensor(torch.randn(33, generator=g).to(torch.bfloat16), mesh, [Shard(0)]),
+        }
+        want = {k: _bits(v.to_local()).clone() for k, v in sd.items()}
+        w = S4StorageWriter()
+        staged = w.stage(sd)
+        assert len(pool.taken) == 1 and len(pool.taken[0]) == 2
+        for k, v in staged.items():
+            assert isinstance(v, DTensor) and not v.requires_grad and v.grad_fn is None
+            assert v.placements == sd[k].placements and v.shape == sd[k].shape and v.stride() == sd[k].stride()
+            assert v.to_local().data_ptr() in {b.data_ptr() for b in pool.taken[0]}  # the shard is in the pool
+            assert torch.equal(_bits(v.to_local()), want[k])
+        with torch.no_grad():
+            sd["w"].add_(1)  # training goes on: the staged copy keeps the saved step
+        assert torch.equal(_bits(staged["w"].to_local()), want["w"])
+        assert torch.equal(_bits(sd["m"].to_local()), want["m"])  # the live shard is untouched
+        dcp.save(staged, checkpoint_id=tmp_path / "s", storage_writer=w)
+        assert [_ptrs(b) for b in pool.given] == [_ptrs(pool.taken[0])]  # the write gave the shards back
+        out = {k: distribute_tensor(torch.zeros(v.shape, dtype=v.dtype), mesh, [Shard(0)]) for k, v in sd.items()}
+        dcp.load(out, storage_reader=S4StorageReader(tmp_path / "s"))
+        assert all(torch.equal(_bits(out[k].to_local()), want[k]) for k in sd)
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- staging (GPU)
 def _cuda_state() -> dict:
     g = torch.Generator().manual_seed(3)
