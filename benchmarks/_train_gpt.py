@@ -295,8 +295,9 @@ def ratio_series(
     tr = Trainer(precision, last, device=device, seed=seed, **MODELS[model])
     names = list(tr.model.named_parameters())
     for step in range(1, last + 1):
-        tr.step()
+        loss = tr.step()
         if step >= first and (step - first) % every == 0:
+            print(f"  [{precision}] step {step} loss {loss.item():.3f}", file=sys.stderr, flush=True)
             groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in RATIO_GROUPS}
             for n, p in names:
                 groups["weights"][n] = _cpu_copy(p.data).contiguous()

@@ -462,6 +462,11 @@ def main() -> None:
     for p in PEERS:
         if p not in peers:
             print(f"note: {p} is not installed: its columns are left out", flush=True)
+    z4_native = None
+    if "z4ai" in peers:  # z4ai compiles its rANS coder on first use: here, before worker processes race to
+        import z4ai.rans
+
+        z4_native = z4ai.rans.available()
     results: dict[str, Any] = {}
     descs: list[str] = []
     t_start = time.time()
@@ -489,11 +494,6 @@ def main() -> None:
             with open(a.out + ".json", "w") as f:
                 json.dump({"analysis": results}, f, indent=1)
         return
-    z4_native = None
-    if "z4ai" in peers:
-        import z4ai.rans
-
-        z4_native = z4ai.rans.available()
     env = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()} {platform.processor() or ''} CPU, {os.cpu_count()} cores".strip()
