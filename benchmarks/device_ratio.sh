@@ -14,7 +14,7 @@
 #   Knobs (environment): BUDGET_S (360: the benchmark is stopped after it), CACHE (/tmp/s4w_ratio_series:
 #   the trained snapshots and the peers' sizes), SITE (/tmp/site: where the wheels go), GPU (1; 0 leaves
 #   out the GPU-written files, for a dry run on a machine without a GPU).
-# Output: $OUT/ratio_gpu.md (the table), $OUT/ratio_gpu.json (everything), $OUT/ratio_gpu.log
+# Output: $OUT/ratio_gpt_gpu.md (the table), $OUT/ratio_gpt_gpu.json (everything), $OUT/ratio_gpt_gpu.log
 #   (progress), $OUT/env.txt, $OUT/build_z4ai.log, $OUT/build_zipnn.log; the table is printed last.
 set -u
 DIR=${1:?usage: device_ratio.sh WHEELDIR [bench_ratio.py args...]}; shift
@@ -48,10 +48,10 @@ cat "$OUT/env.txt"
 BUDGET_S=${BUDGET_S:-360}
 CACHE=${CACHE:-/tmp/s4w_ratio_series}
 GPU_ARG=--gpu; [ "${GPU:-1}" = 0 ] && GPU_ARG=
-timeout -k 10 "$BUDGET_S" python3 benchmarks/bench_ratio.py --series gpt $GPU_ARG --cache "$CACHE" --out "$OUT/ratio_gpu" "$@" \
-  > "$OUT/ratio_gpu.log" 2>&1
+timeout -k 10 "$BUDGET_S" python3 benchmarks/bench_ratio.py --series gpt $GPU_ARG --cache "$CACHE" --out "$OUT/ratio_gpt_gpu" "$@" \
+  > "$OUT/ratio_gpt_gpu.log" 2>&1
 rc=$?
 echo "bench_ratio rc=$rc after $(( $(date +%s) - t0 )) s"
-grep -v "^|" "$OUT/ratio_gpu.log" | tail -40
-if [ -f "$OUT/ratio_gpu.md" ]; then cat "$OUT/ratio_gpu.md"; fi
+grep -v "^|" "$OUT/ratio_gpt_gpu.log" | tail -40
+if [ -f "$OUT/ratio_gpt_gpu.md" ]; then cat "$OUT/ratio_gpt_gpu.md"; fi
 exit $rc
