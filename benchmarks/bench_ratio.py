@@ -260,34 +260,36 @@ def measure(
     jobs.sort(key=lambda j: -j[0])  # the largest first: the workers finish together
     pool = None
     futs: list[tuple[str, Future[int]]] = []
+    t_cpu = time.time()
     if files is not None and workers > 1 and jobs:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds CUDA or OpenMP
         pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_worker_init)
         for _nb, key, c, i, g, name, col in jobs:
             base_path = files[i - 1] if col == "chain" else None
             futs.append((key, pool.submit(size_job, c, files[i], base_path, g, name)))
-    if gpu:  # one file per group and snapshot (each storage is still coded on its own)
-        t0 = time.time()
-        for g in GROUPS:
-            for i, (_step, groups) in enumerate(series):
-                prev = series[i - 1][1][g] if i else None
-                for c, nz in (("s4w-gpu", True), ("s4w-gpu-nonz", False)):
-                    stored[g][c]["plain"] += s4w_gpu_size(groups[g], None, nz)
-                    if prev is not None:
-                        stored[g][c]["chain"] += s4w_gpu_size(groups[g], prev, nz)
-        log(f"  GPU-written files: {time.time() - t0:.1f} s")
-    t0 = time.time()
-    if pool is not None:
-        with pool:
+    try:
+        if gpu:  # one file per group and snapshot (each storage is still coded on its own)
+            t0 = time.time()
+            for g in GROUPS:
+                for i, (_step, groups) in enumerate(series):
+                    prev = series[i - 1][1][g] if i else None
+                    for c, nz in (("s4w-gpu", True), ("s4w-gpu-nonz", False)):
+                        stored[g][c]["plain"] += s4w_gpu_size(groups[g], None, nz)
+                        if prev is not None:
+                            stored[g][c]["chain"] += s4w_gpu_size(groups[g], prev, nz)
+            log(f"  GPU-written files: {time.time() - t0:.1f} s")
+        if pool is not None:
             for key, f in futs:
                 memo[key] = f.result()
-    else:
-        for _nb, key, c, i, g, name, col in jobs:
-            base = series[i - 1][1][g][name] if col == "chain" else None
-            memo[key] = CODERS[c](series[i][1][g][name], base)
-    log(
-        f"  CPU coders ({len(jobs)} tensor codings, {max(1, workers) if pool else 1} processes): {time.time() - t0:.1f} s"
-    )
+        else:
+            for _nb, key, c, i, g, name, col in jobs:
+                base = series[i - 1][1][g][name] if col == "chain" else None
+                memo[key] = CODERS[c](series[i][1][g][name], base)
+    finally:
+        if pool is not None:  # on an error, the queued codings are dropped rather than waited for
+            pool.shutdown(wait=True, cancel_futures=True)
+    n_proc = min(workers, len(jobs)) if pool is not None else 1
+    log(f"  CPU coders: {len(jobs)} tensor codings in {n_proc} processes, {time.time() - t_cpu:.1f} s")
     res: dict[str, Any] = {}
     for g in GROUPS:
         for i, (step, groups) in enumerate(series):
