@@ -56,6 +56,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from concurrent.futures import Future, ProcessPoolExecutor
 from importlib import metadata
 from typing import Any, Callable
@@ -267,16 +268,23 @@ def measure(
         for _nb, key, c, i, g, name, col in jobs:
             base_path = files[i - 1] if col == "chain" else None
             futs.append((key, pool.submit(size_job, c, files[i], base_path, g, name)))
+    gpu_error = None
     try:
         if gpu:  # one file per group and snapshot (each storage is still coded on its own)
             t0 = time.time()
-            for g in GROUPS:
-                for i, (_step, groups) in enumerate(series):
-                    prev = series[i - 1][1][g] if i else None
-                    for c, nz in (("s4w-gpu", True), ("s4w-gpu-nonz", False)):
-                        stored[g][c]["plain"] += s4w_gpu_size(groups[g], None, nz)
-                        if prev is not None:
-                            stored[g][c]["chain"] += s4w_gpu_size(groups[g], prev, nz)
+            try:
+                for g in GROUPS:
+                    for i, (_step, groups) in enumerate(series):
+                        prev = series[i - 1][1][g] if i else None
+                        for c, nz in (("s4w-gpu", True), ("s4w-gpu-nonz", False)):
+                            stored[g][c]["plain"] += s4w_gpu_size(groups[g], None, nz)
+                            if prev is not None:
+                                stored[g][c]["chain"] += s4w_gpu_size(groups[g], prev, nz)
+            except Exception as e:  # the CPU columns are still measured; main() exits non-zero
+                gpu_error = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+                coders = tuple(c for c in coders if not c.startswith("s4w-gpu"))
+                log(f"  GPU-written files FAILED ({gpu_error}): their columns are left out")
             log(f"  GPU-written files: {time.time() - t0:.1f} s")
         if pool is not None:
             for key, f in futs:
@@ -305,6 +313,8 @@ def measure(
             c: {k: round(r[k] / max(1, stored[g][c][k]), 4) for k in r} | {"stored": stored[g][c]} for c in coders
         } | {"raw": r}
         log(f"  {g}: " + ", ".join(f"{c} {res[g][c]['plain']:.3f}/{res[g][c]['chain']:.3f}" for c in coders))
+    if gpu_error is not None:
+        res["gpu_error"] = gpu_error
     return res
 
 
@@ -318,8 +328,7 @@ _LABEL = {
 
 
 def table(results: dict[str, Any]) -> str:
-    first = next(iter(results.values()))[GROUPS[0]]
-    coders = [c for c in _LABEL if c in first]
+    coders = [c for c in _LABEL if all(c in res[GROUPS[0]] for res in results.values())]
     head = [f"{_LABEL[c]} {k}" for k in ("plain", "chain") for c in coders]
     lines = ["| group | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for prec, res in results.items():
@@ -512,6 +521,9 @@ def main() -> None:
         "note": "z4ai/ZipNN sizes are kept in CACHE/peer_sizes.json and reused by later runs on the same "
         "cached series (wall_s then times s4weights only)",
     }
+    failed = {prec: r["gpu_error"] for prec, r in results.items() if "gpu_error" in r}
+    if failed:
+        env["gpu_error"] = "; ".join(f"{p}: {e}" for p, e in failed.items())
     md = table(results)
     print(md)
     if a.out:
@@ -531,6 +543,8 @@ def main() -> None:
                 + md
                 + "\n"
             )
+    if failed:
+        raise SystemExit(f"GPU-written files failed: {env['gpu_error']}")
 
 
 if __name__ == "__main__":

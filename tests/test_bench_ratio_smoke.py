@@ -110,3 +110,17 @@ def test_bench_ratio_gpt_tiny_cli(tmp_path: Path) -> None:
         assert all(res[g][c]["plain"] > 1.0 and res[g][c]["chain"] > 1.0 for c in ("s4w", *peers))
     md = out.with_suffix(".md").read_text()
     assert "2 processes" in md and "| bf16 weights |" in md and "s4w CPU chain" in md
+
+
+def test_measure_gpu_failure_keeps_the_cpu_columns(
+    series: list[tuple[int, dict[str, dict[str, torch.Tensor]]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(ts: dict[str, torch.Tensor], bases: Any, nonzero: bool = True) -> int:
+        raise RuntimeError("no GPU writer here")
+
+    monkeypatch.setattr(bench_ratio, "s4w_gpu_size", broken)
+    res = bench_ratio.measure(series[:1], lambda s: None, {}, "t", gpu=True, peers=())
+    assert res["gpu_error"] == "RuntimeError: no GPU writer here"
+    for g in bench_ratio.GROUPS:
+        assert set(res[g]) == {"s4w", "raw"} and res[g]["s4w"]["plain"] > 1.0
+    assert "GPU" not in bench_ratio.table({"bf16": res})
