@@ -47,6 +47,7 @@ export PYTHONPATH=$SITE:$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH} PYTHON
 cat "$OUT/env.txt"
 BUDGET_S=${BUDGET_S:-360}
 CACHE=${CACHE:-/tmp/s4w_ratio_series}
+rm -f "$OUT"/ratio_gpt_gpu.md "$OUT"/ratio_gpt_gpu.json
 GPU_ARG=--gpu; [ "${GPU:-1}" = 0 ] && GPU_ARG=
 timeout -k 10 "$BUDGET_S" python3 benchmarks/bench_ratio.py --series gpt $GPU_ARG --cache "$CACHE" --out "$OUT/ratio_gpt_gpu" "$@" \
   > "$OUT/ratio_gpt_gpu.log" 2>&1
