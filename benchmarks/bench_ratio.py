@@ -32,7 +32,8 @@ A peer that is not installed is left out of the table (with a note); its sizes a
 ``s4w_core.save(..., profile="fast")`` of each group's CUDA tensors (the chain against the previous
 snapshot's CUDA tensors), stored bytes = the chunk bytes of its manifest; every file is loaded back
 on the GPU and compared bit for bit. ``s4w-gpu-nonz`` is the same writer with the nonzero transform
-switched off, to show what it buys.
+switched off, to show what it buys. Should the GPU-written files fail, their columns are left out,
+the error is named in the results and the run exits non-zero.
 
 Usage::
 
