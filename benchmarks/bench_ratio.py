@@ -509,7 +509,7 @@ def main() -> None:
     env = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()} {platform.processor() or ''} CPU, {os.cpu_count()} cores".strip()
-        + f" (each coding one thread, {a.workers} processes)"
+        + (f" (each coding one thread, {a.workers} worker processes)" if a.workers > 1 else " (one thread)")
         + (f"; GPU {torch.cuda.get_device_name()}" if a.gpu else ""),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -109,7 +109,7 @@ def test_bench_ratio_gpt_tiny_cli(tmp_path: Path) -> None:
         assert set(res[g]) == {"s4w", "raw", *peers}
         assert all(res[g][c]["plain"] > 1.0 and res[g][c]["chain"] > 1.0 for c in ("s4w", *peers))
     md = out.with_suffix(".md").read_text()
-    assert "2 processes" in md and "| bf16 weights |" in md and "s4w CPU chain" in md
+    assert "2 worker processes" in md and "| bf16 weights |" in md and "s4w CPU chain" in md
 
 
 def test_measure_gpu_failure_keeps_the_cpu_columns(
