@@ -12,38 +12,28 @@
 #             built there with the image's setuptools, C compiler and Python headers. A peer that does
 #             not build is left out of the table; its build log says why.
 #   Knobs (environment): BUDGET_S (360: the benchmark is stopped after it), CACHE (/tmp/s4w_ratio_series:
-#   the trained snapshots and the peers' sizes), SITE (/tmp/site: where the wheels go), GPU (1; 0 leaves
-#   out the GPU-written files, for a dry run on a machine without a GPU).
+#   the trained snapshots and the peers' sizes), GPU (1; 0 leaves out the GPU-written files, for a dry
+#   run on a machine without a GPU). The set-up (/tmp/site, PYTHONPATH, env.txt) is device_env.sh's.
 # Output: $OUT/ratio_gpt_gpu.md (the table), $OUT/ratio_gpt_gpu.json (everything), $OUT/ratio_gpt_gpu.log
 #   (progress), $OUT/env.txt, $OUT/build_z4ai.log, $OUT/build_zipnn.log; the table is printed last.
 set -u
 DIR=${1:?usage: device_ratio.sh WHEELDIR [bench_ratio.py args...]}; shift
-OUT=${OUT:-./device_out}; mkdir -p "$OUT"
-SITE=${SITE:-/tmp/site}
+. "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
-if ls "$DIR"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$DIR"/*.whl \
-    || { echo "wheel install failed"; exit 3; }
-fi
+device_wheels "$DIR"
 for src in "$DIR"/z4ai-*.tar.gz "$DIR"/zipnn-*.tar.gz; do
   [ -f "$src" ] || continue
   name=$(basename "$src"); name=${name%%-*}
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" \
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
     "$src" > "$OUT/build_$name.log" 2>&1
   echo "$name build rc=$?" | tee -a "$OUT/build_$name.log"
 done
 echo "install: $(( $(date +%s) - t0 )) s"
-export PYTHONPATH=$SITE:$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" 2>&1
-  for m in z4ai zipnn zstandard nvidia-nvcomp-cu13; do
-    python3 -c "import importlib.metadata as md; print('$m', md.version('$m'))" 2>/dev/null || echo "$m MISSING"
-  done
-  # builds z4ai's native rANS (it compiles it on first use) before the worker processes race to
+device_paths
+{ device_env z4ai zipnn zstandard
+  # builds z4ai's native rANS (z4ai compiles it on first use) before the worker processes race to
   python3 -c "import z4ai.rans, z4ai.rans_o1; print('z4ai native rANS', z4ai.rans.available(), 'order-1', z4ai.rans_o1.available())" 2>&1
-  python3 -c "import s4w_core.gpu as g; print('s4w gpu', g.available(), g.unavailable_reason())" 2>&1
-  echo "nproc $(nproc); disk $(df -h /tmp | awk 'NR==2{print $4" free"}')"
-  echo "source digest $(bash benchmarks/tree_digest.sh 2>/dev/null) (benchmarks/tree_digest.sh REV gives a commit's)"; } > "$OUT/env.txt" 2>&1
+} > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 BUDGET_S=${BUDGET_S:-360}
 CACHE=${CACHE:-/tmp/s4w_ratio_series}
