@@ -464,7 +464,7 @@ def main() -> None:
     ap.add_argument("--analyze", action="store_true", help="print the per-plane figures instead")
     ap.add_argument("--gpu", action="store_true", help="add GPU-written (fast profile) files, with and without nz")
     a = ap.parse_args()
-    torch.set_num_threads(1 if a.series == "minilm" or a.device != "cpu" else max(1, os.cpu_count() or 1))
+    train_threads = 1 if a.series == "minilm" or a.device != "cpu" else max(1, os.cpu_count() or 1)
     if a.gpu:
         import s4w_core.gpu
 
@@ -484,6 +484,7 @@ def main() -> None:
     t_start = time.time()
     for prec in a.precision.split(","):
         t0 = time.time()
+        torch.set_num_threads(train_threads)  # training (the coders below run on one thread each)
         series, tag, stem, desc = load_series(a, prec)
         descs.append(desc)
         print(f"{prec}: {len(series)} snapshots, steps {[s for s, _ in series]} ({time.time() - t0:.1f} s)", flush=True)
