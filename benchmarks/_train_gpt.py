@@ -14,7 +14,12 @@ Two precision variants, as in docs/STORE.md and FACTS.md:
 keeps them, no copies) and an in-place snapshot/restore, for benchmarks that run several savers on
 the same states (benchmarks/bench_peers.py).  :data:`MODELS` names GPT-2-like shapes (byte vocabulary,
 so fewer parameters than GPT-2's 50k-token embedding gives): ``small`` 12x768 (85 M parameters),
-``medium`` 24x1024 (303 M), ``large`` 36x1280 (710 M); ``tiny`` and ``mini`` are for CPU runs.
+``medium`` 24x1024 (303 M), ``large`` 36x1280 (710 M), ``ratio`` 8x512 (25.6 M: the ratio
+benchmark's series); ``tiny`` and ``mini`` are for CPU runs.
+
+:func:`ratio_series` / :func:`cached_ratio_series` are the series of benchmarks/bench_ratio.py: one
+training run's weights, ``exp_avg`` and ``exp_avg_sq`` every few steps after a warm-up, per tensor
+group, in the format of benchmarks/_train_minilm.py's series.
 """
 
 from __future__ import annotations
@@ -31,7 +36,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "MODELS", "Trainer", "corpus", "train"]
+__all__ = [
+    "GPT",
+    "MODELS",
+    "RATIO_GROUPS",
+    "Trainer",
+    "cached_ratio_series",
+    "corpus",
+    "ratio_series",
+    "ratio_series_tag",
+    "train",
+]
 
 #: model shapes (layers, width, context, batch) by name; heads = width // 64.
 MODELS: dict[str, dict[str, int]] = {
@@ -40,6 +55,7 @@ MODELS: dict[str, dict[str, int]] = {
     "small": {"layers": 12, "d": 768, "ctx": 512, "batch": 16},
     "medium": {"layers": 24, "d": 1024, "ctx": 512, "batch": 16},
     "large": {"layers": 36, "d": 1280, "ctx": 512, "batch": 8},
+    "ratio": {"layers": 8, "d": 512, "ctx": 256, "batch": 16},
 }
 
 
@@ -253,3 +269,75 @@ def train(
             print(f"  [{variant}] step {step} loss {loss.item():.3f}", file=sys.stderr, flush=True)
         if step % every == 0:
             yield step, _cpu_copy({**tr.state(), "step": step})
+
+
+#: the tensor groups of a ratio series snapshot
+RATIO_GROUPS = ("weights", "exp_avg", "exp_avg_sq")
+
+
+def ratio_series(
+    precision: str,
+    *,
+    model: str = "ratio",
+    device: str = "cpu",
+    first: int = 50,
+    every: int = 5,
+    snapshots: int = 5,
+    seed: int = 0,
+) -> Iterator[tuple[int, dict[str, dict[str, torch.Tensor]]]]:
+    """Train the GPT of shape ``MODELS[model]`` in ``precision`` (``bf16`` or ``fp32``, as
+    :class:`Trainer`) with AdamW on ``device`` and yield ``(step, groups)`` at steps ``first``,
+    ``first + every``, ... (``snapshots`` of them; the run's schedule ends at the last one), where
+    ``groups`` maps ``weights``, ``exp_avg`` and ``exp_avg_sq`` to ``{parameter name: CPU copy}``."""
+    if first < 1 or every < 1 or snapshots < 1:
+        raise ValueError(f"first, every and snapshots must be >= 1 (got {first}, {every}, {snapshots})")
+    last = first + (snapshots - 1) * every
+    tr = Trainer(precision, last, device=device, seed=seed, **MODELS[model])
+    names = list(tr.model.named_parameters())
+    for step in range(1, last + 1):
+        loss = tr.step()
+        if step >= first and (step - first) % every == 0:
+            print(f"  [{precision}] step {step} loss {loss.item():.3f}", file=sys.stderr, flush=True)
+            groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in RATIO_GROUPS}
+            for n, p in names:
+                groups["weights"][n] = _cpu_copy(p.data).contiguous()
+                st = tr.opt.state.get(p, {})
+                for g in RATIO_GROUPS[1:]:
+                    if g in st:
+                        groups[g][n] = _cpu_copy(st[g]).contiguous()
+            yield step, groups
+
+
+def ratio_series_tag(precision: str, *, model: str, device: str, first: int, every: int, snapshots: int) -> str:
+    """The file-name prefix of a cached :func:`ratio_series` (the device type is part of it: a
+    CUDA run's states are not a CPU run's)."""
+    return f"gpt-{model}_{precision}_{torch.device(device).type}_f{first}_e{every}_s{snapshots}"
+
+
+def cached_ratio_series(
+    precision: str,
+    cache: str,
+    *,
+    model: str = "ratio",
+    device: str = "cpu",
+    first: int = 50,
+    every: int = 5,
+    snapshots: int = 5,
+) -> list[tuple[int, dict[str, dict[str, torch.Tensor]]]]:
+    """:func:`ratio_series` as a list, kept under ``cache`` (one ``torch.save`` file per snapshot,
+    ``<tag>_step<N>.pt``) so that a second run measures the same states without training again."""
+    tag = os.path.join(
+        cache, ratio_series_tag(precision, model=model, device=device, first=first, every=every, snapshots=snapshots)
+    )
+    steps = [first + i * every for i in range(snapshots)]
+    files = [f"{tag}_step{s}.pt" for s in steps]
+    if all(os.path.exists(f) for f in files):
+        return [(s, torch.load(f, weights_only=True)) for s, f in zip(steps, files)]
+    os.makedirs(cache, exist_ok=True)
+    out = []
+    it = ratio_series(precision, model=model, device=device, first=first, every=every, snapshots=snapshots)
+    for (step, groups), f in zip(it, files):
+        torch.save(groups, f + ".tmp")
+        os.replace(f + ".tmp", f)
+        out.append((step, groups))
+    return out
