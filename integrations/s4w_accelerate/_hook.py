@@ -8,7 +8,7 @@ states, registered objects) as one step of a :class:`~s4w_core.store.CheckpointS
 checkpoint folder is still created (empty) and rotated as Accelerate does, and the store mirrors
 ``total_limit``.  Accelerate's save pre-hook sees model weights only, so both methods are
 replaced, not wrapped.  FSDP, DeepSpeed and Megatron-LM keep their own writers: the folder they
-write is stored packed (:func:`s4w_core.filepack.pack_folder`), with one warning.
+write is stored packed, with one warning.
 """
 
 from __future__ import annotations
@@ -21,20 +21,23 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import accelerate
 from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 from accelerate.utils import DistributedType
 
 import s4w_core
-from s4w_core import CheckpointNotFoundError, ConflictError, frameworks
+from s4w_core import CheckpointNotFoundError, ConflictError, S4WError, frameworks
 from s4w_core import config as knobs
-from s4w_core.filepack import pack_folder, unpack_folder
-from s4w_core.frameworks import StateMismatchError, check_count, check_state_dict
+from s4w_core.filepack import unpack_folder
+from s4w_core.framework_steps import AdapterSteps, check_states, load_states, warn_once
+from s4w_core.frameworks import StateMismatchError
 from s4w_core.store import CheckpointStore
 
 __all__ = [
     "enable", "disable", "enabled", "enable_from_env", "config", "finish_pending", "store_for", "last_info",
-    "sharded_engine", "StateMismatchError", "STORE_DIRNAME", "ENV", "WRITER",
+    "registered", "sharded_engine", "StateMismatchError", "UnsupportedAccelerateError", "STORE_DIRNAME", "ENV",
+    "WRITER",
 ]  # fmt: skip
 
 ENV = "S4W_ACCELERATE"
@@ -57,16 +60,22 @@ class Config:
     async_save: bool = False
 
 
+class UnsupportedAccelerateError(S4WError, RuntimeError):
+    """This Accelerate lacks an attribute the adapter reads (a version it was not checked against)."""
+
+
 _config: Config | None = None
 _originals: dict[str, Any] = {}
-_stores: dict[str, CheckpointStore] = {}
-_saver = frameworks.StepSaver()
+_steps = AdapterSteps(WRITER, profile="auto")
 _warned: set[str] = set()
+#: Accelerator attributes with no public getter (checked against accelerate 1.15.0; present since 0.x)
+_PRIVATE = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
+            "_save_model_state_pre_hook", "_load_model_state_pre_hook")  # fmt: skip
 
 
 def last_info() -> Any:
     """The :class:`~s4w_core.store.StepInfo` of the last durable save (ratio, kind, bytes), or None."""
-    return _saver.last_info
+    return _steps.last_info
 
 
 def config() -> Config | None:
@@ -81,7 +90,7 @@ def enabled() -> bool:
 def finish_pending() -> None:
     """Wait for the background save (``async_save=True``) and mirror rotation; raises its error if
     it failed. ``save_state`` and ``load_state`` call it first; call it at the end of training."""
-    _saver.finish()
+    _steps.finish()
 
 
 def store_for(folder: str | os.PathLike[str]) -> CheckpointStore:
@@ -94,15 +103,25 @@ def store_for(folder: str | os.PathLike[str]) -> CheckpointStore:
         if os.path.basename(parent) == "checkpoints":
             parent = os.path.dirname(parent)
         url = os.path.join(parent, STORE_DIRNAME)
-    if url not in _stores:
-        cfg = _config or Config()
-        _stores[url] = CheckpointStore(url, **{"profile": cfg.profile, **(cfg.store_options or {})})
-    return _stores[url]
+    return _steps.store(url)
 
 
-def _registered(acc: Accelerator) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
-    """models, optimizers, schedulers, dataloaders, registered objects: Accelerate keeps them only here."""
-    return acc._models, acc._optimizers, acc._schedulers, acc._dataloaders, acc._custom_objects  # noqa: SLF001
+def registered(acc: Accelerator) -> dict[str, Any]:
+    """What ``save_state``/``load_state`` work on, which Accelerate keeps only in private attributes
+    (no public getter in accelerate 1.15.0, which this was checked against): ``models``,
+    ``optimizers``, ``schedulers``, ``dataloaders``, ``custom_objects`` (lists) and the
+    ``save_model_state_pre_hook`` / ``load_model_state_pre_hook`` dicts.
+
+    Raises:
+        UnsupportedAccelerateError: an attribute is gone (an Accelerate this adapter does not know).
+    """
+    missing = [a for a in _PRIVATE if not hasattr(acc, a)]
+    if missing:
+        raise UnsupportedAccelerateError(
+            f"s4w_accelerate reads Accelerator.{missing[0]}, which accelerate {accelerate.__version__} does not have "
+            "(checked against 1.15.0): install a checked version or switch the adapter off (S4W_ACCELERATE=0)"
+        )
+    return {a[1:]: getattr(acc, a) for a in _PRIVATE}
 
 
 def _dataloader_states(dls: list[Any]) -> list[Any]:
@@ -152,37 +171,26 @@ def _step_for(folder: str, automatic: bool, acc: Accelerator, st: CheckpointStor
     return int(m.group(1)) if m else 0 if last is None else last + 1
 
 
-def _rotate(st: CheckpointStore, limit: int | None) -> None:
-    """Mirror ``total_limit``: keep the newest ``limit`` automatically named steps."""
-    auto = [i.step for i in st.list() if i.extra.get("writer") == WRITER and i.extra.get("automatic")]
-    for s in frameworks.rotate(auto, limit):
-        st.delete(s)
-
-
 def _save_state(self: Accelerator, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any) -> Any:
     if _config is None:
         return _originals["save_state"](self, output_dir, safe_serialization, **kw)
     if sharded_engine(self) is not None:
         return _save_sharded(self, output_dir, safe_serialization, **kw)
+    reg = registered(self)
     folder, automatic = _folder_for(self, None if output_dir is None else os.fspath(output_dir))
-    models, opts, scheds, dls, custom = _registered(self)
-    weights = [self.get_state_dict(m, unwrap=False) for m in models]
-    for hook in self._save_model_state_pre_hook.values():  # noqa: SLF001  # as Accelerate calls them
-        hook(models, weights, folder)
+    weights = [self.get_state_dict(m, unwrap=False) for m in reg["models"]]
+    for hook in reg["save_model_state_pre_hook"].values():  # as Accelerate calls them
+        hook(reg["models"], weights, folder)
     rng = {_RNG_KEYS[k]: v for k, v in frameworks.rng_state().items()}
     rngs = frameworks.gather_object({"step": self.step, **rng})
-    dl_states = frameworks.gather_object(_dataloader_states(dls))
+    dl_states = frameworks.gather_object(_dataloader_states(reg["dataloaders"]))
     if self.is_main_process:
-        _saver.finish()
+        _steps.finish()
         st = store_for(folder)
-        tree: dict[str, Any] = {
-            "models": weights,
-            "optimizers": [o.state_dict() for o in opts],
-            "schedulers": [s.state_dict() for s in scheds],
-            "dataloaders": dl_states,
-            "rng": rngs,
-            "custom": [o.state_dict() for o in custom],
-        }
+        tree: dict[str, Any] = {"models": weights, "dataloaders": dl_states, "rng": rngs}
+        for key, objs in (("optimizers", reg["optimizers"]), ("schedulers", reg["schedulers"]),
+                          ("custom", reg["custom_objects"])):  # fmt: skip
+            tree[key] = [o.state_dict() for o in objs]
         if self.scaler is not None:
             tree["scaler"] = self.scaler.state_dict()
         step = _step_for(folder, automatic, self, st)
@@ -192,11 +200,11 @@ def _save_state(self: Accelerator, output_dir: str | None = None, safe_serializa
                 f"{folder} too: set save_iteration, or use another project_dir or store"
             )
         name = os.path.basename(os.path.normpath(folder))
-        extra = {"writer": WRITER, "folder": name, "automatic": automatic, "num_processes": self.num_processes,
+        extra = {"folder": name, "automatic": automatic, "num_processes": self.num_processes,
                  "models": [frameworks.fingerprint(w) for w in weights]}  # fmt: skip
-        limit = self.project_configuration.total_limit if automatic else None
-        _saver.save(st, tree, step, extra=extra, overwrite=not automatic, async_save=_config.async_save,
-                    then=functools.partial(_rotate, st, limit))  # fmt: skip
+        limit = self.project_configuration.total_limit if automatic else None  # total_limit mirrored
+        _steps.save(st, tree, step, extra, overwrite=not automatic, async_save=_config.async_save,
+                    then=functools.partial(_steps.retain, st, limit, automatic=True))  # fmt: skip
     self.project_configuration.iteration += 1
     self.wait_for_everyone()
     return folder
@@ -207,7 +215,7 @@ def _find_step(acc: Accelerator, input_dir: str | None) -> tuple[CheckpointStore
         if not acc.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         st = store_for(os.path.join(acc.project_dir, "checkpoints", "checkpoint_0"))
-        auto = [i for i in st.list() if i.extra.get("writer") == WRITER and i.extra.get("automatic")]
+        auto = _steps.own(st, automatic=True)
         if not auto:
             raise CheckpointNotFoundError(f"load_state(): the store {st.url} holds no automatically named checkpoint")
         return st, auto[-1].step, auto[-1].extra["folder"]
@@ -233,32 +241,29 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
         if os.path.isdir(input_dir) and any(f.startswith(_NATIVE) for f in os.listdir(input_dir)):
             return _originals["load_state"](self, input_dir, load_kwargs, **kw)  # Accelerate's own folder
     if self.is_main_process:
-        _saver.finish()
+        _steps.finish()
     self.wait_for_everyone()
+    reg = registered(self)
     st, step, name = _find_step(self, input_dir)
     where = f"{st.url} step {step} ({name})"
     tree = st.load(step, frameworks.device_map("cpu" if kw.pop("map_location", None) == "cpu" else self.device))
-    models, opts, scheds, dls, custom = _registered(self)
-    for what, own in (("models", models), ("optimizers", opts), ("schedulers", scheds), ("custom", custom)):
-        check_count(where, "registered objects" if what == "custom" else what, tree[what], own)
-    for i, (sd, m) in enumerate(zip(tree["models"], models)):  # everything checked before anything changes
-        check_state_dict(f"{where} model {i}", sd, m.state_dict())
+    models = reg["models"]
+    own = {"optimizers": reg["optimizers"], "schedulers": reg["schedulers"], "custom": reg["custom_objects"]}
+    check_states(where, tree, {"models": models, **own})  # everything checked before anything changes
     rngs = tree["rng"]
     if len(rngs) != self.num_processes:
         warnings.warn(f"{where}: saved by {len(rngs)} processes, loaded by {self.num_processes}: RNG states not "
                       "restored", stacklevel=2)  # fmt: skip
     strict = kw.pop("strict", True)
     remaining = list(models)
-    for hook in self._load_model_state_pre_hook.values():  # noqa: SLF001  # a hook may load some models itself
+    for hook in reg["load_model_state_pre_hook"].values():  # a hook may load some models itself
         hook(remaining, input_dir)
     for sd, m in zip(tree["models"], models):
         if any(m is r for r in remaining):
             m.load_state_dict(sd, strict=strict)
-    for sds, objs in ((tree["optimizers"], opts), (tree["schedulers"], scheds), (tree["custom"], custom)):
-        for sd, o in zip(sds, objs):
-            o.load_state_dict(sd)
+    load_states(tree, own)
     mine = tree["dataloaders"][self.process_index] if self.process_index < len(tree["dataloaders"]) else []
-    for s, dl in zip(mine, dls):
+    for s, dl in zip(mine, reg["dataloaders"]):
         sampler = dl.get_sampler() if isinstance(dl.dataset, IterableDatasetShard) else None
         if "sampler" in s and isinstance(sampler, SeedableRandomSampler):
             sampler.epoch, sampler.initial_seed = s["sampler"]["epoch"], s["sampler"]["initial_seed"]
@@ -281,13 +286,9 @@ def sharded_engine(acc: Accelerator) -> str | None:
 
 def _warn_sharded(acc: Accelerator) -> None:
     kind = str(sharded_engine(acc))
-    if kind not in _warned:
-        _warned.add(kind)
-        warnings.warn(
-            f"s4w_accelerate: {kind} saves through its own sharded writer, which cannot be intercepted yet; "
-            "Accelerate writes its checkpoint folder and s4weights stores a packed copy of it (the folder stays)",
-            stacklevel=3,
-        )
+    warn_once(_warned, kind, f"s4w_accelerate: {kind} saves through its own sharded writer, which cannot be "
+              "intercepted yet; Accelerate writes its checkpoint folder and s4weights stores a packed copy of it "
+              "(the folder stays)")  # fmt: skip
 
 
 def _save_sharded(acc: Accelerator, output_dir: str | None, safe_serialization: bool, **kw: Any) -> Any:
@@ -296,10 +297,8 @@ def _save_sharded(acc: Accelerator, output_dir: str | None, safe_serialization: 
     acc.wait_for_everyone()
     if acc.is_main_process:
         st = store_for(location)
-        tree = pack_folder(location)
-        name = os.path.basename(os.path.normpath(location))
-        extra = {"writer": WRITER, "folder": name, "files": sorted(tree["files"]), "packed": True}
-        st.save(tree, _step_for(location, False, acc, st), extra=extra, overwrite=True)
+        extra = {"folder": os.path.basename(os.path.normpath(location)), "packed": True}
+        _steps.save_folder(st, location, _step_for(location, False, acc, st), extra)
     acc.wait_for_everyone()
     return location
 
@@ -334,9 +333,10 @@ def enable(
     """
     global _config
     knobs.check_profile(profile)
-    _saver.finish()
+    _steps.finish()
     _config = Config(None if store is None else os.fspath(store), profile, store_options, async_save)
-    _stores.clear()
+    _steps.stores.defaults = {"profile": profile, **(store_options or {})}
+    _steps.stores.clear()
     if profile != "portable":  # the GPU codec compiled once training has started CUDA
         s4w_core.gpu.warm_up(when_cuda_used=True)
     if not _originals:
@@ -350,10 +350,11 @@ def disable() -> None:
     """Undo :func:`enable` (after finishing the background save in flight)."""
     global _config
     try:
-        _saver.finish()
+        _steps.finish()
     finally:
         _config = None
-    _stores.clear()
+    _steps.stores.defaults = {"profile": "auto"}
+    _steps.stores.clear()
     if _originals:
         Accelerator.save_state = _originals.pop("save_state")  # type: ignore[method-assign]
         Accelerator.load_state = _originals.pop("load_state")  # type: ignore[method-assign]

@@ -220,3 +220,19 @@ def test_s3_store(tmp_path, s3_url):
     _train(*objs, range(3, 6))
     assert not diff(_state(*objs[1:]), reference)
     assert CheckpointStore(s3_url).steps() == [3]
+
+
+def test_private_accelerator_attributes_are_checked(tmp_path):
+    """The adapter reads Accelerator attributes that have no public getter (s4w_accelerate.registered):
+    each is there in the installed Accelerate, and one gone fails loudly before anything is written."""
+    s4w_accelerate.enable(store=str(tmp_path / "store"))
+    acc, model, opt, sched, counter = _setup(tmp_path)
+    reg = s4w_accelerate.registered(acc)
+    assert reg["models"] == [model] and reg["optimizers"] == [opt] and reg["schedulers"] == [sched]
+    assert reg["custom_objects"] == [counter] and isinstance(reg["save_model_state_pre_hook"], dict)
+    del acc._custom_objects  # as a future Accelerate might rename it
+    with pytest.raises(s4w_accelerate.UnsupportedAccelerateError, match="Accelerator._custom_objects"):
+        acc.save_state(str(tmp_path / "ckpt" / "step_0"))
+    with pytest.raises(s4w_accelerate.UnsupportedAccelerateError, match="checked against 1.15.0"):
+        acc.load_state(str(tmp_path / "ckpt" / "step_0"))
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "store")

@@ -1,0 +1,283 @@
+"""The store side that the framework adapters share (``s4w_transformers``, ``s4w_accelerate``;
+``s4w_lightning`` opens its stores here too).
+
+- :class:`Stores`: one :class:`~s4w_core.store.CheckpointStore` per URL, opened once with the
+  adapter's defaults.
+- :class:`AdapterSteps`: one adapter's steps in its stores: a state tree saved as a step tagged
+  ``extra["writer"]`` (blocking, or one background save in flight), the framework's retention
+  mirrored once the step is durable, a step found by its ``extra``, a run from step 0 refused on a
+  store holding steps, and the fallback where a sharded engine writes its own checkpoint folder:
+  the folder stored packed (:func:`s4w_core.filepack.pack_folder`) and written back.
+- :func:`restore_into`: a step written as the folder a framework's own resume reads (a temporary
+  folder by default, removed by :func:`cleanup_temp_folders` or at exit); :func:`to_cpu`.
+- :func:`check_states` / :func:`load_states`: every stored state checked against the live objects
+  before any is loaded; :func:`state_dicts`; :func:`warn_once`; :func:`caller_instance`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+
+from s4w_core.errors import ConflictError
+from s4w_core.filepack import pack_folder, unpack_folder
+from s4w_core.frameworks import (
+    StateMismatchError,
+    StepSaver,
+    auto_location,
+    barrier,
+    broadcast_object,
+    check_count,
+    check_state_dict,
+    device_map,
+    dist,
+    rotate,
+)
+from s4w_core.store import CheckpointStore, StepInfo
+
+__all__ = [
+    "Stores",
+    "AdapterSteps",
+    "restore_into",
+    "cleanup_temp_folders",
+    "temp_folders_pending",
+    "to_cpu",
+    "state_dicts",
+    "check_states",
+    "load_states",
+    "warn_once",
+    "caller_instance",
+]
+
+
+class Stores:
+    """:class:`CheckpointStore` objects opened once per URL with the same arguments (thread-safe)."""
+
+    def __init__(self, **defaults: Any) -> None:
+        self.defaults = defaults
+        self._open: dict[str, CheckpointStore] = {}
+        self._lock = threading.Lock()
+
+    def open(self, url: str) -> CheckpointStore:
+        with self._lock:
+            if url not in self._open:
+                self._open[url] = CheckpointStore(url, **self.defaults)
+            return self._open[url]
+
+    def opened(self) -> list[CheckpointStore]:
+        with self._lock:
+            return list(self._open.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._open.clear()
+
+
+class AdapterSteps:
+    """One adapter's steps: saved with ``extra["writer"] = writer``, retention mirrored, packed folders.
+
+    Args:
+        writer: the adapter's name, recorded in each step's ``extra``.
+        **store_defaults: the :class:`CheckpointStore` arguments of every store opened (``profile``...).
+    """
+
+    def __init__(self, writer: str, **store_defaults: Any) -> None:
+        self.writer = writer
+        self.stores = Stores(**store_defaults)
+        self.saver = StepSaver()
+
+    @property
+    def last_info(self) -> Any:
+        """The :class:`~s4w_core.store.StepInfo` of the last durable save (ratio, kind, bytes), or None."""
+        return self.saver.last_info
+
+    def store(self, url: str) -> CheckpointStore:
+        return self.stores.open(url)
+
+    def own(self, st: CheckpointStore, **match: Any) -> list[StepInfo]:
+        """The steps of ``st`` this adapter wrote whose ``extra`` has each ``match`` item, oldest first."""
+        return [i for i in st.list() if i.extra.get("writer") == self.writer
+                and all(i.extra.get(k) == v for k, v in match.items())]  # fmt: skip
+
+    def retain(self, st: CheckpointStore, limit: int | None, best: int | None = None, **match: Any) -> None:
+        """Mirror a framework's ``limit`` on the steps matching ``match`` (:func:`rotate`: newest and ``best`` kept)."""
+        for s in rotate([i.step for i in self.own(st, **match)], limit, best):
+            st.delete(s)
+
+    def save(
+        self,
+        st: CheckpointStore,
+        tree: dict[str, Any],
+        step: int,
+        extra: dict[str, Any],
+        *,
+        async_save: bool = False,
+        overwrite: bool = True,
+        then: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Save ``tree`` as ``step`` (after the save in flight); ``then`` (retention) once it is durable."""
+        extra = {"writer": self.writer, **extra}
+        self.saver.save(st, tree, step, extra=extra, overwrite=overwrite, async_save=async_save, then=then)
+
+    def finish(self) -> None:
+        """Wait for the background save and run its ``then``; raises its error."""
+        self.saver.finish()
+
+    def check_fresh(self, st: CheckpointStore, hint: str) -> None:
+        """:class:`ConflictError` when a run starting at step 0 meets ``st`` holding steps (another run's?)."""
+        if st.steps():
+            raise ConflictError(f"{st.url} already holds steps {st.steps()[-5:]} (another run?) and this run starts "
+                                f"at step 0; {hint}")  # fmt: skip
+
+    def info(self, st: CheckpointStore, step: int | None, what: str) -> StepInfo:
+        """Step ``step`` (None: the newest); :class:`StateMismatchError` unless this adapter wrote it or it
+        is a packed folder."""
+        info = st.info(step)
+        if info.extra.get("writer") != self.writer and "files" not in info.extra:
+            raise StateMismatchError(f"{st.url} step {info.step} was written by "
+                                     f"{info.extra.get('writer') or 'another writer'!r}, not by {what}")  # fmt: skip
+        return info
+
+    def save_folder(self, st: CheckpointStore, folder: str, step: int, extra: dict[str, Any],
+                    then: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        """The sharded engines' fallback: the checkpoint folder a framework wrote, stored packed (blocking)."""
+        tree = pack_folder(folder)
+        self.save(st, tree, step, {**extra, "files": sorted(tree["files"])}, then=then)
+
+    def load_model(self, st: CheckpointStore, step: int, model: torch.nn.Module, device: Any, key: str = "model") -> None:
+        """Load the weights ``key`` of ``step`` into ``model`` (checked first: keys, shapes, dtypes)."""
+        sd = st.load(step, device_map(device))[key]
+        check_state_dict(f"{st.url} step {step}", sd, model.state_dict())
+        model.load_state_dict(sd, False)
+
+
+def warn_once(seen: set[str], key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` is added to ``seen``."""
+    if key not in seen:
+        seen.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def caller_instance(cls: type) -> Any:
+    """The ``self`` of the nearest calling frame that is an instance of ``cls``, or None (for
+    callbacks a framework hands no reference to its owner)."""
+    frame = inspect.currentframe()
+    while frame is not None and not isinstance(frame.f_locals.get("self"), cls):
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals["self"]
+
+
+# ------------------------------------------------------------------------ states of live objects
+def state_dicts(objs: Iterable[Any]) -> list[Any]:
+    """Each object's ``state_dict()`` (an LR scheduler's "save the optimizer too" warning silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return [o.state_dict() for o in objs]
+
+
+def check_states(where: str, stored: dict[str, list[Any]], own: dict[str, list[Any]], models: str = "models") -> None:
+    """:class:`StateMismatchError` unless each kind of ``own`` objects has as many states in
+    ``stored`` and the ``models`` states fit the live models (keys, shapes, dtypes)."""
+    for what, objs in own.items():
+        check_count(where, what, stored[what], objs)
+    for i, (sd, m) in enumerate(zip(stored.get(models, []), own.get(models, []))):
+        check_state_dict(f"{where} model {i}", sd, m.state_dict())
+
+
+def load_states(stored: dict[str, list[Any]], own: dict[str, list[Any]]) -> None:
+    """``load_state_dict`` each stored state into its object (after :func:`check_states`)."""
+    for what, objs in own.items():
+        for sd, o in zip(stored[what], objs):
+            o.load_state_dict(sd)
+
+
+# ------------------------------------------------------------------------ restore into a folder
+_TEMP: set[str] = set()  # temporary folders restore_into made in this process
+
+
+def cleanup_temp_folders() -> None:
+    """Remove the temporary folders :func:`restore_into` made in this process."""
+    while _TEMP:
+        shutil.rmtree(_TEMP.pop(), ignore_errors=True)
+
+
+def temp_folders_pending() -> bool:
+    """Whether a temporary folder :func:`restore_into` made is still there."""
+    return bool(_TEMP)
+
+
+atexit.register(cleanup_temp_folders)
+
+
+def restore_into(
+    steps: AdapterSteps,
+    st: CheckpointStore,
+    step: int | None,
+    dest: str | os.PathLike[str] | None,
+    write: Callable[[dict[str, Any], str, str], None],
+    *,
+    what: str,
+    model: torch.nn.Module | None = None,
+    held: tuple[str, ...] = (),
+) -> tuple[str, dict[str, Any]]:
+    """Write a step of ``st`` as a framework's checkpoint folder: ``write(tree, dest, where)`` on rank 0
+    (tensors on the CPU), a packed folder unpacked; every rank waits and gets the same folder.
+
+    Args:
+        steps, what: the adapter whose steps these are, and its name in errors.
+        dest: the folder (must not exist or be empty); default ``<new temporary folder>/checkpoint-{step}``,
+            removed by :func:`cleanup_temp_folders` or at exit.
+        model: when given, checked against the tree's ``"model"`` first (keys, shapes, dtypes).
+        held: keys of the tree returned in memory (on their saved device) instead of written.
+    Returns:
+        (the folder, the ``held`` parts).
+    Raises:
+        CheckpointNotFoundError: no such step. StateMismatchError: another writer's step, or one that
+        does not fit ``model``. ConflictError: ``dest`` exists and is not empty.
+    """
+    d = dist()
+    rank = d.get_rank() if d is not None else 0
+    info = steps.info(st, step, what)
+    where = f"{st.url} step {info.step}"
+    if dest is not None and os.path.isdir(dest) and os.listdir(dest):
+        raise ConflictError(f"{os.fspath(dest)} exists and is not empty; nothing is overwritten")
+    if dest is None:
+        base = broadcast_object(tempfile.mkdtemp(prefix="s4w-restore-") if rank == 0 else None)
+        if rank == 0:
+            _TEMP.add(str(base))
+        dest = os.path.join(str(base), f"checkpoint-{info.step}")
+    dest, kept = os.fspath(dest), {}
+    if rank == 0:
+        # decoded on the device it was saved from where this machine has it (a GPU decodes a
+        # GPU-saved step far faster than the CPU); the files get CPU tensors
+        tree = st.load(info.step, auto_location)
+        if "files" in info.extra:  # a packed checkpoint folder (the sharded engines' fallback)
+            os.makedirs(dest, exist_ok=True)
+            unpack_folder(tree, dest)
+        else:
+            if model is not None and "model" in tree:
+                check_state_dict(where, tree["model"], model.state_dict())
+            kept = {k: tree.pop(k) for k in held if k in tree}
+            os.makedirs(dest, exist_ok=True)
+            write(to_cpu(tree), dest, where)
+    barrier()
+    return dest, kept
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor on the CPU (dicts, lists and tuples rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    return type(obj)(to_cpu(v) for v in obj) if type(obj) in (list, tuple) else obj
+
