@@ -17,8 +17,10 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -28,7 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from s4w_core.errors import ConflictError
+from s4w_core import gpu
+from s4w_core.config import check_profile
+from s4w_core.errors import ConflictError, S4WError
 from s4w_core.filepack import pack_folder, unpack_folder
 from s4w_core.frameworks import (
     StateMismatchError,
@@ -45,6 +49,7 @@ from s4w_core.frameworks import (
 from s4w_core.store import CheckpointStore, StepInfo
 
 __all__ = [
+    "UnsupportedFrameworkError",
     "Stores",
     "AdapterSteps",
     "restore_into",
@@ -56,7 +61,18 @@ __all__ = [
     "load_states",
     "warn_once",
     "caller_instance",
+    "prepare_profile",
+    "private_attrs",
+    "step_from_name",
+    "patch_methods",
+    "unpatch_methods",
 ]
+
+_DIGITS = re.compile(r"(\d+)(?!.*\d)")
+
+
+class UnsupportedFrameworkError(S4WError, RuntimeError):
+    """The installed framework lacks an attribute an adapter reads (a version it was not checked against)."""
 
 
 class Stores:
@@ -132,6 +148,12 @@ class AdapterSteps:
         """Wait for the background save and run its ``then``; raises its error."""
         self.saver.finish()
 
+    def wait(self) -> None:
+        """:meth:`finish`, then every opened store's background work."""
+        self.finish()
+        for st in self.stores.opened():
+            st.wait()
+
     def check_fresh(self, st: CheckpointStore, hint: str) -> None:
         """:class:`ConflictError` when a run starting at step 0 meets ``st`` holding steps (another run's?)."""
         if st.steps():
@@ -158,6 +180,54 @@ class AdapterSteps:
         sd = st.load(step, device_map(device))[key]
         check_state_dict(f"{st.url} step {step}", sd, model.state_dict())
         model.load_state_dict(sd, False)
+
+
+def prepare_profile(profile: str) -> None:
+    """Check an adapter's ``profile``; unless ``"portable"``, compile the GPU codec's kernels once
+    training has started CUDA (before the first save)."""
+    check_profile(profile)
+    if profile != "portable":
+        gpu.warm_up(when_cuda_used=True)
+
+
+def private_attrs(obj: Any, names: tuple[str, ...], framework: str, version: str, checked: str) -> dict[str, Any]:
+    """``{name without its leading "_": obj.name}`` for attributes a framework keeps private with no
+    public getter: an adapter's one place to read them.
+
+    Raises:
+        UnsupportedFrameworkError: one is missing (``version`` installed, the adapter ``checked`` against another).
+    """
+    missing = [a for a in names if not hasattr(obj, a)]
+    if missing:
+        raise UnsupportedFrameworkError(
+            f"s4weights reads {type(obj).__name__}.{missing[0]}, which {framework} {version} does not have (checked "
+            f"against {checked}): install a checked version or switch the s4weights adapter off"
+        )
+    return {a.lstrip("_"): getattr(obj, a) for a in names}
+
+
+def step_from_name(name: str, st: CheckpointStore) -> int:
+    """The last number in a checkpoint folder's ``name``; without one, the step after ``st``'s newest (or 0)."""
+    m = _DIGITS.search(name)
+    last = None if m else st.latest()
+    return int(m.group(1)) if m else 0 if last is None else last + 1
+
+
+def patch_methods(cls: type, methods: dict[str, Callable[..., Any]], originals: dict[str, Any]) -> None:
+    """Replace methods of ``cls`` (each wrapped to carry the original's name and doc); the originals go
+    into ``originals`` (nothing is done when it already holds them)."""
+    if originals:
+        return
+    for name, fn in methods.items():
+        originals[name] = getattr(cls, name)
+        setattr(cls, name, functools.wraps(originals[name])(fn))
+
+
+def unpatch_methods(cls: type, originals: dict[str, Any]) -> None:
+    """Undo :func:`patch_methods` (``originals`` emptied)."""
+    while originals:
+        name, fn = originals.popitem()
+        setattr(cls, name, fn)
 
 
 def warn_once(seen: set[str], key: str, message: str) -> None:

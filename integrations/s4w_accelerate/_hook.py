@@ -1,14 +1,9 @@
 """Replace ``Accelerator.save_state`` / ``load_state``: the state goes from memory into a store.
 
 Switched on by ``S4W_ACCELERATE=1`` (or a store URL) in the environment plus ``import
-s4w_accelerate`` (``S4W_ACCELERATE_PROFILE``, ``S4W_ACCELERATE_ASYNC=1`` read too), or by
-:func:`enable`.  ``save_state`` stores what Accelerate's would write (models, optimizers,
-schedulers, samplers' and stateful dataloaders' states, the gradient scaler, every process's RNG
-states, registered objects) as one step of a :class:`~s4w_core.store.CheckpointStore`; the
-checkpoint folder is still created (empty) and rotated as Accelerate does, and the store mirrors
-``total_limit``.  Accelerate's save pre-hook sees model weights only, so both methods are
-replaced, not wrapped.  FSDP, DeepSpeed and Megatron-LM keep their own writers: the folder they
-write is stored packed, with one warning.
+s4w_accelerate``, or by :func:`enable`.  What is stored, the checkpoint folder (created empty and
+rotated as Accelerate does; ``total_limit`` mirrored in the store) and the FSDP/DeepSpeed/Megatron-LM
+fallback (their folder stored packed): docs/INTEGRATIONS.md.
 """
 
 from __future__ import annotations
@@ -26,11 +21,21 @@ from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 from accelerate.utils import DistributedType
 
-import s4w_core
-from s4w_core import CheckpointNotFoundError, ConflictError, S4WError, frameworks
+from s4w_core import CheckpointNotFoundError, ConflictError, frameworks
 from s4w_core import config as knobs
 from s4w_core.filepack import unpack_folder
-from s4w_core.framework_steps import AdapterSteps, check_states, load_states, warn_once
+from s4w_core.framework_steps import (
+    AdapterSteps,
+    UnsupportedFrameworkError,
+    check_states,
+    load_states,
+    patch_methods,
+    prepare_profile,
+    private_attrs,
+    step_from_name,
+    unpatch_methods,
+    warn_once,
+)
 from s4w_core.frameworks import StateMismatchError
 from s4w_core.store import CheckpointStore
 
@@ -60,10 +65,7 @@ class Config:
     async_save: bool = False
 
 
-class UnsupportedAccelerateError(S4WError, RuntimeError):
-    """This Accelerate lacks an attribute the adapter reads (a version it was not checked against)."""
-
-
+UnsupportedAccelerateError = UnsupportedFrameworkError  #: an Accelerate without an attribute :func:`registered` reads
 _config: Config | None = None
 _originals: dict[str, Any] = {}
 _steps = AdapterSteps(WRITER, profile="auto")
@@ -115,13 +117,7 @@ def registered(acc: Accelerator) -> dict[str, Any]:
     Raises:
         UnsupportedAccelerateError: an attribute is gone (an Accelerate this adapter does not know).
     """
-    missing = [a for a in _PRIVATE if not hasattr(acc, a)]
-    if missing:
-        raise UnsupportedAccelerateError(
-            f"s4w_accelerate reads Accelerator.{missing[0]}, which accelerate {accelerate.__version__} does not have "
-            "(checked against 1.15.0): install a checked version or switch the adapter off (S4W_ACCELERATE=0)"
-        )
-    return {a[1:]: getattr(acc, a) for a in _PRIVATE}
+    return private_attrs(acc, _PRIVATE, "accelerate", accelerate.__version__, "1.15.0")
 
 
 def _dataloader_states(dls: list[Any]) -> list[Any]:
@@ -164,11 +160,7 @@ def _folder_for(acc: Accelerator, output_dir: str | None) -> tuple[str, bool]:
 
 
 def _step_for(folder: str, automatic: bool, acc: Accelerator, st: CheckpointStore) -> int:
-    if automatic:
-        return int(acc.save_iteration)
-    m = _DIGITS.search(os.path.basename(os.path.normpath(folder)))
-    last = None if m else st.latest()
-    return int(m.group(1)) if m else 0 if last is None else last + 1
+    return int(acc.save_iteration) if automatic else step_from_name(os.path.basename(os.path.normpath(folder)), st)
 
 
 def _save_state(self: Accelerator, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any) -> Any:
@@ -332,18 +324,12 @@ def enable(
             durable (:func:`finish_pending`).
     """
     global _config
-    knobs.check_profile(profile)
+    prepare_profile(profile)
     _steps.finish()
     _config = Config(None if store is None else os.fspath(store), profile, store_options, async_save)
     _steps.stores.defaults = {"profile": profile, **(store_options or {})}
     _steps.stores.clear()
-    if profile != "portable":  # the GPU codec compiled once training has started CUDA
-        s4w_core.gpu.warm_up(when_cuda_used=True)
-    if not _originals:
-        _originals["save_state"] = Accelerator.save_state
-        _originals["load_state"] = Accelerator.load_state
-        Accelerator.save_state = functools.wraps(_originals["save_state"])(_save_state)  # type: ignore[method-assign]
-        Accelerator.load_state = functools.wraps(_originals["load_state"])(_load_state)  # type: ignore[method-assign]
+    patch_methods(Accelerator, {"save_state": _save_state, "load_state": _load_state}, _originals)
 
 
 def disable() -> None:
@@ -355,9 +341,7 @@ def disable() -> None:
         _config = None
     _steps.stores.defaults = {"profile": "auto"}
     _steps.stores.clear()
-    if _originals:
-        Accelerator.save_state = _originals.pop("save_state")  # type: ignore[method-assign]
-        Accelerator.load_state = _originals.pop("load_state")  # type: ignore[method-assign]
+    unpatch_methods(Accelerator, _originals)
 
 
 def enable_from_env(environ: knobs.Environ | None = None) -> bool:

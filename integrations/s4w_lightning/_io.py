@@ -25,8 +25,7 @@ import torch
 
 import s4w_core
 from s4w_core import FormatError, pointer
-from s4w_core.config import check_profile
-from s4w_core.framework_steps import Stores
+from s4w_core.framework_steps import Stores, prepare_profile
 from s4w_core.frameworks import (
     Files,
     PointerFiles,
@@ -83,13 +82,11 @@ class _S4CheckpointIOImpl:
         rebase_on_delete: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
-        check_profile(profile)
+        prepare_profile(profile)
         if store is not None and not delta:
             raise ValueError("store= needs delta=True (delta=False writes self-contained files at Lightning's paths)")
         self.store_url = None if store is None else norm_path(store)
         self.profile, self.delta, self.keyframe_every, self.async_save = profile, delta, keyframe_every, async_save
-        if profile != "portable":  # the GPU codec compiled once training has started CUDA
-            s4w_core.gpu.warm_up(when_cuda_used=True)
         self.map_location, self.rebase_on_delete = map_location, rebase_on_delete
         self.store_options = dict(store_options or {})
         self.files = Files(self.store_options)

@@ -1,17 +1,8 @@
 """``S4Callback``: the HF Trainer's checkpoints go from memory into a store; no checkpoint folder.
 
-When the Trainer decides to save (``control.should_save``), the callback clears that flag and
-stores step ``global_step`` of a :class:`~s4w_core.store.CheckpointStore` from memory: weights,
-optimizer, LR scheduler, gradient scaler, every rank's RNG states and ``trainer_state.json``'s
-text.  It then does what the Trainer's save does: ``ExportableState`` callbacks' states into the
-trainer state, ``on_save`` for the other callbacks, ``save_total_limit`` rotation mirrored (the
-best step kept) and, with ``load_best_model_at_end``, the best step's weights loaded at the end.
-
-The Trainer's save point lies after the step's logging and evaluation, where no event fires: the
-save runs at the next event (``on_step_begin``, ``on_epoch_end``, ``on_train_end``); weights,
-optimizer, scheduler and state do not change in between, and the RNG states and log length are
-taken at the last event before the save point.  FSDP and DeepSpeed keep their sharded writers:
-there the folder the Trainer wrote is stored packed, with one warning.
+What is saved, when (the save runs at the event after the Trainer's save point, with the RNG states
+and log length of the last event before it), what of the Trainer's save still happens, and the
+FSDP/DeepSpeed fallback (the folder the Trainer wrote, stored packed): docs/INTEGRATIONS.md.
 """
 
 from __future__ import annotations
@@ -29,10 +20,15 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import ParallelMode
 
-import s4w_core
 from s4w_core import CheckpointNotFoundError, S4WError, frameworks
-from s4w_core.config import check_profile
-from s4w_core.framework_steps import AdapterSteps, caller_instance, state_dicts, temp_folders_pending, warn_once
+from s4w_core.framework_steps import (
+    AdapterSteps,
+    caller_instance,
+    prepare_profile,
+    state_dicts,
+    temp_folders_pending,
+    warn_once,
+)
 from s4w_core.frameworks import barrier
 from s4w_core.store import CheckpointStore
 from s4w_transformers._restore import WRITER, cleanup_restored, restore_parts
@@ -91,11 +87,9 @@ class S4Callback(TrainerCallback):
         overwrite: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
-        check_profile(profile)
+        prepare_profile(profile)
         self.store_url = None if store is None else os.fspath(store)
         self.profile, self.async_save, self.overwrite = profile, async_save, overwrite
-        if profile != "portable":  # compile the GPU codec's kernels before the first save, once CUDA is up
-            s4w_core.gpu.warm_up(when_cuda_used=True)
         self.store_options = dict(store_options or {})
         self._steps = AdapterSteps(WRITER, **{"profile": profile, **self.store_options})
         self._trainer: Trainer | None = None
@@ -112,9 +106,7 @@ class S4Callback(TrainerCallback):
 
     def url(self, args: Any) -> str:
         """The store URL for ``args`` (a TrainingArguments)."""
-        if self.store_url is not None:
-            return frameworks.store_url(self.store_url)
-        return os.path.join(os.path.abspath(args.output_dir), STORE_DIRNAME)
+        return frameworks.store_url(self.store_url or os.path.join(args.output_dir, STORE_DIRNAME))
 
     def store(self, args: Any) -> CheckpointStore:
         """The :class:`CheckpointStore` this callback writes for ``args``."""
@@ -239,9 +231,7 @@ class S4Callback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._flush(args, state, control, kwargs)
         if state.is_world_process_zero:
-            self._steps.finish()
-            for st in self._steps.stores.opened():
-                st.wait()
+            self._steps.wait()
         barrier()
         if self._fallback:
             return
