@@ -12,6 +12,9 @@
   folder by default, removed by :func:`cleanup_temp_folders` or at exit); :func:`to_cpu`.
 - :func:`check_states` / :func:`load_states`: every stored state checked against the live objects
   before any is loaded; :func:`state_dicts`; :func:`warn_once`; :func:`caller_instance`.
+- :func:`save_sharded` / :func:`load_sharded` / :func:`delete_sharded`: sharded (FSDP2 / DTensor)
+  models and optimizers as one step of a run-level DCP root (:class:`s4w_core.dcp.S4StorageWriter`:
+  each rank's shards a delta chain), beside the store step that holds the rest.
 """
 
 from __future__ import annotations
@@ -29,9 +32,19 @@ from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from s4w_core import gpu
 from s4w_core.config import check_profile
+from s4w_core.dcp import S4StorageWriter
+from s4w_core.dcp_reader import S4StorageReader
+from s4w_core.dcp_run import delete_step
 from s4w_core.errors import ConflictError, S4WError
 from s4w_core.filepack import pack_folder, unpack_folder
 from s4w_core.frameworks import (
@@ -66,6 +79,10 @@ __all__ = [
     "step_from_name",
     "patch_methods",
     "unpatch_methods",
+    "sharded_root",
+    "save_sharded",
+    "load_sharded",
+    "delete_sharded",
 ]
 
 _DIGITS = re.compile(r"(\d+)(?!.*\d)")
@@ -351,3 +368,41 @@ def to_cpu(obj: Any) -> Any:
         return {k: to_cpu(v) for k, v in obj.items()}
     return type(obj)(to_cpu(v) for v in obj) if type(obj) in (list, tuple) else obj
 
+
+
+# ------------------------------------------------------------------ sharded models: run-level DCP
+def sharded_root(store_url: str) -> str:
+    """The run-level DCP root beside a store for its sharded steps: ``<store>_dcp`` (``.s4w_dcp``)."""
+    return store_url.rstrip("/") + "_dcp"
+
+
+def _sharded_state(models: list[Any], optimizers: list[Any]) -> dict[str, Any]:
+    """DCP's state dicts of ``models`` and ``optimizers`` (optimizer ``i`` of ``models[i]``, as Accelerate pairs them)."""
+    state: dict[str, Any] = {f"model_{i}": get_model_state_dict(m) for i, m in enumerate(models)}
+    state.update({f"optimizer_{i}": get_optimizer_state_dict(models[i], o) for i, o in enumerate(optimizers)})
+    return state
+
+
+def save_sharded(root: str, step: int, models: list[Any], optimizers: list[Any], *, profile: str = "auto",
+                 s3_options: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Every rank: its shards of ``models`` and ``optimizers`` as ``step`` of the run at ``root``
+    (``dcp.save`` through :class:`~s4w_core.dcp.S4StorageWriter`; the step commits once every rank's data is durable)."""
+    writer = S4StorageWriter(root, step=step, profile=profile, s3_options=s3_options)
+    dcp.save(_sharded_state(models, optimizers), storage_writer=writer)
+
+
+def load_sharded(root: str, step: int, models: list[Any], optimizers: list[Any],
+                 s3_options: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Every rank: what :func:`save_sharded` stored, loaded into ``models`` and ``optimizers`` (any world size)."""
+    state = _sharded_state(models, optimizers)
+    dcp.load(state, storage_reader=S4StorageReader(root, step=step, s3_options=s3_options))
+    for i, m in enumerate(models):
+        set_model_state_dict(m, state[f"model_{i}"])
+    for i, o in enumerate(optimizers):
+        set_optimizer_state_dict(models[i], o, state[f"optimizer_{i}"])
+
+
+def delete_sharded(root: str, steps: list[int], rank: int, s3_options: dict[str, Any] | None = None) -> None:
+    """Every rank: delete ``steps`` from the run at ``root`` (rank 0 their records, each rank its own shards)."""
+    for step in steps:
+        delete_step(root, step, rank, s3_options)

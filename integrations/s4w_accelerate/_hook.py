@@ -2,8 +2,9 @@
 
 Switched on by ``S4W_ACCELERATE=1`` (or a store URL) in the environment plus ``import
 s4w_accelerate``, or by :func:`enable`.  What is stored, the checkpoint folder (created empty and
-rotated as Accelerate does; ``total_limit`` mirrored in the store) and the FSDP/DeepSpeed/Megatron-LM
-fallback (their folder stored packed): docs/INTEGRATIONS.md.
+rotated as Accelerate does; ``total_limit`` mirrored in the store), FSDP2 with sharded state dicts
+(models and optimizers through the run-level DCP writer beside the store) and the fallback of the
+other sharded engines (their folder stored packed): docs/INTEGRATIONS.md.
 """
 
 from __future__ import annotations
@@ -23,20 +24,25 @@ from accelerate.utils import DistributedType
 
 from s4w_core import CheckpointNotFoundError, ConflictError, frameworks
 from s4w_core import config as knobs
+from s4w_core.dcp_run import committed_steps
 from s4w_core.filepack import unpack_folder
 from s4w_core.framework_steps import (
     AdapterSteps,
     UnsupportedFrameworkError,
     check_states,
+    delete_sharded,
+    load_sharded,
     load_states,
     patch_methods,
     prepare_profile,
     private_attrs,
+    save_sharded,
+    sharded_root,
     step_from_name,
     unpatch_methods,
     warn_once,
 )
-from s4w_core.frameworks import StateMismatchError
+from s4w_core.frameworks import S3_OPTIONS, StateMismatchError
 from s4w_core.store import CheckpointStore
 
 __all__ = [
@@ -166,43 +172,52 @@ def _step_for(folder: str, automatic: bool, acc: Accelerator, st: CheckpointStor
 def _save_state(self: Accelerator, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any) -> Any:
     if _config is None:
         return _originals["save_state"](self, output_dir, safe_serialization, **kw)
-    if sharded_engine(self) is not None:
+    dcp_route = _dcp_route(self)
+    if sharded_engine(self) is not None and not dcp_route:
         return _save_sharded(self, output_dir, safe_serialization, **kw)
     reg = registered(self)
+    models, opts = reg["models"], reg["optimizers"]
     folder, automatic = _folder_for(self, None if output_dir is None else os.fspath(output_dir))
-    weights = [self.get_state_dict(m, unwrap=False) for m in reg["models"]]
+    if self.is_main_process:
+        _steps.finish()
+    st = store_for(folder)
+    step = frameworks.broadcast_object(_step_for(folder, automatic, self, st) if self.is_main_process else None)
+    if automatic and step in st.steps():  # every process checks: none is left waiting in a collective
+        raise ConflictError(f"{st.url} already holds step {step} (another run?); Accelerate would refuse an existing "
+                            f"{folder} too: set save_iteration, or use another project_dir or store")  # fmt: skip
+    limit = self.project_configuration.total_limit if automatic else None  # total_limit mirrored
+    extra: dict[str, Any] = {"folder": os.path.basename(os.path.normpath(folder)), "automatic": automatic,
+                             "num_processes": self.num_processes}  # fmt: skip
+    if dcp_route:  # FSDP2: every process writes its shards of the models and optimizers into the run
+        root = sharded_root(st.url)
+        save_sharded(root, step, models, opts, profile=_steps.stores.defaults["profile"], s3_options=_s3_options())
+        extra["sharded"], models, opts = root, [], []
+    weights = [self.get_state_dict(m, unwrap=False) for m in models]
     for hook in reg["save_model_state_pre_hook"].values():  # as Accelerate calls them
         hook(reg["models"], weights, folder)
     rng = {_RNG_KEYS[k]: v for k, v in frameworks.rng_state().items()}
     rngs = frameworks.gather_object({"step": self.step, **rng})
     dl_states = frameworks.gather_object(_dataloader_states(reg["dataloaders"]))
     if self.is_main_process:
-        _steps.finish()
-        st = store_for(folder)
         tree: dict[str, Any] = {"models": weights, "dataloaders": dl_states, "rng": rngs}
-        for key, objs in (("optimizers", reg["optimizers"]), ("schedulers", reg["schedulers"]),
-                          ("custom", reg["custom_objects"])):  # fmt: skip
+        for key, objs in (("optimizers", opts), ("schedulers", reg["schedulers"]), ("custom", reg["custom_objects"])):
             tree[key] = [o.state_dict() for o in objs]
         if self.scaler is not None:
             tree["scaler"] = self.scaler.state_dict()
-        step = _step_for(folder, automatic, self, st)
-        if automatic and step in st.steps():
-            raise ConflictError(
-                f"{st.url} already holds step {step} (another run?); Accelerate would refuse an existing "
-                f"{folder} too: set save_iteration, or use another project_dir or store"
-            )
-        name = os.path.basename(os.path.normpath(folder))
-        extra = {"folder": name, "automatic": automatic, "num_processes": self.num_processes,
-                 "models": [frameworks.fingerprint(w) for w in weights]}  # fmt: skip
-        limit = self.project_configuration.total_limit if automatic else None  # total_limit mirrored
-        _steps.save(st, tree, step, extra, overwrite=not automatic, async_save=_config.async_save,
+        extra["models"] = [frameworks.fingerprint(w) for w in weights]
+        _steps.save(st, tree, step, extra, overwrite=not automatic, async_save=_config.async_save and not dcp_route,
                     then=functools.partial(_steps.retain, st, limit, automatic=True))  # fmt: skip
+    if dcp_route and limit:  # the run's steps follow the store's retention, each process its own shards
+        self.wait_for_everyone()
+        gone = [s for s in committed_steps(root, _s3_options()) if s not in st.steps()] if self.is_main_process else None
+        delete_sharded(root, frameworks.broadcast_object(gone), self.process_index, _s3_options())
     self.project_configuration.iteration += 1
     self.wait_for_everyone()
     return folder
 
 
 def _find_step(acc: Accelerator, input_dir: str | None) -> tuple[CheckpointStore, int, str]:
+    """The store, step and folder name ``load_state(input_dir)`` loads."""
     if input_dir is None:
         if not acc.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
@@ -226,7 +241,7 @@ def _find_step(acc: Accelerator, input_dir: str | None) -> tuple[CheckpointStore
 def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: dict | None = None, **kw: Any) -> Any:
     if _config is None:
         return _originals["load_state"](self, input_dir, load_kwargs, **kw)
-    if sharded_engine(self) is not None:
+    if sharded_engine(self) is not None and not _dcp_route(self):
         return _load_sharded(self, input_dir, load_kwargs, **kw)
     if input_dir is not None:
         input_dir = os.path.expanduser(os.fspath(input_dir))
@@ -239,8 +254,14 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
     st, step, name = _find_step(self, input_dir)
     where = f"{st.url} step {step} ({name})"
     tree = st.load(step, frameworks.device_map("cpu" if kw.pop("map_location", None) == "cpu" else self.device))
-    models = reg["models"]
+    root, models = st.info(step).extra.get("sharded"), reg["models"]
+    if (root is not None) != _dcp_route(self):
+        raise StateMismatchError(f"{where} was saved {'with' if root else 'without'} FSDP2 sharded state dicts, and "
+                                 f"this Accelerator {'does not use' if root else 'uses'} them")  # fmt: skip
     own = {"optimizers": reg["optimizers"], "schedulers": reg["schedulers"], "custom": reg["custom_objects"]}
+    if root is not None:  # models and optimizers from the run (checked by DCP's load plan)
+        load_sharded(root, step, models, own.pop("optimizers"), _s3_options())
+        models = []
     check_states(where, tree, {"models": models, **own})  # everything checked before anything changes
     rngs = tree["rng"]
     if len(rngs) != self.num_processes:
@@ -270,7 +291,17 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
     return None
 
 
-# ------------------------------------------------------------------------- FSDP / DeepSpeed fallback
+# ------------------------------------------------------------------------- FSDP / DeepSpeed
+def _dcp_route(acc: Accelerator) -> bool:
+    """FSDP2 with sharded state dicts: models and optimizers go through the run-level DCP writer."""
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    return bool(acc.is_fsdp2 and "SHARDED" in str(getattr(plugin, "state_dict_type", "")))
+
+
+def _s3_options() -> dict[str, Any]:
+    return {k: v for k, v in ((_config.store_options if _config else None) or {}).items() if k in S3_OPTIONS}
+
+
 def sharded_engine(acc: Accelerator) -> str | None:
     """The engine's name when ``acc`` saves through a sharded writer (FSDP, DeepSpeed, Megatron-LM)."""
     return str(acc.distributed_type) if acc.distributed_type in _SHARDED else None
