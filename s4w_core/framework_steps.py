@@ -44,10 +44,11 @@ from s4w_core import gpu
 from s4w_core.config import check_profile
 from s4w_core.dcp import S4StorageWriter
 from s4w_core.dcp_reader import S4StorageReader
-from s4w_core.dcp_run import delete_step
-from s4w_core.errors import ConflictError, S4WError
+from s4w_core.dcp_run import committed_steps, delete_step
+from s4w_core.errors import CheckpointNotFoundError, ConflictError, S4WError
 from s4w_core.filepack import pack_folder, unpack_folder
 from s4w_core.frameworks import (
+    S3_OPTIONS,
     StateMismatchError,
     StepSaver,
     auto_location,
@@ -136,6 +137,11 @@ class AdapterSteps:
     def store(self, url: str) -> CheckpointStore:
         return self.stores.open(url)
 
+    @property
+    def s3_options(self) -> dict[str, Any]:
+        """The S3 arguments among the stores' defaults (for the run-level DCP beside a store)."""
+        return {k: v for k, v in self.stores.defaults.items() if k in S3_OPTIONS}
+
     def own(self, st: CheckpointStore, **match: Any) -> list[StepInfo]:
         """The steps of ``st`` this adapter wrote whose ``extra`` has each ``match`` item, oldest first."""
         return [i for i in st.list() if i.extra.get("writer") == self.writer
@@ -176,6 +182,33 @@ class AdapterSteps:
         if st.steps():
             raise ConflictError(f"{st.url} already holds steps {st.steps()[-5:]} (another run?) and this run starts "
                                 f"at step 0; {hint}")  # fmt: skip
+
+    def find(self, st: CheckpointStore, what: str, **match: Any) -> StepInfo:
+        """The newest step of ``st`` whose ``extra`` has each ``match`` item.
+
+        Raises:
+            CheckpointNotFoundError: there is none. StateMismatchError: another writer wrote it.
+        """
+        for info in reversed(st.list()):
+            if all(info.extra.get(k) == v for k, v in match.items()):
+                if info.extra.get("writer") != self.writer:
+                    raise StateMismatchError(f"{st.url} step {info.step} was written by {info.extra.get('writer')!r}")
+                return info
+        raise CheckpointNotFoundError(f"{what}: the store {st.url} has no step with "
+                                      + ", ".join(f"{k}={v!r}" for k, v in match.items()))  # fmt: skip
+
+    def save_sharded(self, st: CheckpointStore, step: int, models: list[Any], optimizers: list[Any]) -> str:
+        """Every rank: :func:`save_sharded` into the run beside ``st`` (:func:`sharded_root`); returns the root."""
+        root = sharded_root(st.url)
+        save_sharded(root, step, models, optimizers, profile=self.stores.defaults.get("profile", "auto"),
+                     s3_options=self.s3_options)  # fmt: skip
+        return root
+
+    def prune_sharded(self, st: CheckpointStore, root: str, rank: int) -> None:
+        """Every rank, after the store's retention: delete the run's steps ``st`` no longer holds (rank 0 decides)."""
+        barrier()
+        gone = [s for s in committed_steps(root, self.s3_options) if s not in st.steps()] if rank == 0 else None
+        delete_sharded(root, broadcast_object(gone), rank, self.s3_options)
 
     def info(self, st: CheckpointStore, step: int | None, what: str) -> StepInfo:
         """Step ``step`` (None: the newest); :class:`StateMismatchError` unless this adapter wrote it or it

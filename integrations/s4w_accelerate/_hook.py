@@ -22,27 +22,23 @@ from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 from accelerate.utils import DistributedType
 
-from s4w_core import CheckpointNotFoundError, ConflictError, frameworks
+from s4w_core import ConflictError, frameworks
 from s4w_core import config as knobs
-from s4w_core.dcp_run import committed_steps
 from s4w_core.filepack import unpack_folder
 from s4w_core.framework_steps import (
     AdapterSteps,
     UnsupportedFrameworkError,
     check_states,
-    delete_sharded,
     load_sharded,
     load_states,
     patch_methods,
     prepare_profile,
     private_attrs,
-    save_sharded,
-    sharded_root,
     step_from_name,
     unpatch_methods,
     warn_once,
 )
-from s4w_core.frameworks import S3_OPTIONS, StateMismatchError
+from s4w_core.frameworks import StateMismatchError
 from s4w_core.store import CheckpointStore
 
 __all__ = [
@@ -174,7 +170,7 @@ def _save_state(self: Accelerator, output_dir: str | None = None, safe_serializa
         return _originals["save_state"](self, output_dir, safe_serialization, **kw)
     dcp_route = _dcp_route(self)
     if sharded_engine(self) is not None and not dcp_route:
-        return _save_sharded(self, output_dir, safe_serialization, **kw)
+        return _save_packed(self, output_dir, safe_serialization, **kw)
     reg = registered(self)
     models, opts = reg["models"], reg["optimizers"]
     folder, automatic = _folder_for(self, None if output_dir is None else os.fspath(output_dir))
@@ -189,9 +185,7 @@ def _save_state(self: Accelerator, output_dir: str | None = None, safe_serializa
     extra: dict[str, Any] = {"folder": os.path.basename(os.path.normpath(folder)), "automatic": automatic,
                              "num_processes": self.num_processes}  # fmt: skip
     if dcp_route:  # FSDP2: every process writes its shards of the models and optimizers into the run
-        root = sharded_root(st.url)
-        save_sharded(root, step, models, opts, profile=_steps.stores.defaults["profile"], s3_options=_s3_options())
-        extra["sharded"], models, opts = root, [], []
+        extra["sharded"], models, opts = _steps.save_sharded(st, step, models, opts), [], []
     weights = [self.get_state_dict(m, unwrap=False) for m in models]
     for hook in reg["save_model_state_pre_hook"].values():  # as Accelerate calls them
         hook(reg["models"], weights, folder)
@@ -208,9 +202,7 @@ def _save_state(self: Accelerator, output_dir: str | None = None, safe_serializa
         _steps.save(st, tree, step, extra, overwrite=not automatic, async_save=_config.async_save and not dcp_route,
                     then=functools.partial(_steps.retain, st, limit, automatic=True))  # fmt: skip
     if dcp_route and limit:  # the run's steps follow the store's retention, each process its own shards
-        self.wait_for_everyone()
-        gone = [s for s in committed_steps(root, _s3_options()) if s not in st.steps()] if self.is_main_process else None
-        delete_sharded(root, frameworks.broadcast_object(gone), self.process_index, _s3_options())
+        _steps.prune_sharded(st, extra["sharded"], self.process_index)
     self.project_configuration.iteration += 1
     self.wait_for_everyone()
     return folder
@@ -222,27 +214,18 @@ def _find_step(acc: Accelerator, input_dir: str | None) -> tuple[CheckpointStore
         if not acc.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         st = store_for(os.path.join(acc.project_dir, "checkpoints", "checkpoint_0"))
-        auto = _steps.own(st, automatic=True)
-        if not auto:
-            raise CheckpointNotFoundError(f"load_state(): the store {st.url} holds no automatically named checkpoint")
-        return st, auto[-1].step, auto[-1].extra["folder"]
-    st = store_for(input_dir)
-    name = os.path.basename(os.path.normpath(input_dir))
-    for info in reversed(st.list()):
-        if info.extra.get("folder") == name:
-            if info.extra.get("writer") != WRITER:
-                raise StateMismatchError(f"{st.url} step {info.step} was written by {info.extra.get('writer')!r}")
-            return st, info.step, name
-    raise CheckpointNotFoundError(
-        f"load_state({input_dir!r}): the store {st.url} has no checkpoint of a folder {name!r}"
-    )
+        info = _steps.find(st, "load_state()", automatic=True)
+    else:
+        st = store_for(input_dir)
+        info = _steps.find(st, f"load_state({input_dir!r})", folder=os.path.basename(os.path.normpath(input_dir)))
+    return st, info.step, info.extra["folder"]
 
 
 def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: dict | None = None, **kw: Any) -> Any:
     if _config is None:
         return _originals["load_state"](self, input_dir, load_kwargs, **kw)
     if sharded_engine(self) is not None and not _dcp_route(self):
-        return _load_sharded(self, input_dir, load_kwargs, **kw)
+        return _load_packed(self, input_dir, load_kwargs, **kw)
     if input_dir is not None:
         input_dir = os.path.expanduser(os.fspath(input_dir))
         if os.path.isdir(input_dir) and any(f.startswith(_NATIVE) for f in os.listdir(input_dir)):
@@ -260,7 +243,7 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
                                  f"this Accelerator {'does not use' if root else 'uses'} them")  # fmt: skip
     own = {"optimizers": reg["optimizers"], "schedulers": reg["schedulers"], "custom": reg["custom_objects"]}
     if root is not None:  # models and optimizers from the run (checked by DCP's load plan)
-        load_sharded(root, step, models, own.pop("optimizers"), _s3_options())
+        load_sharded(root, step, models, own.pop("optimizers"), _steps.s3_options)
         models = []
     check_states(where, tree, {"models": models, **own})  # everything checked before anything changes
     rngs = tree["rng"]
@@ -298,10 +281,6 @@ def _dcp_route(acc: Accelerator) -> bool:
     return bool(acc.is_fsdp2 and "SHARDED" in str(getattr(plugin, "state_dict_type", "")))
 
 
-def _s3_options() -> dict[str, Any]:
-    return {k: v for k, v in ((_config.store_options if _config else None) or {}).items() if k in S3_OPTIONS}
-
-
 def sharded_engine(acc: Accelerator) -> str | None:
     """The engine's name when ``acc`` saves through a sharded writer (FSDP, DeepSpeed, Megatron-LM)."""
     return str(acc.distributed_type) if acc.distributed_type in _SHARDED else None
@@ -314,7 +293,7 @@ def _warn_sharded(acc: Accelerator) -> None:
               "(the folder stays)")  # fmt: skip
 
 
-def _save_sharded(acc: Accelerator, output_dir: str | None, safe_serialization: bool, **kw: Any) -> Any:
+def _save_packed(acc: Accelerator, output_dir: str | None, safe_serialization: bool, **kw: Any) -> Any:
     _warn_sharded(acc)
     location = os.fspath(_originals["save_state"](acc, output_dir, safe_serialization, **kw))
     acc.wait_for_everyone()
@@ -326,7 +305,7 @@ def _save_sharded(acc: Accelerator, output_dir: str | None, safe_serialization: 
     return location
 
 
-def _load_sharded(acc: Accelerator, input_dir: str | None, load_kwargs: dict | None, **kw: Any) -> Any:
+def _load_packed(acc: Accelerator, input_dir: str | None, load_kwargs: dict | None, **kw: Any) -> Any:
     _warn_sharded(acc)
     if input_dir is not None and (not os.path.isdir(input_dir) or not os.listdir(input_dir)):
         if acc.is_main_process:

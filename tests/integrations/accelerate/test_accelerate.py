@@ -145,7 +145,7 @@ def test_explicit_folder_and_bad_input(tmp_path, torch_saves):
     objs[0].load_state(str(tmp_path / "native"))
     assert not diff(objs[1].state_dict(), saved["model"]) and objs[4].n == 3
     # bad input: no such checkpoint; other shapes (nothing loaded); another run's automatic step 0
-    with pytest.raises(s4w_core.CheckpointNotFoundError, match="no checkpoint of a folder 'step_9'"):
+    with pytest.raises(s4w_core.CheckpointNotFoundError, match="has no step with folder='step_9'"):
         objs[0].load_state(str(tmp_path / "ckpt" / "step_9"))
     objs = _setup(tmp_path, width=16)
     before = {k: v.clone() for k, v in objs[1].state_dict().items()}
