@@ -74,6 +74,7 @@ __all__ = [
     "check_states",
     "load_states",
     "warn_once",
+    "warn_fallback",
     "caller_instance",
     "prepare_profile",
     "private_attrs",
@@ -225,6 +226,14 @@ class AdapterSteps:
         tree = pack_folder(folder)
         self.save(st, tree, step, {**extra, "files": sorted(tree["files"])}, then=then)
 
+    def store_written_folder(self, folder: str, main: bool, save: Callable[[str], None]) -> None:
+        """Every rank, once the framework wrote ``folder``: after a barrier, ``save(folder)`` on the main
+        rank where the folder exists (e.g. :meth:`save_folder`); the others wait for it."""
+        barrier()
+        if main and os.path.isdir(folder):
+            save(folder)
+        barrier()
+
     def load_model(self, st: CheckpointStore, step: int, model: torch.nn.Module, device: Any, key: str = "model") -> None:
         """Load the weights ``key`` of ``step`` into ``model`` (checked first: keys, shapes, dtypes)."""
         sd = st.load(step, device_map(device))[key]
@@ -285,6 +294,15 @@ def warn_once(seen: set[str], key: str, message: str) -> None:
     if key not in seen:
         seen.add(key)
         warnings.warn(message, stacklevel=3)
+
+
+def warn_fallback(adapter: str, engine: str, framework: str, seen: set[str] | None = None) -> None:
+    """The one warning of an adapter whose framework saves through ``engine``'s own sharded writer:
+    the framework writes its folders, the adapter stores a packed copy (once per ``engine`` with ``seen``)."""
+    message = (f"{adapter}: {engine} saves through its own sharded writer, which {adapter} cannot intercept yet; "
+               f"{framework} writes its checkpoint folders and s4weights stores a packed copy of each (the folders "
+               "stay)")  # fmt: skip
+    warn_once(set() if seen is None else seen, engine, message)
 
 
 def caller_instance(cls: type) -> Any:

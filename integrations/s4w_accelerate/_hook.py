@@ -36,7 +36,7 @@ from s4w_core.framework_steps import (
     private_attrs,
     step_from_name,
     unpatch_methods,
-    warn_once,
+    warn_fallback,
 )
 from s4w_core.frameworks import StateMismatchError
 from s4w_core.store import CheckpointStore
@@ -286,27 +286,17 @@ def sharded_engine(acc: Accelerator) -> str | None:
     return str(acc.distributed_type) if acc.distributed_type in _SHARDED else None
 
 
-def _warn_sharded(acc: Accelerator) -> None:
-    kind = str(sharded_engine(acc))
-    warn_once(_warned, kind, f"s4w_accelerate: {kind} saves through its own sharded writer, which cannot be "
-              "intercepted yet; Accelerate writes its checkpoint folder and s4weights stores a packed copy of it "
-              "(the folder stays)")  # fmt: skip
-
-
 def _save_packed(acc: Accelerator, output_dir: str | None, safe_serialization: bool, **kw: Any) -> Any:
-    _warn_sharded(acc)
+    warn_fallback("s4w_accelerate", str(sharded_engine(acc)), "Accelerate", _warned)
     location = os.fspath(_originals["save_state"](acc, output_dir, safe_serialization, **kw))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        st = store_for(location)
-        extra = {"folder": os.path.basename(os.path.normpath(location)), "packed": True}
-        _steps.save_folder(st, location, _step_for(location, False, acc, st), extra)
-    acc.wait_for_everyone()
+    st, extra = store_for(location), {"folder": os.path.basename(os.path.normpath(location)), "packed": True}
+    _steps.store_written_folder(location, acc.is_main_process,
+                                lambda f: _steps.save_folder(st, f, _step_for(f, False, acc, st), extra))  # fmt: skip
     return location
 
 
 def _load_packed(acc: Accelerator, input_dir: str | None, load_kwargs: dict | None, **kw: Any) -> Any:
-    _warn_sharded(acc)
+    warn_fallback("s4w_accelerate", str(sharded_engine(acc)), "Accelerate", _warned)
     if input_dir is not None and (not os.path.isdir(input_dir) or not os.listdir(input_dir)):
         if acc.is_main_process:
             st, step, _ = _find_step(acc, input_dir)

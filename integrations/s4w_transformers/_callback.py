@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from s4w_core.framework_steps import (
     prepare_profile,
     state_dicts,
     temp_folders_pending,
+    warn_fallback,
     warn_once,
 )
 from s4w_core.frameworks import barrier
@@ -182,9 +182,7 @@ class S4Callback(TrainerCallback):
         engine = sharded_engine(self._trainer)
         self._fallback = engine is not None
         if engine is not None:
-            warnings.warn(f"S4Callback: {engine} saves through its own sharded writer, which a callback cannot "
-                          "intercept yet; the Trainer writes its checkpoint folders and S4Callback stores a packed "
-                          "copy of each (no in-memory save, the folders stay)", stacklevel=2)  # fmt: skip
+            warn_fallback("S4Callback", engine, "the Trainer")
         elif state.is_world_process_zero and state.global_step == 0 and not self.overwrite:
             self._steps.check_fresh(self.store(args), "resume with trainer.train(resume_from_checkpoint=True), or use "
                                     "another store or output_dir, or S4Callback(overwrite=True)")  # fmt: skip
@@ -342,10 +340,10 @@ class S4Callback(TrainerCallback):
 
     def _store_folder(self, args: Any, state: Any) -> None:
         """FSDP / DeepSpeed: store the folder the Trainer wrote, packed."""
+        def save(folder: str) -> None:
+            extra = {"format": 1, "world_size": int(args.world_size or 1)}
+            self._steps.save_folder(self.store(args), folder, state.global_step, extra,
+                                    functools.partial(self._rotate, args, state))  # fmt: skip
+
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        barrier()  # every rank has written its files
-        if state.is_world_process_zero and os.path.isdir(folder):
-            self._steps.save_folder(self.store(args), folder, state.global_step,
-                                    {"format": 1, "world_size": int(args.world_size or 1)},
-                                    then=functools.partial(self._rotate, args, state))  # fmt: skip
-        barrier()
+        self._steps.store_written_folder(folder, state.is_world_process_zero, save)
