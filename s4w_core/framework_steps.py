@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -444,9 +445,22 @@ def save_sharded(root: str, step: int, models: list[Any], optimizers: list[Any],
 
 def load_sharded(root: str, step: int, models: list[Any], optimizers: list[Any],
                  s3_options: dict[str, Any] | None = None) -> None:  # fmt: skip
-    """Every rank: what :func:`save_sharded` stored, loaded into ``models`` and ``optimizers`` (any world size)."""
+    """Every rank: what :func:`save_sharded` stored, loaded into ``models`` and ``optimizers`` (any world size).
+
+    Raises:
+        StateMismatchError: the stored shards do not fit (other keys or shapes); nothing is loaded.
+        CheckpointNotFoundError: the run has no such step.
+    """
     state = _sharded_state(models, optimizers)
-    dcp.load(state, storage_reader=S4StorageReader(root, step=step, s3_options=s3_options))
+    try:
+        dcp.load(state, storage_reader=S4StorageReader(root, step=step, s3_options=s3_options))
+    except CheckpointException as e:  # DCP gathers every rank's failure
+        causes = [exc for exc, _ in e.failures.values()]
+        ours = [c for c in causes if isinstance(c, S4WError)]
+        if ours:
+            raise ours[0] from e
+        raise StateMismatchError(f"{root} step {step}: the stored shards do not fit these models and optimizers "
+                                 f"({type(causes[0]).__name__}: {causes[0]})") from e  # fmt: skip
     for i, m in enumerate(models):
         set_model_state_dict(m, state[f"model_{i}"])
     for i, o in enumerate(optimizers):

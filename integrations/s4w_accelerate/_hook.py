@@ -242,16 +242,17 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
         raise StateMismatchError(f"{where} was saved {'with' if root else 'without'} FSDP2 sharded state dicts, and "
                                  f"this Accelerator {'does not use' if root else 'uses'} them")  # fmt: skip
     own = {"optimizers": reg["optimizers"], "schedulers": reg["schedulers"], "custom": reg["custom_objects"]}
-    if root is not None:  # models and optimizers from the run (checked by DCP's load plan)
-        load_sharded(root, step, models, own.pop("optimizers"), _steps.s3_options)
-        models = []
+    sharded = {"models": models, "optimizers": own.pop("optimizers")} if root is not None else {}
+    models = [] if root is not None else models
     check_states(where, tree, {"models": models, **own})  # everything checked before anything changes
+    if root is not None:  # models and optimizers from the run (DCP's load plan checks them first)
+        load_sharded(root, step, sharded["models"], sharded["optimizers"], _steps.s3_options)
     rngs = tree["rng"]
     if len(rngs) != self.num_processes:
         warnings.warn(f"{where}: saved by {len(rngs)} processes, loaded by {self.num_processes}: RNG states not "
                       "restored", stacklevel=2)  # fmt: skip
     strict = kw.pop("strict", True)
-    remaining = list(models)
+    remaining = list(reg["models"])
     for hook in reg["load_model_state_pre_hook"].values():  # a hook may load some models itself
         hook(remaining, input_dir)
     for sd, m in zip(tree["models"], models):

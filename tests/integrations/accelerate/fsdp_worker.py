@@ -29,14 +29,14 @@ from s4w_core.dcp_run import committed_steps  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
 
 
-def setup(project):
+def setup(project, width=32):
     AcceleratorState._reset_state(True)
     acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project, automatic_checkpoint_naming=True,
                                                                     total_limit=2))
     PartialState().distributed_type = acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.7)
     model, opt, sched = acc.prepare(model, opt, sched)
@@ -81,6 +81,15 @@ def main(out):
     same = got.keys() == ref.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     flags = [None] * acc.num_processes
     torch.distributed.all_gather_object(flags, same)
+    # bad input: other shapes raise StateMismatchError on every process, nothing loaded
+    acc, model, opt, sched = setup(os.path.join(out, "run"), width=16)
+    before = local_bits(model, opt)
+    try:
+        acc.load_state()
+        mismatch = "no error"
+    except s4w_accelerate.StateMismatchError as e:
+        after = local_bits(model, opt)
+        mismatch = str(e) if all(torch.equal(before[k], after[k]) for k in before) else "changed"
     if acc.is_main_process:
         st = CheckpointStore(os.path.join(out, "run", ".s4w"))
         run = os.path.join(out, "run")
@@ -90,7 +99,7 @@ def main(out):
         print(json.dumps({"steps": st.steps(), "committed": committed, "same": flags, "files": files,
                           "models": len(tree["models"]), "optimizers": len(tree["optimizers"]),
                           "sharded": st.info(2).extra.get("sharded") == os.path.abspath(root),
-                          "lr": resumed_lr, "checkpoints": sorted(os.listdir(os.path.join(run, "checkpoints")))}))
+                          "lr": resumed_lr, "mismatch": mismatch, "checkpoints": sorted(os.listdir(os.path.join(run, "checkpoints")))}))
         st.close()
     s4w_accelerate.finish_pending()
     acc.wait_for_everyone()

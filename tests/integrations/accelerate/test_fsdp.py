@@ -37,3 +37,4 @@ def test_fsdp2_sharded_state_goes_through_the_run_and_resumes_bit_exact(tmp_path
     assert got["sharded"] and got["models"] == got["optimizers"] == 0, got
     assert got["lr"] == pytest.approx([1e-2 * 0.7**6]), got  # the scheduler resumed (2 processes: 2 steps each)
     assert got["same"] == [True, True], got  # every rank's shards of weights and optimizer state, bit for bit
+    assert "step 2: the stored shards do not fit" in got["mismatch"], got  # other shapes: nothing loaded
