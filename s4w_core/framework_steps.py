@@ -11,7 +11,11 @@
 - :func:`restore_into`: a step written as the folder a framework's own resume reads (a temporary
   folder by default, removed by :func:`cleanup_temp_folders` or at exit); :func:`to_cpu`.
 - :func:`check_states` / :func:`load_states`: every stored state checked against the live objects
-  before any is loaded; :func:`state_dicts`; :func:`warn_once`; :func:`caller_instance`.
+  before any is loaded; :func:`state_dicts`.
+- What adapters do around a framework: :func:`private_attrs` (the one place to read attributes a
+  framework keeps private, failing with :class:`UnsupportedFrameworkError`), :func:`patch_methods` /
+  :func:`unpatch_methods`, :func:`caller_instance`, :func:`prepare_profile`, :func:`step_from_name`,
+  :func:`warn_once` / :func:`warn_fallback`.
 - :func:`save_sharded` / :func:`load_sharded` / :func:`delete_sharded`: sharded (FSDP2 / DTensor)
   models and optimizers as one step of a run-level DCP root (:class:`s4w_core.dcp.S4StorageWriter`:
   each rank's shards a delta chain), beside the store step that holds the rest.
