@@ -1,14 +1,10 @@
 """Replace ``Accelerator.save_state`` / ``load_state``: the state goes from memory into a store.
 
 Switched on by ``S4W_ACCELERATE=1`` (or a store URL) in the environment plus ``import
-s4w_accelerate`` (``S4W_ACCELERATE_PROFILE``, ``S4W_ACCELERATE_ASYNC=1`` read too), or by
-:func:`enable`.  ``save_state`` stores what Accelerate's would write (models, optimizers,
-schedulers, samplers' and stateful dataloaders' states, the gradient scaler, every process's RNG
-states, registered objects) as one step of a :class:`~s4w_core.store.CheckpointStore`; the
-checkpoint folder is still created (empty) and rotated as Accelerate does, and the store mirrors
-``total_limit``.  Accelerate's save pre-hook sees model weights only, so both methods are
-replaced, not wrapped.  FSDP, DeepSpeed and Megatron-LM keep their own writers: the folder they
-write is stored packed (:func:`s4w_core.filepack.pack_folder`), with one warning.
+s4w_accelerate``, or by :func:`enable`.  What is stored, the checkpoint folder (created empty and
+rotated as Accelerate does; ``total_limit`` mirrored in the store), FSDP2 with sharded state dicts
+(models and optimizers through the run-level DCP writer beside the store) and the fallback of the
+other sharded engines (their folder stored packed): docs/INTEGRATIONS.md.
 """
 
 from __future__ import annotations
@@ -21,20 +17,34 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import accelerate
 from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 from accelerate.utils import DistributedType
 
-import s4w_core
-from s4w_core import CheckpointNotFoundError, ConflictError, frameworks
+from s4w_core import ConflictError, frameworks
 from s4w_core import config as knobs
-from s4w_core.filepack import pack_folder, unpack_folder
-from s4w_core.frameworks import StateMismatchError, check_count, check_state_dict
+from s4w_core.filepack import unpack_folder
+from s4w_core.framework_steps import (
+    AdapterSteps,
+    UnsupportedFrameworkError,
+    check_states,
+    load_sharded,
+    load_states,
+    patch_methods,
+    prepare_profile,
+    private_attrs,
+    step_from_name,
+    unpatch_methods,
+    warn_fallback,
+)
+from s4w_core.frameworks import StateMismatchError
 from s4w_core.store import CheckpointStore
 
 __all__ = [
     "enable", "disable", "enabled", "enable_from_env", "config", "finish_pending", "store_for", "last_info",
-    "sharded_engine", "StateMismatchError", "STORE_DIRNAME", "ENV", "WRITER",
+    "registered", "sharded_engine", "StateMismatchError", "UnsupportedAccelerateError", "STORE_DIRNAME", "ENV",
+    "WRITER",
 ]  # fmt: skip
 
 ENV = "S4W_ACCELERATE"
@@ -57,16 +67,19 @@ class Config:
     async_save: bool = False
 
 
+UnsupportedAccelerateError = UnsupportedFrameworkError  #: an Accelerate without an attribute :func:`registered` reads
 _config: Config | None = None
 _originals: dict[str, Any] = {}
-_stores: dict[str, CheckpointStore] = {}
-_saver = frameworks.StepSaver()
+_steps = AdapterSteps(WRITER, profile="auto")
 _warned: set[str] = set()
+#: Accelerator attributes with no public getter (checked against accelerate 1.15.0; present since 0.x)
+_PRIVATE = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
+            "_save_model_state_pre_hook", "_load_model_state_pre_hook")  # fmt: skip
 
 
 def last_info() -> Any:
     """The :class:`~s4w_core.store.StepInfo` of the last durable save (ratio, kind, bytes), or None."""
-    return _saver.last_info
+    return _steps.last_info
 
 
 def config() -> Config | None:
@@ -81,7 +94,7 @@ def enabled() -> bool:
 def finish_pending() -> None:
     """Wait for the background save (``async_save=True``) and mirror rotation; raises its error if
     it failed. ``save_state`` and ``load_state`` call it first; call it at the end of training."""
-    _saver.finish()
+    _steps.finish()
 
 
 def store_for(folder: str | os.PathLike[str]) -> CheckpointStore:
@@ -94,15 +107,19 @@ def store_for(folder: str | os.PathLike[str]) -> CheckpointStore:
         if os.path.basename(parent) == "checkpoints":
             parent = os.path.dirname(parent)
         url = os.path.join(parent, STORE_DIRNAME)
-    if url not in _stores:
-        cfg = _config or Config()
-        _stores[url] = CheckpointStore(url, **{"profile": cfg.profile, **(cfg.store_options or {})})
-    return _stores[url]
+    return _steps.store(url)
 
 
-def _registered(acc: Accelerator) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
-    """models, optimizers, schedulers, dataloaders, registered objects: Accelerate keeps them only here."""
-    return acc._models, acc._optimizers, acc._schedulers, acc._dataloaders, acc._custom_objects  # noqa: SLF001
+def registered(acc: Accelerator) -> dict[str, Any]:
+    """What ``save_state``/``load_state`` work on, which Accelerate keeps only in private attributes
+    (no public getter in accelerate 1.15.0, which this was checked against): ``models``,
+    ``optimizers``, ``schedulers``, ``dataloaders``, ``custom_objects`` (lists) and the
+    ``save_model_state_pre_hook`` / ``load_model_state_pre_hook`` dicts.
+
+    Raises:
+        UnsupportedAccelerateError: an attribute is gone (an Accelerate this adapter does not know).
+    """
+    return private_attrs(acc, _PRIVATE, "accelerate", accelerate.__version__, "1.15.0")
 
 
 def _dataloader_states(dls: list[Any]) -> list[Any]:
@@ -145,120 +162,105 @@ def _folder_for(acc: Accelerator, output_dir: str | None) -> tuple[str, bool]:
 
 
 def _step_for(folder: str, automatic: bool, acc: Accelerator, st: CheckpointStore) -> int:
-    if automatic:
-        return int(acc.save_iteration)
-    m = _DIGITS.search(os.path.basename(os.path.normpath(folder)))
-    last = None if m else st.latest()
-    return int(m.group(1)) if m else 0 if last is None else last + 1
-
-
-def _rotate(st: CheckpointStore, limit: int | None) -> None:
-    """Mirror ``total_limit``: keep the newest ``limit`` automatically named steps."""
-    auto = [i.step for i in st.list() if i.extra.get("writer") == WRITER and i.extra.get("automatic")]
-    for s in frameworks.rotate(auto, limit):
-        st.delete(s)
+    return int(acc.save_iteration) if automatic else step_from_name(os.path.basename(os.path.normpath(folder)), st)
 
 
 def _save_state(self: Accelerator, output_dir: str | None = None, safe_serialization: bool = True, **kw: Any) -> Any:
     if _config is None:
         return _originals["save_state"](self, output_dir, safe_serialization, **kw)
-    if sharded_engine(self) is not None:
-        return _save_sharded(self, output_dir, safe_serialization, **kw)
+    dcp_route = _dcp_route(self)
+    if sharded_engine(self) is not None and not dcp_route:
+        return _save_packed(self, output_dir, safe_serialization, **kw)
+    reg = registered(self)
+    models, opts = reg["models"], reg["optimizers"]
     folder, automatic = _folder_for(self, None if output_dir is None else os.fspath(output_dir))
-    models, opts, scheds, dls, custom = _registered(self)
+    if self.is_main_process:
+        _steps.finish()
+    st = store_for(folder)
+    step = frameworks.broadcast_object(_step_for(folder, automatic, self, st) if self.is_main_process else None)
+    if automatic and step in st.steps():  # every process checks: none is left waiting in a collective
+        raise ConflictError(f"{st.url} already holds step {step} (another run?); Accelerate would refuse an existing "
+                            f"{folder} too: set save_iteration, or use another project_dir or store")  # fmt: skip
+    limit = self.project_configuration.total_limit if automatic else None  # total_limit mirrored
+    extra: dict[str, Any] = {"folder": os.path.basename(os.path.normpath(folder)), "automatic": automatic,
+                             "num_processes": self.num_processes}  # fmt: skip
+    if dcp_route:  # FSDP2: every process writes its shards of the models and optimizers into the run
+        extra["sharded"], models, opts = _steps.save_sharded(st, step, models, opts), [], []
     weights = [self.get_state_dict(m, unwrap=False) for m in models]
-    for hook in self._save_model_state_pre_hook.values():  # noqa: SLF001  # as Accelerate calls them
-        hook(models, weights, folder)
+    for hook in reg["save_model_state_pre_hook"].values():  # as Accelerate calls them
+        hook(reg["models"], weights, folder)
     rng = {_RNG_KEYS[k]: v for k, v in frameworks.rng_state().items()}
     rngs = frameworks.gather_object({"step": self.step, **rng})
-    dl_states = frameworks.gather_object(_dataloader_states(dls))
+    dl_states = frameworks.gather_object(_dataloader_states(reg["dataloaders"]))
     if self.is_main_process:
-        _saver.finish()
-        st = store_for(folder)
-        tree: dict[str, Any] = {
-            "models": weights,
-            "optimizers": [o.state_dict() for o in opts],
-            "schedulers": [s.state_dict() for s in scheds],
-            "dataloaders": dl_states,
-            "rng": rngs,
-            "custom": [o.state_dict() for o in custom],
-        }
+        tree: dict[str, Any] = {"models": weights, "dataloaders": dl_states, "rng": rngs}
+        for key, objs in (("optimizers", opts), ("schedulers", reg["schedulers"]), ("custom", reg["custom_objects"])):
+            tree[key] = [o.state_dict() for o in objs]
         if self.scaler is not None:
             tree["scaler"] = self.scaler.state_dict()
-        step = _step_for(folder, automatic, self, st)
-        if automatic and step in st.steps():
-            raise ConflictError(
-                f"{st.url} already holds step {step} (another run?); Accelerate would refuse an existing "
-                f"{folder} too: set save_iteration, or use another project_dir or store"
-            )
-        name = os.path.basename(os.path.normpath(folder))
-        extra = {"writer": WRITER, "folder": name, "automatic": automatic, "num_processes": self.num_processes,
-                 "models": [frameworks.fingerprint(w) for w in weights]}  # fmt: skip
-        limit = self.project_configuration.total_limit if automatic else None
-        _saver.save(st, tree, step, extra=extra, overwrite=not automatic, async_save=_config.async_save,
-                    then=functools.partial(_rotate, st, limit))  # fmt: skip
+        extra["models"] = [frameworks.fingerprint(w) for w in weights]
+        _steps.save(st, tree, step, extra, overwrite=not automatic, async_save=_config.async_save and not dcp_route,
+                    then=functools.partial(_steps.retain, st, limit, automatic=True))  # fmt: skip
+    if dcp_route and limit:  # the run's steps follow the store's retention, each process its own shards
+        _steps.prune_sharded(st, extra["sharded"], self.process_index)
     self.project_configuration.iteration += 1
     self.wait_for_everyone()
     return folder
 
 
 def _find_step(acc: Accelerator, input_dir: str | None) -> tuple[CheckpointStore, int, str]:
+    """The store, step and folder name ``load_state(input_dir)`` loads."""
     if input_dir is None:
         if not acc.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         st = store_for(os.path.join(acc.project_dir, "checkpoints", "checkpoint_0"))
-        auto = [i for i in st.list() if i.extra.get("writer") == WRITER and i.extra.get("automatic")]
-        if not auto:
-            raise CheckpointNotFoundError(f"load_state(): the store {st.url} holds no automatically named checkpoint")
-        return st, auto[-1].step, auto[-1].extra["folder"]
-    st = store_for(input_dir)
-    name = os.path.basename(os.path.normpath(input_dir))
-    for info in reversed(st.list()):
-        if info.extra.get("folder") == name:
-            if info.extra.get("writer") != WRITER:
-                raise StateMismatchError(f"{st.url} step {info.step} was written by {info.extra.get('writer')!r}")
-            return st, info.step, name
-    raise CheckpointNotFoundError(
-        f"load_state({input_dir!r}): the store {st.url} has no checkpoint of a folder {name!r}"
-    )
+        info = _steps.find(st, "load_state()", automatic=True)
+    else:
+        st = store_for(input_dir)
+        info = _steps.find(st, f"load_state({input_dir!r})", folder=os.path.basename(os.path.normpath(input_dir)))
+    return st, info.step, info.extra["folder"]
 
 
 def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: dict | None = None, **kw: Any) -> Any:
     if _config is None:
         return _originals["load_state"](self, input_dir, load_kwargs, **kw)
-    if sharded_engine(self) is not None:
-        return _load_sharded(self, input_dir, load_kwargs, **kw)
+    if sharded_engine(self) is not None and not _dcp_route(self):
+        return _load_packed(self, input_dir, load_kwargs, **kw)
     if input_dir is not None:
         input_dir = os.path.expanduser(os.fspath(input_dir))
         if os.path.isdir(input_dir) and any(f.startswith(_NATIVE) for f in os.listdir(input_dir)):
             return _originals["load_state"](self, input_dir, load_kwargs, **kw)  # Accelerate's own folder
     if self.is_main_process:
-        _saver.finish()
+        _steps.finish()
     self.wait_for_everyone()
+    reg = registered(self)
     st, step, name = _find_step(self, input_dir)
     where = f"{st.url} step {step} ({name})"
     tree = st.load(step, frameworks.device_map("cpu" if kw.pop("map_location", None) == "cpu" else self.device))
-    models, opts, scheds, dls, custom = _registered(self)
-    for what, own in (("models", models), ("optimizers", opts), ("schedulers", scheds), ("custom", custom)):
-        check_count(where, "registered objects" if what == "custom" else what, tree[what], own)
-    for i, (sd, m) in enumerate(zip(tree["models"], models)):  # everything checked before anything changes
-        check_state_dict(f"{where} model {i}", sd, m.state_dict())
+    root, models = st.info(step).extra.get("sharded"), reg["models"]
+    if (root is not None) != _dcp_route(self):
+        raise StateMismatchError(f"{where} was saved {'with' if root else 'without'} FSDP2 sharded state dicts, and "
+                                 f"this Accelerator {'does not use' if root else 'uses'} them")  # fmt: skip
+    own = {"optimizers": reg["optimizers"], "schedulers": reg["schedulers"], "custom": reg["custom_objects"]}
+    sharded = {"models": models, "optimizers": own.pop("optimizers")} if root is not None else {}
+    models = [] if root is not None else models
+    check_states(where, tree, {"models": models, **own})  # everything checked before anything changes
+    if root is not None:  # models and optimizers from the run (DCP's load plan checks them first)
+        load_sharded(root, step, sharded["models"], sharded["optimizers"], _steps.s3_options)
     rngs = tree["rng"]
     if len(rngs) != self.num_processes:
         warnings.warn(f"{where}: saved by {len(rngs)} processes, loaded by {self.num_processes}: RNG states not "
                       "restored", stacklevel=2)  # fmt: skip
     strict = kw.pop("strict", True)
-    remaining = list(models)
-    for hook in self._load_model_state_pre_hook.values():  # noqa: SLF001  # a hook may load some models itself
+    remaining = list(reg["models"])
+    for hook in reg["load_model_state_pre_hook"].values():  # a hook may load some models itself
         hook(remaining, input_dir)
     for sd, m in zip(tree["models"], models):
         if any(m is r for r in remaining):
             m.load_state_dict(sd, strict=strict)
-    for sds, objs in ((tree["optimizers"], opts), (tree["schedulers"], scheds), (tree["custom"], custom)):
-        for sd, o in zip(sds, objs):
-            o.load_state_dict(sd)
+    load_states(tree, own)
     mine = tree["dataloaders"][self.process_index] if self.process_index < len(tree["dataloaders"]) else []
-    for s, dl in zip(mine, dls):
+    for s, dl in zip(mine, reg["dataloaders"]):
         sampler = dl.get_sampler() if isinstance(dl.dataset, IterableDatasetShard) else None
         if "sampler" in s and isinstance(sampler, SeedableRandomSampler):
             sampler.epoch, sampler.initial_seed = s["sampler"]["epoch"], s["sampler"]["initial_seed"]
@@ -273,39 +275,29 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
     return None
 
 
-# ------------------------------------------------------------------------- FSDP / DeepSpeed fallback
+# ------------------------------------------------------------------------- FSDP / DeepSpeed
+def _dcp_route(acc: Accelerator) -> bool:
+    """FSDP2 with sharded state dicts: models and optimizers go through the run-level DCP writer."""
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    return bool(acc.is_fsdp2 and "SHARDED" in str(getattr(plugin, "state_dict_type", "")))
+
+
 def sharded_engine(acc: Accelerator) -> str | None:
     """The engine's name when ``acc`` saves through a sharded writer (FSDP, DeepSpeed, Megatron-LM)."""
     return str(acc.distributed_type) if acc.distributed_type in _SHARDED else None
 
 
-def _warn_sharded(acc: Accelerator) -> None:
-    kind = str(sharded_engine(acc))
-    if kind not in _warned:
-        _warned.add(kind)
-        warnings.warn(
-            f"s4w_accelerate: {kind} saves through its own sharded writer, which cannot be intercepted yet; "
-            "Accelerate writes its checkpoint folder and s4weights stores a packed copy of it (the folder stays)",
-            stacklevel=3,
-        )
-
-
-def _save_sharded(acc: Accelerator, output_dir: str | None, safe_serialization: bool, **kw: Any) -> Any:
-    _warn_sharded(acc)
+def _save_packed(acc: Accelerator, output_dir: str | None, safe_serialization: bool, **kw: Any) -> Any:
+    warn_fallback("s4w_accelerate", str(sharded_engine(acc)), "Accelerate", _warned)
     location = os.fspath(_originals["save_state"](acc, output_dir, safe_serialization, **kw))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        st = store_for(location)
-        tree = pack_folder(location)
-        name = os.path.basename(os.path.normpath(location))
-        extra = {"writer": WRITER, "folder": name, "files": sorted(tree["files"]), "packed": True}
-        st.save(tree, _step_for(location, False, acc, st), extra=extra, overwrite=True)
-    acc.wait_for_everyone()
+    st, extra = store_for(location), {"folder": os.path.basename(os.path.normpath(location)), "packed": True}
+    _steps.store_written_folder(location, acc.is_main_process,
+                                lambda f: _steps.save_folder(st, f, _step_for(f, False, acc, st), extra))  # fmt: skip
     return location
 
 
-def _load_sharded(acc: Accelerator, input_dir: str | None, load_kwargs: dict | None, **kw: Any) -> Any:
-    _warn_sharded(acc)
+def _load_packed(acc: Accelerator, input_dir: str | None, load_kwargs: dict | None, **kw: Any) -> Any:
+    warn_fallback("s4w_accelerate", str(sharded_engine(acc)), "Accelerate", _warned)
     if input_dir is not None and (not os.path.isdir(input_dir) or not os.listdir(input_dir)):
         if acc.is_main_process:
             st, step, _ = _find_step(acc, input_dir)
@@ -333,30 +325,24 @@ def enable(
             durable (:func:`finish_pending`).
     """
     global _config
-    knobs.check_profile(profile)
-    _saver.finish()
+    prepare_profile(profile)
+    _steps.finish()
     _config = Config(None if store is None else os.fspath(store), profile, store_options, async_save)
-    _stores.clear()
-    if profile != "portable":  # the GPU codec compiled once training has started CUDA
-        s4w_core.gpu.warm_up(when_cuda_used=True)
-    if not _originals:
-        _originals["save_state"] = Accelerator.save_state
-        _originals["load_state"] = Accelerator.load_state
-        Accelerator.save_state = functools.wraps(_originals["save_state"])(_save_state)  # type: ignore[method-assign]
-        Accelerator.load_state = functools.wraps(_originals["load_state"])(_load_state)  # type: ignore[method-assign]
+    _steps.stores.defaults = {"profile": profile, **(store_options or {})}
+    _steps.stores.clear()
+    patch_methods(Accelerator, {"save_state": _save_state, "load_state": _load_state}, _originals)
 
 
 def disable() -> None:
     """Undo :func:`enable` (after finishing the background save in flight)."""
     global _config
     try:
-        _saver.finish()
+        _steps.finish()
     finally:
         _config = None
-    _stores.clear()
-    if _originals:
-        Accelerator.save_state = _originals.pop("save_state")  # type: ignore[method-assign]
-        Accelerator.load_state = _originals.pop("load_state")  # type: ignore[method-assign]
+    _steps.stores.defaults = {"profile": "auto"}
+    _steps.stores.clear()
+    unpatch_methods(Accelerator, _originals)
 
 
 def enable_from_env(environ: knobs.Environ | None = None) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 import s4w_core
 from s4w_core import FormatError, pointer
-from s4w_core.config import check_profile
+from s4w_core.framework_steps import Stores, prepare_profile
 from s4w_core.frameworks import (
     Files,
     PointerFiles,
@@ -82,19 +82,17 @@ class _S4CheckpointIOImpl:
         rebase_on_delete: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
-        check_profile(profile)
+        prepare_profile(profile)
         if store is not None and not delta:
             raise ValueError("store= needs delta=True (delta=False writes self-contained files at Lightning's paths)")
         self.store_url = None if store is None else norm_path(store)
         self.profile, self.delta, self.keyframe_every, self.async_save = profile, delta, keyframe_every, async_save
-        if profile != "portable":  # the GPU codec compiled once training has started CUDA
-            s4w_core.gpu.warm_up(when_cuda_used=True)
         self.map_location, self.rebase_on_delete = map_location, rebase_on_delete
         self.store_options = dict(store_options or {})
         self.files = Files(self.store_options)
         self.pointers = PointerFiles(self.files, self.store_at, store_url=self.store_url, dirname=STORE_DIRNAME,
                                      rebase_on_delete=rebase_on_delete, hint=_hint, on_delete=self._drop_saved)  # fmt: skip
-        self._stores: dict[str, CheckpointStore] = {}
+        self._stores = Stores(**{"profile": profile, "keyframe_every": keyframe_every, **self.store_options})
         self._saved: dict[str, SavedStep] = {}  # per store: the step last written, for its second names
         self._lock = threading.RLock()
         self._queue = SerialQueue(async_save, "s4w-lightning")  # saves and removes, in call order
@@ -106,11 +104,7 @@ class _S4CheckpointIOImpl:
         return self.store_at(self.pointers.location(norm_path(path))[0])
 
     def store_at(self, url: str) -> CheckpointStore:
-        with self._lock:
-            if url not in self._stores:
-                opts = {"profile": self.profile, "keyframe_every": self.keyframe_every, **self.store_options}
-                self._stores[url] = CheckpointStore(url, **opts)
-            return self._stores[url]
+        return self._stores.open(url)
 
     def _drop_saved(self, url: str, step: int) -> None:
         with self._lock:
@@ -211,7 +205,7 @@ class _S4CheckpointIOImpl:
         """Finish queued saves and the stores' background work."""
         try:
             self.wait()
-            for st in list(self._stores.values()):
+            for st in self._stores.opened():
                 st.wait()
         finally:
             self._queue.close()

@@ -1,27 +1,16 @@
 """``S4Callback``: the HF Trainer's checkpoints go from memory into a store; no checkpoint folder.
 
-When the Trainer decides to save (``control.should_save``), the callback clears that flag and
-stores step ``global_step`` of a :class:`~s4w_core.store.CheckpointStore` from memory: weights,
-optimizer, LR scheduler, gradient scaler, every rank's RNG states and ``trainer_state.json``'s
-text.  It then does what the Trainer's save does: ``ExportableState`` callbacks' states into the
-trainer state, ``on_save`` for the other callbacks, ``save_total_limit`` rotation mirrored (the
-best step kept) and, with ``load_best_model_at_end``, the best step's weights loaded at the end.
-
-The Trainer's save point lies after the step's logging and evaluation, where no event fires: the
-save runs at the next event (``on_step_begin``, ``on_epoch_end``, ``on_train_end``); weights,
-optimizer, scheduler and state do not change in between, and the RNG states and log length are
-taken at the last event before the save point.  FSDP and DeepSpeed keep their sharded writers:
-there the folder the Trainer wrote is stored packed, with one warning.
+What is saved, when (the save runs at the event after the Trainer's save point, with the RNG states
+and log length of the last event before it), what of the Trainer's save still happens, and the
+FSDP/DeepSpeed fallback (the folder the Trainer wrote, stored packed): docs/INTEGRATIONS.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -30,13 +19,19 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import ParallelMode
 
-import s4w_core
-from s4w_core import CheckpointNotFoundError, ConflictError, S4WError, frameworks
-from s4w_core.config import check_profile
-from s4w_core.filepack import pack_folder
+from s4w_core import CheckpointNotFoundError, S4WError, frameworks
+from s4w_core.framework_steps import (
+    AdapterSteps,
+    caller_instance,
+    prepare_profile,
+    state_dicts,
+    temp_folders_pending,
+    warn_fallback,
+    warn_once,
+)
 from s4w_core.frameworks import barrier
 from s4w_core.store import CheckpointStore
-from s4w_transformers._restore import WRITER, cleanup_restored, restore_parts, restored_pending
+from s4w_transformers._restore import WRITER, cleanup_restored, restore_parts
 
 __all__ = ["S4Callback", "sharded_engine", "UnsupportedSetupError", "STORE_DIRNAME"]
 
@@ -53,16 +48,6 @@ def sharded_engine(trainer: Any) -> str | None:
     if getattr(trainer, "is_fsdp_enabled", False):
         return "FSDP"
     return "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else None
-
-
-def _calling_trainer() -> Trainer | None:
-    """The Trainer whose ``__init__`` or ``train`` fires the current event, for a callback given as
-    ``Trainer(callbacks=[...])`` (transformers hands callbacks no Trainer; :meth:`S4Callback.attach`
-    is the explicit route)."""
-    frame = inspect.currentframe()
-    while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
-        frame = frame.f_back
-    return None if frame is None else frame.f_locals["self"]
 
 
 @dataclasses.dataclass
@@ -102,37 +87,30 @@ class S4Callback(TrainerCallback):
         overwrite: bool = False,
         store_options: dict[str, Any] | None = None,
     ) -> None:
-        check_profile(profile)
+        prepare_profile(profile)
         self.store_url = None if store is None else os.fspath(store)
         self.profile, self.async_save, self.overwrite = profile, async_save, overwrite
-        if profile != "portable":  # compile the GPU codec's kernels before the first save, once CUDA is up
-            s4w_core.gpu.warm_up(when_cuda_used=True)
         self.store_options = dict(store_options or {})
-        self._store: CheckpointStore | None = None
+        self._steps = AdapterSteps(WRITER, **{"profile": profile, **self.store_options})
         self._trainer: Trainer | None = None
-        self._saver = frameworks.StepSaver()
         self._pending: _Pending | None = None
         self._held: dict[str, Any] = {}  # optimizer / scheduler states of the step being resumed
-        self._fallback = self._firing = self._warned_order = False
+        self._fallback = self._firing = False
+        self._warned: set[str] = set()
         self.best_step: int | None = None  #: the store step ``load_best_model_at_end`` loaded, if any
 
     @property
     def last_info(self) -> Any:
         """The :class:`~s4w_core.store.StepInfo` of the last durable save (ratio, kind, bytes)."""
-        return self._saver.last_info
+        return self._steps.last_info
 
     def url(self, args: Any) -> str:
         """The store URL for ``args`` (a TrainingArguments)."""
-        if self.store_url is not None:
-            return frameworks.store_url(self.store_url)
-        return os.path.join(os.path.abspath(args.output_dir), STORE_DIRNAME)
+        return frameworks.store_url(self.store_url or os.path.join(args.output_dir, STORE_DIRNAME))
 
     def store(self, args: Any) -> CheckpointStore:
         """The :class:`CheckpointStore` this callback writes for ``args``."""
-        url = self.url(args)
-        if self._store is None or self._store.url != url:
-            self._store = CheckpointStore(url, **{"profile": self.profile, **self.store_options})
-        return self._store
+        return self._steps.store(self.url(args))
 
     def attach(self, trainer: Trainer) -> Trainer:
         """Bind this callback to ``trainer`` (added to its callbacks if it is not there yet) and make
@@ -156,7 +134,7 @@ class S4Callback(TrainerCallback):
         return trainer
 
     def _bind(self) -> None:
-        trainer = _calling_trainer()
+        trainer = caller_instance(Trainer)  # the Trainer whose __init__ or train fires this event
         if trainer is not None:
             self.attach(trainer)
         elif self._trainer is None:
@@ -195,7 +173,7 @@ class S4Callback(TrainerCallback):
             kwargs["optimizer"].load_state_dict(held["optimizer"])
             kwargs["lr_scheduler"].load_state_dict(held["scheduler"])
         if state.is_world_process_zero:
-            self._saver.finish()  # a save of an earlier train() with this callback
+            self._steps.finish()  # a save of an earlier train() with this callback
         if getattr(args, "push_to_hub", False):
             raise UnsupportedSetupError(
                 "S4Callback stores checkpoints in a store, not in folders the Trainer could push: set "
@@ -204,17 +182,10 @@ class S4Callback(TrainerCallback):
         engine = sharded_engine(self._trainer)
         self._fallback = engine is not None
         if engine is not None:
-            warnings.warn(f"S4Callback: {engine} saves through its own sharded writer, which a callback cannot "
-                          "intercept yet; the Trainer writes its checkpoint folders and S4Callback stores a packed "
-                          "copy of each (no in-memory save, the folders stay)", stacklevel=2)  # fmt: skip
+            warn_fallback("S4Callback", engine, "the Trainer")
         elif state.is_world_process_zero and state.global_step == 0 and not self.overwrite:
-            st = self.store(args)
-            if st.steps():
-                raise ConflictError(
-                    f"{st.url} already holds steps {st.steps()[-5:]} (another run?) and this run starts at step 0; "
-                    "resume with trainer.train(resume_from_checkpoint=True), or use another store or output_dir, "
-                    "or S4Callback(overwrite=True)"
-                )
+            self._steps.check_fresh(self.store(args), "resume with trainer.train(resume_from_checkpoint=True), or use "
+                                    "another store or output_dir, or S4Callback(overwrite=True)")  # fmt: skip
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._flush(args, state, control, kwargs)
@@ -223,7 +194,7 @@ class S4Callback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._flush(args, state, control, kwargs)
-        if restored_pending() and state.is_world_process_zero:
+        if temp_folders_pending() and state.is_world_process_zero:
             cleanup_restored()  # the resumed run has read its restored folder (RNG states last)
         self._intercept(args, state, control)
 
@@ -249,34 +220,27 @@ class S4Callback(TrainerCallback):
         if self._fallback:
             self._store_folder(args, state)
             return
-        if not self._warned_order:  # the Trainer wrote checkpoint-N: a callback listed after this one asked
-            warnings.warn(f"S4Callback: a callback listed after it set control.should_save at step "
-                          f"{state.global_step}, so the Trainer wrote its own checkpoint folder; list S4Callback "
-                          "last. The step is stored too.", stacklevel=2)  # fmt: skip
-            self._warned_order = True
+        warn_once(self._warned, "order", f"S4Callback: a callback listed after it set control.should_save at "
+                  f"step {state.global_step}, so the Trainer wrote its own checkpoint folder; list S4Callback last. "
+                  "The step is stored too.")  # fmt: skip
         self._pending = self._take(args, state, control, state.global_step, as_saved=False)
         self._flush(args, state, control, kwargs, fire=False)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._flush(args, state, control, kwargs)
         if state.is_world_process_zero:
-            self._saver.finish()
-            if self._store is not None:
-                self._store.wait()
+            self._steps.wait()
         barrier()
         if self._fallback:
             return
         st, best = self.store(args), state.best_global_step
         if args.load_best_model_at_end and best is not None and best in st.steps():
-            tree = st.load(best, frameworks.device_map(args.device))
-            model: Any = self._trainer.model if self._trainer is not None else kwargs["model"]
-            frameworks.check_state_dict(f"{st.url} step {best}", tree["model"], model.state_dict())
-            model.load_state_dict(tree["model"], False)
+            model = self._trainer.model if self._trainer is not None else kwargs["model"]
+            self._steps.load_model(st, best, model, args.device)
             self.best_step = best
         if state.is_world_process_zero and best is not None and args.save_total_limit == 1:
-            for s in self._own_steps(st):  # the Trainer deletes the last folder if it is not the best
-                if s != best:
-                    st.delete(s)
+            for s in (i.step for i in self._steps.own(st) if i.step != best):  # as the Trainer's last-folder delete
+                st.delete(s)
         if state.is_world_process_zero:
             cleanup_restored()
 
@@ -331,10 +295,7 @@ class S4Callback(TrainerCallback):
         model: Any = tr.model if tr is not None else kw["model"]
         tree: dict[str, Any] = {"model": model.state_dict()}
         if not args.save_only_model:
-            tree["optimizer"] = kw["optimizer"].state_dict()
-            with warnings.catch_warnings():  # the scheduler's "save the optimizer too" warning
-                warnings.simplefilter("ignore", UserWarning)
-                tree["scheduler"] = kw["lr_scheduler"].state_dict()
+            tree["optimizer"], tree["scheduler"] = state_dicts([kw["optimizer"], kw["lr_scheduler"]])
             scaler = getattr(getattr(tr, "accelerator", None), "scaler", None)
             if scaler is not None:
                 tree["scaler"] = scaler.state_dict()
@@ -352,13 +313,11 @@ class S4Callback(TrainerCallback):
             return
         rngs = [p.rng] if args.save_only_model else frameworks.gather_object(p.rng)
         if state.is_world_process_zero:
-            self._saver.finish()
-            st = self.store(args)
+            self._steps.finish()
             tree = self._tree(args, state, kw, p, rngs)
-            extra = {"writer": WRITER, "format": _FORMAT, "global_step": p.step,
-                     "save_only_model": bool(args.save_only_model), "world_size": int(args.world_size or 1),
-                     "model": frameworks.fingerprint(tree["model"])}  # fmt: skip
-            self._saver.save(st, tree, p.step, extra=extra, overwrite=True, async_save=self.async_save,
+            extra = {"format": _FORMAT, "global_step": p.step, "save_only_model": bool(args.save_only_model),
+                     "world_size": int(args.world_size or 1), "model": frameworks.fingerprint(tree["model"])}  # fmt: skip
+            self._steps.save(self.store(args), tree, p.step, extra, async_save=self.async_save,
                              then=functools.partial(self._rotate, args, state))  # fmt: skip
         barrier()  # the other ranks wait for the save, as at the Trainer's own
         if fire and self._trainer is not None:
@@ -373,25 +332,18 @@ class S4Callback(TrainerCallback):
 
     def finish_pending(self) -> None:
         """Wait for the background save (``async_save=True``) and mirror rotation; raises its error."""
-        self._saver.finish()
-
-    def _own_steps(self, st: CheckpointStore) -> list[int]:
-        return [i.step for i in st.list() if i.extra.get("writer") == WRITER]
+        self._steps.finish()
 
     def _rotate(self, args: Any, state: Any) -> None:
         """Mirror ``save_total_limit`` (the newest and the best step kept)."""
-        st = self.store(args)
-        for s in frameworks.rotate(self._own_steps(st), args.save_total_limit, state.best_global_step):
-            st.delete(s)
+        self._steps.retain(self.store(args), args.save_total_limit, state.best_global_step)
 
     def _store_folder(self, args: Any, state: Any) -> None:
         """FSDP / DeepSpeed: store the folder the Trainer wrote, packed."""
+        def save(folder: str) -> None:
+            extra = {"format": 1, "world_size": int(args.world_size or 1)}
+            self._steps.save_folder(self.store(args), folder, state.global_step, extra,
+                                    functools.partial(self._rotate, args, state))  # fmt: skip
+
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        barrier()  # every rank has written its files
-        if state.is_world_process_zero and os.path.isdir(folder):
-            tree = pack_folder(folder)
-            extra = {"writer": WRITER, "format": 1, "files": sorted(tree["files"]),
-                     "world_size": int(args.world_size or 1)}  # fmt: skip
-            self._saver.save(self.store(args), tree, state.global_step, extra=extra, overwrite=True,
-                             async_save=False, then=functools.partial(self._rotate, args, state))  # fmt: skip
-        barrier()
+        self._steps.store_written_folder(folder, state.is_world_process_zero, save)

@@ -1,44 +1,21 @@
-"""Resume: a step :class:`~s4w_transformers.S4Callback` stored, as what the Trainer's resume reads.
-
-:func:`restore_checkpoint` writes the ``checkpoint-N`` files ``trainer.train(resume_from_checkpoint=...)``
-reads into a temporary folder, removed once the callback's training has read it, or at exit;
-:func:`restore_parts` hands some parts (the optimizer and scheduler states) back in memory instead.
-"""
+"""Resume: a step :class:`~s4w_transformers.S4Callback` stored, as the folder the Trainer's resume reads."""
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import safetensors.torch
 import torch
 
-from s4w_core import ConflictError, frameworks
-from s4w_core.filepack import unpack_folder
-from s4w_core.frameworks import StateMismatchError, barrier
-from s4w_core.store import CheckpointStore
+from s4w_core.framework_steps import AdapterSteps, cleanup_temp_folders, restore_into
+from s4w_core.frameworks import StateMismatchError
 
-__all__ = ["restore_checkpoint", "restore_parts", "cleanup_restored", "restored_pending", "WRITER"]
+__all__ = ["restore_checkpoint", "restore_parts", "cleanup_restored", "WRITER"]
 
 WRITER = "s4w_transformers"  #: ``extra["writer"]`` of the steps this adapter commits
-_RESTORED: set[str] = set()  # temporary folders made here; removed once read, or at exit
-
-
-def cleanup_restored() -> None:
-    """Remove the temporary folders :func:`restore_checkpoint` made in this process."""
-    while _RESTORED:
-        shutil.rmtree(_RESTORED.pop(), ignore_errors=True)
-
-
-def restored_pending() -> bool:
-    """Whether a temporary folder :func:`restore_checkpoint` made is still there."""
-    return bool(_RESTORED)
-
-
-atexit.register(cleanup_restored)
+cleanup_restored = cleanup_temp_folders  #: remove the temporary folders :func:`restore_checkpoint` made
+_FILES = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "scaler": "scaler.pt"}
 
 
 def restore_checkpoint(
@@ -56,7 +33,7 @@ def restore_checkpoint(
         step: the global step; default the newest.
         dest: the folder to write (must not exist or be empty). Default: a new temporary folder
             ``.../checkpoint-{step}``, removed once an :class:`S4Callback`'s training has read it,
-            or at exit.
+            by :func:`cleanup_restored`, or at exit.
         model: when given, checked against the stored weights first (keys, shapes, dtypes).
         **store_options: :class:`~s4w_core.store.CheckpointStore` arguments (``endpoint``...).
     Returns:
@@ -81,45 +58,9 @@ def restore_parts(
 ) -> tuple[str, dict[str, Any]]:
     """:func:`restore_checkpoint`, with the parts named in ``held`` (e.g. the optimizer) returned in
     memory, on the device they were saved on, instead of written to the folder."""
-    url = os.fspath(store)
-    d = frameworks.dist()
-    rank = d.get_rank() if d is not None else 0
-    st = CheckpointStore(url, **{"base_cache_bytes": 0, **store_options})  # read once: no copy kept as a delta base
-    info = st.info(step)
-    where = f"{url} step {info.step}"
-    if info.extra.get("writer") != WRITER and "files" not in info.extra:
-        raise StateMismatchError(f"{where} was written by {info.extra.get('writer') or 'another writer'!r}, not by "
-                                 "S4Callback: not a Trainer checkpoint")  # fmt: skip
-    if dest is not None and os.path.isdir(dest) and os.listdir(dest):
-        raise ConflictError(f"{os.fspath(dest)} exists and is not empty; restore_checkpoint overwrites nothing")
-    if dest is None:
-        base = frameworks.broadcast_object(tempfile.mkdtemp(prefix="s4w-restore-") if rank == 0 else None)
-        if rank == 0:
-            _RESTORED.add(str(base))
-        dest = os.path.join(str(base), f"checkpoint-{info.step}")
-    dest, kept = os.fspath(dest), {}
-    if rank == 0:
-        # decoded on the device it was saved from where this machine has it (a GPU decodes a
-        # GPU-saved step far faster than the CPU); the files get CPU tensors, as the Trainer's own
-        tree = st.load(info.step, frameworks.auto_location)
-        if "files" in info.extra:  # a packed checkpoint folder (FSDP/DeepSpeed fallback)
-            os.makedirs(dest, exist_ok=True)
-            unpack_folder(tree, dest)
-        else:
-            if model is not None and "model" in tree:
-                frameworks.check_state_dict(where, tree["model"], model.state_dict())
-            kept = {k: tree.pop(k) for k in held if k in tree}
-            _write_folder(_to_cpu(tree), dest, where)
-    barrier()
-    return dest, kept
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return type(obj)(_to_cpu(v) for v in obj) if type(obj) in (list, tuple) else obj
+    steps = AdapterSteps(WRITER, **{"base_cache_bytes": 0, **store_options})  # read once: no delta base kept
+    st = steps.store(os.fspath(store))
+    return restore_into(steps, st, step, dest, _write_folder, what="S4Callback", model=model, held=held)
 
 
 def _write_folder(tree: dict[str, Any], dest: str, where: str) -> None:
@@ -127,9 +68,7 @@ def _write_folder(tree: dict[str, Any], dest: str, where: str) -> None:
     for key in ("model", "trainer_state"):
         if key not in tree:
             raise StateMismatchError(f"{where}: key {key!r} missing; not a Trainer checkpoint")
-    os.makedirs(dest, exist_ok=True)
-    texts = {"trainer_state.json": tree["trainer_state"], "config.json": tree.get("config")}
-    for name, text in texts.items():
+    for name, text in {"trainer_state.json": tree["trainer_state"], "config.json": tree.get("config")}.items():
         if text is not None:
             with open(os.path.join(dest, name), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -144,8 +83,7 @@ def _write_folder(tree: dict[str, Any], dest: str, where: str) -> None:
         safetensors.torch.save_file(flat, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     else:  # a module's extra state that is not a tensor
         torch.save(sd, os.path.join(dest, "pytorch_model.bin"))
-    files = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "scaler": "scaler.pt"}
-    for key, name in files.items():
+    for key, name in _FILES.items():
         if key in tree:
             torch.save(tree[key], os.path.join(dest, name))
     rngs = tree.get("rng") or []

@@ -145,7 +145,7 @@ def test_explicit_folder_and_bad_input(tmp_path, torch_saves):
     objs[0].load_state(str(tmp_path / "native"))
     assert not diff(objs[1].state_dict(), saved["model"]) and objs[4].n == 3
     # bad input: no such checkpoint; other shapes (nothing loaded); another run's automatic step 0
-    with pytest.raises(s4w_core.CheckpointNotFoundError, match="no checkpoint of a folder 'step_9'"):
+    with pytest.raises(s4w_core.CheckpointNotFoundError, match="has no step with folder='step_9'"):
         objs[0].load_state(str(tmp_path / "ckpt" / "step_9"))
     objs = _setup(tmp_path, width=16)
     before = {k: v.clone() for k, v in objs[1].state_dict().items()}
@@ -220,3 +220,19 @@ def test_s3_store(tmp_path, s3_url):
     _train(*objs, range(3, 6))
     assert not diff(_state(*objs[1:]), reference)
     assert CheckpointStore(s3_url).steps() == [3]
+
+
+def test_private_accelerator_attributes_are_checked(tmp_path):
+    """The adapter reads Accelerator attributes that have no public getter (s4w_accelerate.registered):
+    each is there in the installed Accelerate, and one gone fails loudly before anything is written."""
+    s4w_accelerate.enable(store=str(tmp_path / "store"))
+    acc, model, opt, sched, counter = _setup(tmp_path)
+    reg = s4w_accelerate.registered(acc)
+    assert reg["models"] == [model] and reg["optimizers"] == [opt] and reg["schedulers"] == [sched]
+    assert reg["custom_objects"] == [counter] and isinstance(reg["save_model_state_pre_hook"], dict)
+    del acc._custom_objects  # as a future Accelerate might rename it
+    with pytest.raises(s4w_accelerate.UnsupportedAccelerateError, match="Accelerator._custom_objects"):
+        acc.save_state(str(tmp_path / "ckpt" / "step_0"))
+    with pytest.raises(s4w_accelerate.UnsupportedAccelerateError, match="accelerate .* does not have .checked against 1.15.0"):
+        acc.load_state(str(tmp_path / "ckpt" / "step_0"))
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "store")

@@ -218,7 +218,7 @@ def test_attach_binds_without_looking_up_the_stack(tmp_path, reference, monkeypa
     """S4Callback().attach(trainer): the explicit route (transformers hands callbacks no Trainer).
     With the stack lookup of the ``callbacks=[...]`` form disabled, the attached callback still
     fires on_save for the others, writes no folder and resumes with resume_from_checkpoint=True."""
-    monkeypatch.setattr(s4w_transformers._callback, "_calling_trainer", lambda: None)
+    monkeypatch.setattr(s4w_transformers._callback, "caller_instance", lambda cls: None)
     with pytest.raises(UnsupportedSetupError, match="attach"):
         _trainer(tmp_path / "x", 3, [S4Callback()])  # the list form, with no Trainer to be found
     probe, cb = Probe(), S4Callback()

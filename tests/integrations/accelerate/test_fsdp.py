@@ -1,0 +1,40 @@
+"""s4w_accelerate under Accelerate's FSDP2 with sharded state dicts, 2 CPU processes (gloo) through
+torchrun: models and optimizers go into the run-level DCP root as each rank's delta chain, the rest
+into the store; total_limit rotates both; load_state resumes bit-exactly (fsdp_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def test_fsdp2_sharded_state_goes_through_the_run_and_resumes_bit_exact(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "integrations")]), OMP_NUM_THREADS="1")
+    env.pop("S4W_ACCELERATE", None)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    worker = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    r = subprocess.run(
+        [*cmd, "--master_port", port, worker, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
+    # total_limit=2: the store and the run both keep steps 1 and 2; the folders hold no payload
+    assert got["steps"] == got["committed"] == [1, 2], got
+    assert got["checkpoints"] == ["checkpoint_1", "checkpoint_2"] and got["files"] == [], got
+    # models and optimizers live in the run, not in the store step
+    assert got["sharded"] and got["models"] == got["optimizers"] == 0, got
+    assert got["lr"] == pytest.approx([1e-2 * 0.7**6]), got  # the scheduler resumed (2 processes: 2 steps each)
+    assert got["same"] == [True, True], got  # every rank's shards of weights and optimizer state, bit for bit
+    assert "step 2: the stored shards do not fit" in got["mismatch"], got  # other shapes: nothing loaded
