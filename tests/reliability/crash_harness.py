@@ -12,15 +12,17 @@ re-encoded as a delta against it.  The child prints flushed, timestamped lines:
 * ``O OP STEP GEN`` before an operation and ``D`` after it returns (``GEN`` picks the contents);
 * ``P PHASE OP`` before each backend call of the operation ``OP``: ``data`` (streaming a data
   object), ``publish`` (its fsync/rename or upload completion), ``published``, ``commit``
-  (writing a commit record), ``committed``, ``delete`` (removing a record or object), ``idle``;
+  (writing a commit record), ``committed``, ``delete`` (removing a record or object), ``idle``
+  (after ``D``: reading the listing, waiting for the re-encoding);
 * the same with a ``re-`` prefix for the re-encoding on the worker thread, framed by
   ``re-start`` (its first call: reading the records, then reading/encoding/checking the step)
   and ``re-end-OUTCOME`` (written, skipped or failed: its ``op="reencode"`` event).
 
 The parent kills the child with SIGKILL after a random delay, or a random time after a chosen
 marker (a phase; ``re-start`` + up to the measured re-encoding time; an operation's ``O`` line +
-up to its measured duration; a phase marker of an operation other than a save), then replays the child's lines on its model of the store (step ->
-contents) and checks, with a fresh :class:`CheckpointStore`:
+up to its measured duration; a phase marker of an operation other than a save), then replays
+the child's lines on its model of the store (step -> contents) and checks, with a fresh
+:class:`CheckpointStore`:
 
 * the listed steps are exactly those the model holds before and after the operation in flight,
   give or take what that operation changes (its step; for a save, the steps its retention drops);
@@ -32,7 +34,8 @@ The store as checked is the model of the next trial, whose child resumes from it
 operation after a crash must work).  At the end the parent saves once more, runs
 ``gc(grace_seconds=0)`` and checks that exactly the data objects the records need are left (and no
 temporaries on a local store).  The result counts kills by operation and phase (``OP:PHASE``) and
-by what the re-encoding was doing (``none``: no re-encoding in flight).
+by what the re-encoding was doing (``none``: no re-encoding in flight); a kill whose marker did
+not come within the trial's time is a kill at a random moment (``targets_not_reached``).
 
 Usage::
 
@@ -316,15 +319,18 @@ class _Zygote:
 
 def _run_and_kill(
     z: _Zygote, seed: int, focus: str, delay: float, target: tuple[str, int] | None, jitter: float
-) -> list[list[str]]:
+) -> tuple[list[list[str]], bool]:
     """Fork a worker and SIGKILL it ``delay`` seconds later, or ``jitter`` seconds after its
-    ``target[1]``-th line starting with ``target[0]``; returns its lines, split."""
+    ``target[1]``-th line starting with ``target[0]``; returns (its lines, split; whether the
+    target was reached before ``delay``)."""
     pid, fd = z.fork(seed, focus)
     buf = z.pending
     deadline = time.monotonic() + delay
     want = ("\n" + target[0] + " ").encode() if target is not None else b""
+    reached = False
     while time.monotonic() < deadline:
         if target is not None and (b"\n" + buf).count(want) >= target[1]:
+            reached = True
             if jitter:
                 time.sleep(jitter)
             break
@@ -345,7 +351,7 @@ def _run_and_kill(
             break
         time.sleep(0.001)
     lines = buf.decode().split("\n")
-    return [x.split() for x in lines[:-1] if x]  # a line cut by the kill has no newline: dropped
+    return [x.split() for x in lines[:-1] if x], reached  # a line cut by the kill has no newline: dropped
 
 
 def _apply(model: dict[int, int], op: tuple[str, int, int], keep_last: int | None) -> dict[int, int]:
@@ -454,13 +460,14 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
     re_times: list[float] = []
     op_times: dict[str, list[float]] = collections.defaultdict(list)
     failures: list[dict[str, Any]] = []
+    missed = 0
     t0 = time.monotonic()
     tmpdir = tempfile.mkdtemp(prefix="s4w-crash-")
     z = _Zygote(args, tmpdir)
     try:
         for trial in range(args.trials):
             kind = trial % 5
-            focus, target, delay, jitter = "any", None, 4.0, 0.0
+            focus, target, delay, jitter = "any", None, 2.5, 0.0
             if kind == 0:
                 delay = rng.uniform(0.0, args.max_delay)
             elif kind == 1:
@@ -478,7 +485,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
                 focus = rng.choice(OPS[1:])
                 target = (f"P {rng.choice(_OP_PHASES[focus])} {focus}", rng.randint(1, 2))
                 jitter = rng.choice([0.0, rng.uniform(0, 0.002)])
-            lines = _run_and_kill(z, trial + args.seed * 1_000_003, focus, delay, target, jitter)
+            lines, reached = _run_and_kill(z, trial + args.seed * 1_000_003, focus, delay, target, jitter)
             # replay the child's lines on the model
             before, inflight, phase, re_phase, re_t = dict(model), None, "startup", "none", 0.0
             cur = dict(model)
@@ -493,7 +500,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
                     cur = _apply(cur, inflight, args.keep_last)
                     ops_done[inflight[0]] += 1
                     op_times[inflight[0]].append(float(x[1]) - op_t)
-                    before, inflight = dict(cur), None
+                    before, inflight, phase = dict(cur), None, "idle"
                 elif x[0] == "P" and x[1].startswith("re-"):
                     if x[1] == "re-start":
                         re_t = float(x[-1])
@@ -511,8 +518,11 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
             by_reencode[re_phase] += 1
             found, fails = _check(args, before, after)
             model = found  # the store, once checked, is the model of the next trial
-            if target is not None:
+            if target is not None and reached:
                 how = f"after {target[0]} #{target[1]} +{jitter * 1e3:.2f}ms"
+            elif target is not None:
+                how = f"after {delay:.1f}s ({target[0]} #{target[1]} not reached)"
+                missed += 1
             else:
                 how = f"after {delay:.3f}s"
             if fails:
@@ -546,6 +556,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
         "keyframe_every": args.keyframe_every,
         "max_delay_s": args.max_delay,
         "kills_by_stage": dict(sorted(by_stage.items())),
+        "targets_not_reached": missed,
         "kills_by_reencode_phase": dict(sorted(by_reencode.items())),
         "ops_completed": dict(sorted(ops_done.items())),
         "reencodes": dict(sorted(outcomes.items())),
