@@ -220,7 +220,8 @@ def _worker(args: argparse.Namespace, fifo: str, seed: int, focus: str) -> None:
             emit(f"O overwrite {step} {gen}")
             store.save(make_state(step, args.numel, gen), step, overwrite=True)
         else:
-            step = steps[-1] if op == "delnewest" else rng.choice(steps[:-1])
+            # a middle step when there is one: the step below it is a delta against it (to hide or merge)
+            step = steps[-1] if op == "delnewest" else rng.choice(steps[1:-1] or steps[:-1])
             emit(f"O {op} {step} 0")
             store.delete(step, rebase=op == "rebase")
         emit("D")
@@ -457,6 +458,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
     by_reencode: collections.Counter[str] = collections.Counter()
     outcomes: collections.Counter[str] = collections.Counter()
     ops_done: collections.Counter[str] = collections.Counter()
+    ops_recoding: collections.Counter[str] = collections.Counter()  # ... that wrote a data object
     re_times: list[float] = []
     op_times: dict[str, list[float]] = collections.defaultdict(list)
     failures: list[dict[str, Any]] = []
@@ -489,16 +491,17 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
             # replay the child's lines on the model
             before, inflight, phase, re_phase, re_t = dict(model), None, "startup", "none", 0.0
             cur = dict(model)
-            op_t = 0.0
+            op_t, wrote = 0.0, False
             for x in lines:
                 if x[0] == "O":
-                    inflight, op_t = (x[1], int(x[2]), int(x[3])), float(x[4])
+                    inflight, op_t, wrote = (x[1], int(x[2]), int(x[3])), float(x[4]), False
                     before = dict(cur)
                     phase = "start"
                 elif x[0] == "D":
                     assert inflight is not None
                     cur = _apply(cur, inflight, args.keep_last)
                     ops_done[inflight[0]] += 1
+                    ops_recoding[inflight[0]] += wrote
                     op_times[inflight[0]].append(float(x[1]) - op_t)
                     before, inflight, phase = dict(cur), None, "idle"
                 elif x[0] == "P" and x[1].startswith("re-"):
@@ -512,6 +515,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
                         re_phase = x[1]
                 elif x[0] == "P":
                     phase = x[1]
+                    wrote = wrote or phase == "data"
             after = _apply(before, inflight, args.keep_last) if inflight is not None else before
             stage = f"{inflight[0] if inflight else 'between'}:{phase}"
             by_stage[stage] += 1
@@ -559,6 +563,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
         "targets_not_reached": missed,
         "kills_by_reencode_phase": dict(sorted(by_reencode.items())),
         "ops_completed": dict(sorted(ops_done.items())),
+        "ops_completed_writing_data": dict(sorted(ops_recoding.items())),
         "reencodes": dict(sorted(outcomes.items())),
         "reencode_median_s": round(statistics.median(re_times), 4) if re_times else None,
         "op_median_s": {k: round(statistics.median(v), 4) for k, v in sorted(op_times.items()) if v},
