@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import random
@@ -58,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -128,8 +130,8 @@ def all_records(backend: Any) -> dict[int, Any]:
 
 # ----------------------------------------------------------------------------- the child
 def _worker(args: argparse.Namespace, fifo: str, seed: int, focus: str) -> None:
-    """The process that is killed: says its pid, then runs operations until it is killed."""
-    import contextlib
+    """The process that is killed: says its pid, then runs operations until it is killed (or
+    one raises: then it says ``E ERROR`` and exits)."""
     import threading
 
     from s4w_core import obs
@@ -200,6 +202,16 @@ def _worker(args: argparse.Namespace, fifo: str, seed: int, focus: str) -> None:
     if focus not in ("any", "save"):
         weights = [0.65 if o == "save" else 0.35 if o == focus else 0.0 for o in OPS]  # deltas to merge
     gen = seed % 1_000_000 * 100
+    try:
+        _operations(store, args, rng, weights, gen, emit, mark, doing)
+    except BaseException as e:
+        emit("E " + f"{type(e).__name__}: {e}".replace("\n", " ")[:800])
+        raise
+
+
+def _operations(store: Any, args: argparse.Namespace, rng: random.Random, weights: list[float], gen: int,
+                emit: Any, mark: Any, doing: list[str]) -> None:
+    """The child's loop of operations (see the module's docstring)."""
     while True:
         steps = store.steps()
         op = rng.choices(OPS, weights)[0]
@@ -247,6 +259,9 @@ def _zygote(args: argparse.Namespace) -> None:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(0)
                 _worker(args, rest[0], int(rest[1]), rest[2])
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
             finally:
                 os._exit(1)
 
@@ -337,10 +352,11 @@ def _run_and_kill(
             break
         if select.select([fd], [], [], 0.0005 if target else 0.02)[0]:
             chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise RuntimeError(f"worker {pid} exited by itself:\n{z.stderr()}")
+            if not chunk:  # the worker exited by itself: an operation raised (its E line says which)
+                break
             buf += chunk
-    os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     os.set_blocking(fd, True)
     while chunk := os.read(fd, 1 << 16):  # EOF once the worker is gone
         buf += chunk
@@ -492,6 +508,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
             before, inflight, phase, re_phase, re_t = dict(model), None, "startup", "none", 0.0
             cur = dict(model)
             op_t, wrote = 0.0, False
+            errors: list[str] = []
             for x in lines:
                 if x[0] == "O":
                     inflight, op_t, wrote = (x[1], int(x[2]), int(x[3])), float(x[4]), False
@@ -504,6 +521,8 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
                     ops_recoding[inflight[0]] += wrote
                     op_times[inflight[0]].append(float(x[1]) - op_t)
                     before, inflight, phase = dict(cur), None, "idle"
+                elif x[0] == "E":
+                    errors.append(" ".join(x[1:-1]))
                 elif x[0] == "P" and x[1].startswith("re-"):
                     if x[1] == "re-start":
                         re_t = float(x[-1])
@@ -521,6 +540,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
             by_stage[stage] += 1
             by_reencode[re_phase] += 1
             found, fails = _check(args, before, after)
+            fails = [f"the child's {stage.split(':')[0]} raised {e}" for e in errors] + fails
             model = found  # the store, once checked, is the model of the next trial
             if target is not None and reached:
                 how = f"after {target[0]} #{target[1]} +{jitter * 1e3:.2f}ms"
