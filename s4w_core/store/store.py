@@ -21,9 +21,9 @@ delta is against first re-codes that delta against the nearest step above it (or
 Stores written by the first layout (forward deltas, ``version: 1`` records, keyframe copies of the
 newest step) are read as they are; the first save into one drops its keyframe copy.
 
-Commit protocol (docs/STORE.md): (1) write a data object (atomic: temp + fsync + rename locally,
-a completed multipart upload on S3); (2) write or rewrite the commit record (atomic); (3) only
-then remove what no record needs.  A crash leaves every committed step loadable and at most
+Commit protocol (docs/STORE.md, "Commit protocol"): write a data object (atomic: temp + fsync +
+rename locally, a completed multipart upload on S3), then write or rewrite the commit record
+(atomic), and only then remove what no record needs.  A crash leaves every committed step loadable and at most
 unreferenced objects, which :meth:`CheckpointStore.gc` reclaims.
 
 Non-blocking saves (:meth:`CheckpointStore.save_async`, :mod:`s4w_core.store._async`): the caller

@@ -2,7 +2,7 @@
 (127.0.0.1 only), which throttles (503 SlowDown), resets connections and delays responses.
 
 Each test prints one ``S3FAULTS`` line with the counts (run with ``-s`` to see them; the numbers in
-benchmarks/results/s3_faults_2026-11-22.txt come from there).  Counts vary a little from run to
+benchmarks/results/s3_faults.txt come from there).  Counts vary a little from run to
 run (the CRT client's parallel connections interleave), so the asserts are on lower bounds.
 """
 
