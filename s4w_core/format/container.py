@@ -71,8 +71,8 @@ FLAG_MANIFEST_ZSTD = 0x0001
 KNOWN_FLAGS = FLAG_MANIFEST_ZSTD
 #: zstd level of the manifest: level 1 measured as small as levels 3-12 on real manifests (the hex
 #: checksums are most of the bytes; 70 KB of a bf16 training state to 9.8 KB, 7.2x) in 0.4 ms;
-#: levels 15-19 gain another 9% of that in 16-65 ms of every save (table in
-#: benchmarks/results/cpu_core_2026-11-22i.txt)
+#: levels 15-19 gain another 9% of that in 16-65 ms of every save (measured on the CPU VM; the
+#: table is in git history under benchmarks/results/)
 MANIFEST_ZSTD_LEVEL = 1
 #: bytes of JSON the reader decompresses at a time (what it allocates follows the output produced)
 _MANIFEST_PIECE = 1 << 20

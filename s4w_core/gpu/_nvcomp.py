@@ -128,9 +128,8 @@ def synchronize(device: torch.device) -> None:
 #: the compacted chunks, the coder's slots, staged delta bases), which is the fixed part of the
 #: bound on a save's extra device memory: 10% of the state + 256 MiB (docs/PERFORMANCE.md). 64 MiB
 #: measured +321 / +395 MiB for a save / save_async of a 1.82 GB state against +637 / +772 MiB at
-#: 128 MiB, at the same save and load times (benchmarks/results/gpu_2026-11-22c/profile_*); since
-#: the encoder keeps the raw later planes in place and sizes its buffers for every chunk (93bcc27),
-#: 64 MiB measured +434 / +498 MiB, so the default is 48 MiB.
+#: 128 MiB, at the same save and load times; with the encoder keeping the raw later planes in place
+#: and sizing its buffers for every chunk, 64 MiB measured +434 / +498 MiB, so the default is 48 MiB.
 DEFAULT_BATCH_BYTES = 48 << 20
 
 

@@ -498,7 +498,7 @@ class S3Backend(Backend):
         in the background, the trailer and manifest first (see :class:`Download`); a read waits
         only for the parts it covers, so a load decodes the first batches while later ones are
         still downloading.  SeaweedFS on an H100 host (``bench_s3_fetch.py``,
-        ``benchmarks/results/gpu_2026-11-22d/s3_*.log``): a 1.25 GB container loads onto the GPU
+        ``benchmarks/results/s3_load.log``): a 1.25 GB container loads onto the GPU
         in 0.76-0.83 s with 32 MiB x 8 (download 2.1-2.3 GB/s), 0.95-1.01 s with 64 MiB x 4."""
         head = self._head(key)
         name = f"s3://{self.bucket}/{self._key(key)}"
