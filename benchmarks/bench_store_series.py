@@ -92,10 +92,10 @@ def measure(precision: str, cache: str, model_dir: str | None) -> dict[str, Any]
         st.close()
         disk = _tree_bytes(root)
         check = CheckpointStore(root)
-        exact = all(
-            all(torch.equal(_u8(check.load(step)[k][n]), _u8(t)) for k in GROUPS for n, t in g[k].items())
-            for step, g in snaps
-        )
+        exact = True
+        for step, g in snaps:
+            got = check.load(step)
+            exact = exact and all(torch.equal(_u8(got[k][n]), _u8(t)) for k in GROUPS for n, t in g[k].items())
         check.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
