@@ -121,6 +121,11 @@ class S4Callback(TrainerCallback):
                 "or bind it with S4Callback().attach(trainer)"
             )
 
+    def _bound(self) -> Trainer:
+        """The Trainer bound at ``on_init_end`` / ``on_train_begin`` (either raises when there is none)."""
+        assert self._trainer is not None
+        return self._trainer
+
     def _resolve_resume(self, trainer: Trainer, resume: Any) -> Any:
         """``True`` (with no checkpoint folder in ``output_dir``) or the store's URL: the newest step,
         restored into a temporary folder."""
@@ -213,8 +218,7 @@ class S4Callback(TrainerCallback):
             return
         st, best = self.store(args), state.best_global_step
         if args.load_best_model_at_end and best is not None and best in st.steps():
-            model = self._trainer.model if self._trainer is not None else kwargs["model"]
-            self._steps.load_model(st, best, model, args.device)
+            self._steps.load_model(st, best, self._bound().model, args.device)
             self.best_step = best
         if state.is_world_process_zero and best is not None and args.save_total_limit == 1:
             for s in (i.step for i in self._steps.own(st) if i.step != best):  # as the Trainer's last-folder delete
@@ -227,9 +231,8 @@ class S4Callback(TrainerCallback):
         if self._fallback or not control.should_save:
             return
         control.should_save = False  # the Trainer writes no folder
-        tr = self._trainer
-        if tr is not None and tr.hp_search_backend is None:
-            tr.store_flos()  # what the Trainer's save does first (total_flos into the state)
+        if self._bound().hp_search_backend is None:
+            self._bound().store_flos()  # what the Trainer's save does first (total_flos into the state)
         self._pending = take(args, state, control, state.global_step)
 
     def _flush(self, args: Any, state: Any, control: Any, kw: dict[str, Any], *, fire: bool = True) -> None:
@@ -240,14 +243,14 @@ class S4Callback(TrainerCallback):
         rngs = [p.rng] if args.save_only_model else frameworks.gather_object(p.rng)
         if state.is_world_process_zero:
             self._steps.finish()
-            tree = step_tree(self._trainer, args, state, kw, p, rngs)
+            tree = step_tree(self._bound(), args, state, kw, p, rngs)
             self._steps.save(self.store(args), tree, p.step, step_extra(args, p, tree), async_save=self.async_save,
                              then=functools.partial(self._rotate, args, state))  # fmt: skip
         barrier()  # the other ranks wait for the save, as at the Trainer's own
-        if fire and self._trainer is not None:
+        if fire:
             self._firing = True
             try:
-                new = self._trainer.callback_handler.on_save(args, state, control)
+                new = self._bound().callback_handler.on_save(args, state, control)
             finally:
                 self._firing = False
             if new is not None and new is not control:

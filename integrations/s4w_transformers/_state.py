@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import numpy as np
+from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 from transformers.training_args import ParallelMode
 
@@ -47,10 +48,9 @@ def take(args: Any, state: Any, control: Any, step: int, as_saved: bool = True) 
     return Pending(step, rng, len(state.log_history), cs)
 
 
-def trainer_state_json(trainer: Any, state: Any, p: Pending) -> str:
+def trainer_state_json(trainer: Trainer, state: Any, p: Pending) -> str:
     """``trainer_state.json`` as the Trainer's save writes it (callback states updated)."""
-    handler = trainer.callback_handler if trainer is not None else None
-    for cb in handler.callbacks if handler is not None else []:
+    for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, ExportableState):
             name = cb.__class__.__name__
             if isinstance(state.stateful_callbacks.get(name), list):
@@ -63,10 +63,12 @@ def trainer_state_json(trainer: Any, state: Any, p: Pending) -> str:
     return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
-def step_tree(trainer: Any, args: Any, state: Any, kw: dict[str, Any], p: Pending, rngs: list[Any]) -> dict[str, Any]:
+def step_tree(
+    trainer: Trainer, args: Any, state: Any, kw: dict[str, Any], p: Pending, rngs: list[Any]
+) -> dict[str, Any]:
     """The state tree of the save point ``p`` (``kw``: the event's keyword arguments; ``rngs``: every
     process's RNG states)."""
-    model: Any = trainer.model if trainer is not None else kw["model"]
+    model: Any = trainer.model
     tree: dict[str, Any] = {"model": model.state_dict()}
     if not args.save_only_model:
         tree["optimizer"], tree["scheduler"] = state_dicts([kw["optimizer"], kw["lr_scheduler"]])
