@@ -218,7 +218,8 @@ class S4Callback(TrainerCallback):
             return
         st, best = self.store(args), state.best_global_step
         if args.load_best_model_at_end and best is not None and best in st.steps():
-            self._steps.load_model(st, best, self._bound().model, args.device)
+            model: Any = self._bound().model
+            self._steps.load_model(st, best, model, args.device)
             self.best_step = best
         if state.is_world_process_zero and best is not None and args.save_total_limit == 1:
             for s in (i.step for i in self._steps.own(st) if i.step != best):  # as the Trainer's last-folder delete
