@@ -54,7 +54,7 @@ def _dataloader_states(dls: list[Any]) -> list[Any]:
     return out
 
 
-def _folder_for(acc: Accelerator, output_dir: str | None) -> tuple[str, bool]:
+def _folder_for(acc: Accelerator, output_dir: str | os.PathLike[str] | None) -> tuple[str, bool]:
     """The folder Accelerate would use and whether it is automatically named; created (empty),
     ``checkpoints/`` rotated as Accelerate does."""
     pc = acc.project_configuration
@@ -90,7 +90,7 @@ def _save_state(self: Accelerator, output_dir: str | None = None, safe_serializa
         return save_packed(self, engine, output_dir, safe_serialization, **kw)
     reg = registered(self)
     models, opts = reg["models"], reg["optimizers"]
-    folder, automatic = _folder_for(self, None if output_dir is None else os.fspath(output_dir))
+    folder, automatic = _folder_for(self, output_dir)
     if self.is_main_process:
         ACTIVE.steps.finish()
     st = store_for(folder)
@@ -145,11 +145,11 @@ def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: di
     root, models = st.info(step).extra.get("sharded"), reg["models"]
     check_route(self, where, root)
     own = {"optimizers": reg["optimizers"], "schedulers": reg["schedulers"], "custom": reg["custom_objects"]}
-    sharded = {"models": models, "optimizers": own.pop("optimizers")} if root is not None else {}
-    models = [] if root is not None else models
+    if root is not None:  # models and optimizers from the run (DCP's load plan checks them)
+        models, run_optimizers = [], own.pop("optimizers")
     check_states(where, tree, {"models": models, **own})  # everything checked before anything changes
-    if root is not None:  # models and optimizers from the run
-        load_dcp(root, step, sharded["models"], sharded["optimizers"])
+    if root is not None:
+        load_dcp(root, step, reg["models"], run_optimizers)
     rngs = tree["rng"]
     if len(rngs) != self.num_processes:
         warnings.warn(f"{where}: saved by {len(rngs)} processes, loaded by {self.num_processes}: RNG states not "

@@ -63,6 +63,7 @@ def config() -> Config | None:
 
 
 def enabled() -> bool:
+    """Whether :func:`~s4w_accelerate.enable` is in effect."""
     return ACTIVE.config is not None
 
 
