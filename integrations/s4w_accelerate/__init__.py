@@ -22,24 +22,22 @@ except ImportError as _e:
         "s4w_accelerate needs Hugging Face Accelerate, which is not installed: pip install 's4weights[accelerate]'"
     ) from _e
 
-from s4w_accelerate._hook import (
+from s4w_accelerate._fsdp import sharded_engine
+from s4w_accelerate._hook import disable, enable, enable_from_env
+from s4w_accelerate._settings import (
     ENV,
     STORE_DIRNAME,
     WRITER,
     Config,
-    StateMismatchError,
     UnsupportedAccelerateError,
     config,
-    disable,
-    enable,
-    enable_from_env,
     enabled,
     finish_pending,
     last_info,
     registered,
-    sharded_engine,
     store_for,
 )
+from s4w_core.frameworks import StateMismatchError
 
 __all__ = [
     "enable",

@@ -20,8 +20,9 @@ except ImportError as _e:
     ) from _e
 
 from s4w_core.frameworks import StateMismatchError
-from s4w_transformers._callback import STORE_DIRNAME, S4Callback, UnsupportedSetupError, sharded_engine
+from s4w_transformers._callback import STORE_DIRNAME, S4Callback, UnsupportedSetupError
 from s4w_transformers._restore import WRITER, cleanup_restored, restore_checkpoint
+from s4w_transformers._state import sharded_engine
 
 __all__ = [
     "S4Callback",

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from typing import Any
 
-import numpy as np
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
-from transformers.training_args import ParallelMode
 
 from s4w_core import CheckpointNotFoundError, S4WError, frameworks
 from s4w_core.framework_steps import (
     AdapterSteps,
     caller_instance,
     prepare_profile,
-    state_dicts,
     temp_folders_pending,
     warn_fallback,
     warn_once,
@@ -32,32 +27,15 @@ from s4w_core.framework_steps import (
 from s4w_core.frameworks import barrier
 from s4w_core.store import CheckpointStore
 from s4w_transformers._restore import WRITER, cleanup_restored, restore_parts
+from s4w_transformers._state import Pending, new_best, sharded_engine, step_extra, step_tree, take
 
-__all__ = ["S4Callback", "sharded_engine", "UnsupportedSetupError", "STORE_DIRNAME"]
+__all__ = ["S4Callback", "UnsupportedSetupError", "STORE_DIRNAME"]
 
 STORE_DIRNAME = ".s4w"  #: the store folder in ``output_dir`` when no ``store=`` is given
-_FORMAT = 2  # 2: the in-memory state tree; 1 (or "files" in extra): a packed checkpoint folder
 
 
 class UnsupportedSetupError(S4WError, ValueError):
     """A Trainer setting the callback cannot honour (``push_to_hub``)."""
-
-
-def sharded_engine(trainer: Any) -> str | None:
-    """``"FSDP"`` or ``"DeepSpeed"`` when ``trainer`` saves through that engine's sharded writer."""
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "FSDP"
-    return "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else None
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A save the Trainer asked for, taken at the next event (see the module docstring)."""
-
-    step: int
-    rng: dict[str, Any]
-    log_len: int
-    control_state: dict[str, Any]
 
 
 class S4Callback(TrainerCallback):
@@ -93,7 +71,7 @@ class S4Callback(TrainerCallback):
         self.store_options = dict(store_options or {})
         self._steps = AdapterSteps(WRITER, **{"profile": profile, **self.store_options})
         self._trainer: Trainer | None = None
-        self._pending: _Pending | None = None
+        self._pending: Pending | None = None
         self._held: dict[str, Any] = {}  # optimizer / scheduler states of the step being resumed
         self._fallback = self._firing = False
         self._warned: set[str] = set()
@@ -142,6 +120,11 @@ class S4Callback(TrainerCallback):
                 "S4Callback found no transformers.Trainer firing its events: pass it in Trainer(callbacks=[...]) "
                 "or bind it with S4Callback().attach(trainer)"
             )
+
+    def _bound(self) -> Trainer:
+        """The Trainer bound at ``on_init_end`` / ``on_train_begin`` (either raises when there is none)."""
+        assert self._trainer is not None
+        return self._trainer
 
     def _resolve_resume(self, trainer: Trainer, resume: Any) -> Any:
         """``True`` (with no checkpoint folder in ``output_dir``) or the store's URL: the newest step,
@@ -209,10 +192,10 @@ class S4Callback(TrainerCallback):
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         if self._fallback:
             return
-        if args.save_strategy == "best" and metrics is not None:
-            self._best_strategy(args, state, control, metrics)
+        if args.save_strategy == "best" and metrics is not None and new_best(args, state, metrics):
+            self._pending = take(args, state, control, state.global_step)
         if self._pending is not None:  # evaluation may draw random numbers: the save point is after it
-            self._pending = self._take(args, state, control, self._pending.step)
+            self._pending = take(args, state, control, self._pending.step)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._firing:
@@ -223,7 +206,7 @@ class S4Callback(TrainerCallback):
         warn_once(self._warned, "order", f"S4Callback: a callback listed after it set control.should_save at "
                   f"step {state.global_step}, so the Trainer wrote its own checkpoint folder; list S4Callback last. "
                   "The step is stored too.")  # fmt: skip
-        self._pending = self._take(args, state, control, state.global_step, as_saved=False)
+        self._pending = take(args, state, control, state.global_step, as_saved=False)
         self._flush(args, state, control, kwargs, fire=False)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -235,7 +218,7 @@ class S4Callback(TrainerCallback):
             return
         st, best = self.store(args), state.best_global_step
         if args.load_best_model_at_end and best is not None and best in st.steps():
-            model = self._trainer.model if self._trainer is not None else kwargs["model"]
+            model: Any = self._bound().model
             self._steps.load_model(st, best, model, args.device)
             self.best_step = best
         if state.is_world_process_zero and best is not None and args.save_total_limit == 1:
@@ -245,66 +228,13 @@ class S4Callback(TrainerCallback):
             cleanup_restored()
 
     # ---------------------------------------------------------------- saving
-    def _take(self, args: Any, state: Any, control: Any, step: int, as_saved: bool = True) -> _Pending:
-        cs = control.state()
-        if as_saved:
-            cs["args"]["should_save"] = True  # as the Trainer records it in its own save
-        rng = frameworks.rng_state(cuda_all=args.parallel_mode == ParallelMode.DISTRIBUTED)
-        return _Pending(step, rng, len(state.log_history), cs)
-
     def _intercept(self, args: Any, state: Any, control: Any) -> None:
         if self._fallback or not control.should_save:
             return
         control.should_save = False  # the Trainer writes no folder
-        tr = self._trainer
-        if tr is not None and tr.hp_search_backend is None:
-            tr.store_flos()  # what the Trainer's save does first (total_flos into the state)
-        self._pending = self._take(args, state, control, state.global_step)
-
-    def _best_strategy(self, args: Any, state: Any, control: Any, metrics: dict[str, Any]) -> None:
-        """``save_strategy="best"``: the Trainer's ``_determine_best_metric`` bookkeeping done here
-        (same values) leaves it nothing new to find, so it writes no folder; the save is taken here."""
-        name = args.metric_for_best_model
-        key = None if name is None else name if name.startswith("eval_") else f"eval_{name}"
-        if key is None or key not in metrics:
-            return  # the Trainer raises its own KeyError next
-        best = state.best_metric
-        if best is None:
-            best = float("-inf") if args.greater_is_better else float("inf")
-        if (np.greater if args.greater_is_better else np.less)(metrics[key], best):
-            state.best_metric, state.best_global_step = metrics[key], state.global_step
-            self._pending = self._take(args, state, control, state.global_step)
-
-    def _trainer_state_json(self, state: Any, p: _Pending) -> str:
-        """``trainer_state.json`` as the Trainer's save writes it (callback states updated)."""
-        handler = self._trainer.callback_handler if self._trainer is not None else None
-        for cb in handler.callbacks if handler is not None else []:
-            if isinstance(cb, ExportableState):
-                name = cb.__class__.__name__
-                if isinstance(state.stateful_callbacks.get(name), list):
-                    state.stateful_callbacks[name].append(cb.state())
-                else:
-                    state.stateful_callbacks[name] = cb.state()
-        state.stateful_callbacks["TrainerControl"] = p.control_state
-        d = dataclasses.asdict(state)
-        d["log_history"] = d["log_history"][: p.log_len]
-        return json.dumps(d, indent=2, sort_keys=True) + "\n"
-
-    def _tree(self, args: Any, state: Any, kw: dict[str, Any], p: _Pending, rngs: list[Any]) -> dict[str, Any]:
-        tr = self._trainer
-        model: Any = tr.model if tr is not None else kw["model"]
-        tree: dict[str, Any] = {"model": model.state_dict()}
-        if not args.save_only_model:
-            tree["optimizer"], tree["scheduler"] = state_dicts([kw["optimizer"], kw["lr_scheduler"]])
-            scaler = getattr(getattr(tr, "accelerator", None), "scaler", None)
-            if scaler is not None:
-                tree["scaler"] = scaler.state_dict()
-            tree["rng"] = rngs
-        tree["trainer_state"] = self._trainer_state_json(state, p)
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            tree["config"] = config.to_json_string()
-        return tree
+        if self._bound().hp_search_backend is None:
+            self._bound().store_flos()  # what the Trainer's save does first (total_flos into the state)
+        self._pending = take(args, state, control, state.global_step)
 
     def _flush(self, args: Any, state: Any, control: Any, kw: dict[str, Any], *, fire: bool = True) -> None:
         """Take the pending save (every rank: RNG states gathered, rank 0 writes)."""
@@ -314,16 +244,14 @@ class S4Callback(TrainerCallback):
         rngs = [p.rng] if args.save_only_model else frameworks.gather_object(p.rng)
         if state.is_world_process_zero:
             self._steps.finish()
-            tree = self._tree(args, state, kw, p, rngs)
-            extra = {"format": _FORMAT, "global_step": p.step, "save_only_model": bool(args.save_only_model),
-                     "world_size": int(args.world_size or 1), "model": frameworks.fingerprint(tree["model"])}  # fmt: skip
-            self._steps.save(self.store(args), tree, p.step, extra, async_save=self.async_save,
+            tree = step_tree(self._bound(), args, state, kw, p, rngs)
+            self._steps.save(self.store(args), tree, p.step, step_extra(args, p, tree), async_save=self.async_save,
                              then=functools.partial(self._rotate, args, state))  # fmt: skip
         barrier()  # the other ranks wait for the save, as at the Trainer's own
-        if fire and self._trainer is not None:
+        if fire:
             self._firing = True
             try:
-                new = self._trainer.callback_handler.on_save(args, state, control)
+                new = self._bound().callback_handler.on_save(args, state, control)
             finally:
                 self._firing = False
             if new is not None and new is not control:
@@ -340,6 +268,7 @@ class S4Callback(TrainerCallback):
 
     def _store_folder(self, args: Any, state: Any) -> None:
         """FSDP / DeepSpeed: store the folder the Trainer wrote, packed."""
+
         def save(folder: str) -> None:
             extra = {"format": 1, "world_size": int(args.world_size or 1)}
             self._steps.save_folder(self.store(args), folder, state.global_step, extra,

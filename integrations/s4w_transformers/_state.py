@@ -1,0 +1,106 @@
+"""What one step of an :class:`~s4w_transformers.S4Callback` store holds: the save point taken at an
+event (:class:`Pending`), the state tree and its ``extra`` as the Trainer's own save would write them
+(``trainer_state.json`` included), and the bookkeeping of ``save_strategy="best"``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+from transformers.training_args import ParallelMode
+
+from s4w_core import frameworks
+from s4w_core.framework_steps import state_dicts
+
+__all__ = ["FORMAT", "Pending", "sharded_engine", "take", "trainer_state_json", "step_tree", "step_extra", "new_best"]
+
+FORMAT = 2  #: ``extra["format"]``: 2 the in-memory state tree; 1 (or "files" in extra) a packed checkpoint folder
+
+
+def sharded_engine(trainer: Any) -> str | None:
+    """``"FSDP"`` or ``"DeepSpeed"`` when ``trainer`` saves through that engine's sharded writer."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP"
+    return "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else None
+
+
+@dataclasses.dataclass
+class Pending:
+    """A save the Trainer asked for, taken at the next event: its step, this process's RNG states,
+    the length of the log and the ``TrainerControl`` state at the save point."""
+
+    step: int
+    rng: dict[str, Any]
+    log_len: int
+    control_state: dict[str, Any]
+
+
+def take(args: Any, state: Any, control: Any, step: int, as_saved: bool = True) -> Pending:
+    """The save point now (``as_saved``: ``should_save`` recorded as the Trainer's own save does)."""
+    cs = control.state()
+    if as_saved:
+        cs["args"]["should_save"] = True
+    rng = frameworks.rng_state(cuda_all=args.parallel_mode == ParallelMode.DISTRIBUTED)
+    return Pending(step, rng, len(state.log_history), cs)
+
+
+def trainer_state_json(trainer: Trainer, state: Any, p: Pending) -> str:
+    """``trainer_state.json`` as the Trainer's save writes it (callback states updated)."""
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, ExportableState):
+            name = cb.__class__.__name__
+            if isinstance(state.stateful_callbacks.get(name), list):
+                state.stateful_callbacks[name].append(cb.state())
+            else:
+                state.stateful_callbacks[name] = cb.state()
+    state.stateful_callbacks["TrainerControl"] = p.control_state
+    d = dataclasses.asdict(state)
+    d["log_history"] = d["log_history"][: p.log_len]
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def step_tree(
+    trainer: Trainer, args: Any, state: Any, kw: dict[str, Any], p: Pending, rngs: list[Any]
+) -> dict[str, Any]:
+    """The state tree of the save point ``p`` (``kw``: the event's keyword arguments; ``rngs``: every
+    process's RNG states)."""
+    model: Any = trainer.model
+    tree: dict[str, Any] = {"model": model.state_dict()}
+    if not args.save_only_model:
+        tree["optimizer"], tree["scheduler"] = state_dicts([kw["optimizer"], kw["lr_scheduler"]])
+        scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+        if scaler is not None:
+            tree["scaler"] = scaler.state_dict()
+        tree["rng"] = rngs
+    tree["trainer_state"] = trainer_state_json(trainer, state, p)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        tree["config"] = config.to_json_string()
+    return tree
+
+
+def step_extra(args: Any, p: Pending, tree: dict[str, Any]) -> dict[str, Any]:
+    """The step's ``extra`` (what :func:`~s4w_transformers.restore_checkpoint` and a resume check)."""
+    return {"format": FORMAT, "global_step": p.step, "save_only_model": bool(args.save_only_model),
+            "world_size": int(args.world_size or 1), "model": frameworks.fingerprint(tree["model"])}  # fmt: skip
+
+
+def new_best(args: Any, state: Any, metrics: dict[str, Any]) -> bool:
+    """``save_strategy="best"``: the Trainer's ``_determine_best_metric`` bookkeeping (same values,
+    into ``state``); True when ``metrics`` is a new best, which leaves the Trainer nothing new to
+    find, so it writes no folder and the callback takes the save."""
+    name = args.metric_for_best_model
+    key = None if name is None else name if name.startswith("eval_") else f"eval_{name}"
+    if key is None or key not in metrics:
+        return False  # the Trainer raises its own KeyError next
+    best = state.best_metric
+    if best is None:
+        best = float("-inf") if args.greater_is_better else float("inf")
+    if (np.greater if args.greater_is_better else np.less)(metrics[key], best):
+        state.best_metric, state.best_global_step = metrics[key], state.global_step
+        return True
+    return False
