@@ -151,7 +151,7 @@ def _slab_mm(nbytes: int, populate: str, thp: bool) -> mmap.mmap:
     if thp:
         mm.madvise(mmap.MADV_HUGEPAGE)
     if populate == "madvise":
-        mm.madvise(engine._MADV_POPULATE_WRITE)  # noqa: SLF001
+        mm.madvise(engine.MADV_POPULATE_WRITE)
     return mm
 
 

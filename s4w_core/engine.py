@@ -61,6 +61,7 @@ from s4w_core.workers import Pool, executor, ordered, ordered_window, segments
 
 __all__ = [
     "SEGMENT_ELEMS",
+    "MADV_POPULATE_WRITE",
     "PLANE_TRANSFORMS",
     "plane_rot",
     "transform_for",
@@ -174,7 +175,8 @@ def encode_storages_cpu(jobs: list[StorageJob], writer: ContainerWriter, pool: P
 # ----------------------------------------------------------------------------- CPU decode
 #: outputs of at least this many bytes are pre-faulted before decoding (see :func:`_prefault`)
 PREFAULT_MIN_BYTES = 1 << 16
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+#: madvise advice that faults a range in (Linux >= 5.14)
+MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 
 
@@ -210,7 +212,7 @@ def _prefault(t: torch.Tensor) -> None:
     p = t.data_ptr()
     start = (p + _PAGE - 1) & ~(_PAGE - 1)
     end = (p + t.numel() * t.element_size()) & ~(_PAGE - 1)
-    if end > start and fn(start, end - start, _MADV_POPULATE_WRITE) != 0:
+    if end > start and fn(start, end - start, MADV_POPULATE_WRITE) != 0:
         import ctypes
 
         if ctypes.get_errno() == errno.EINVAL:  # the kernel does not know the advice: stop asking
