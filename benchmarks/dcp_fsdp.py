@@ -111,7 +111,7 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from s4w_core.dcp import S4StorageReader, S4StorageWriter, close_rank_stores, wait_rank_stores
-    from s4w_core.dcp_run import RunRoot, rank_store, rank_store_name
+    from s4w_core.dcp.run import RunRoot, rank_store, rank_store_name
 
     root = os.path.join(a.work, kind)
     if rank == 0:

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 from s4w_core import gpu
 from s4w_core.config import check_profile
 from s4w_core.dcp import S4StorageWriter
-from s4w_core.dcp_reader import S4StorageReader
-from s4w_core.dcp_run import committed_steps, delete_step
+from s4w_core.dcp.reader import S4StorageReader
+from s4w_core.dcp.run import committed_steps, delete_step
 from s4w_core.errors import CheckpointNotFoundError, ConflictError, S4WError
 from s4w_core.filepack import pack_folder, unpack_folder
 from s4w_core.frameworks import (

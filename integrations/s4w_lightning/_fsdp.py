@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s4w_core.dcp import S4StorageReader, S4StorageWriter
-from s4w_core.dcp_run import delete_step
+from s4w_core.dcp.run import delete_step
 from s4w_core.errors import CheckpointNotFoundError, ManifestError
 
 try:

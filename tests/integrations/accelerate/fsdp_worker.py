@@ -25,7 +25,7 @@ if __package__ in (None, ""):
     sys.path[:0] = [here, os.path.join(here, "integrations")]
 
 import s4w_accelerate  # noqa: E402
-from s4w_core.dcp_run import committed_steps  # noqa: E402
+from s4w_core.dcp.run import committed_steps  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
 
 

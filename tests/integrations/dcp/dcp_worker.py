@@ -130,7 +130,8 @@ def run(rank: int, world: int, backend: str, root: str, init_method: str | None 
     from torch.distributed.device_mesh import init_device_mesh
 
     import s4w_core
-    from s4w_core.dcp import S4StorageReader, S4StorageWriter, _pinned_pool
+    from s4w_core.dcp import S4StorageReader, S4StorageWriter
+    from s4w_core.dcp.writer import _pinned_pool
 
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank))

@@ -101,7 +101,7 @@ def run(rank: int, world: int, a: argparse.Namespace, init_method: str) -> dict[
     from torch.distributed.device_mesh import init_device_mesh
 
     from s4w_core.dcp import S4StorageReader, S4StorageWriter, committed_steps, wait_rank_stores
-    from s4w_core.dcp_run import run_bytes
+    from s4w_core.dcp.run import run_bytes
 
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, init_method=init_method, timeout=datetime.timedelta(seconds=a.timeout)

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 import s4w_core
 from s4w_core import api
-from s4w_core import dcp as s4dcp
 from s4w_core.dcp import METADATA_NAME, S4StorageReader, S4StorageWriter
+from s4w_core.dcp import writer as s4dcp
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 

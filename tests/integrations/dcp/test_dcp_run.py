@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from s4w_core import CheckpointStore
 from s4w_core.dcp import S4StorageReader, S4StorageWriter, close_rank_stores, committed_steps, wait_rank_stores
-from s4w_core.dcp_run import RunRoot, rank_store, rank_store_name, run_bytes
+from s4w_core.dcp.run import RunRoot, rank_store, rank_store_name, run_bytes
 
 from .run_worker import diff, full_state
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from s4w_core import obs
-from s4w_core.dcp_run import (
+from s4w_core.dcp.run import (
     RunRoot,
     load_items,
     rank_store,
@@ -37,7 +37,7 @@ from s4w_core.store.records import check_step
 if TYPE_CHECKING:
     pass
 
-from s4w_core.dcp_meta import (
+from s4w_core.dcp.meta import (
     METADATA_NAME,
     Folder,
     FolderCheckpoint,

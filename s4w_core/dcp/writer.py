@@ -1,4 +1,4 @@
-"""``torch.distributed.checkpoint`` storage that compresses every rank's shards with s4weights.
+"""The DCP :class:`S4StorageWriter`: compresses every rank's shards with s4weights.
 
 DCP's own ``_extensions`` only see byte streams after ``torch.save`` (CPU, not tensor-aware).  This
 module plugs in one level lower, at the public :class:`~torch.distributed.checkpoint.StorageWriter` /
@@ -20,7 +20,7 @@ stored verbatim, compressed.)
 A training run's steps under one root (``step=``): each rank's items become one step of the
 rank's own :class:`~s4w_core.store.CheckpointStore` (the newest step whole, older steps reverse
 deltas against the step after them), and a step is committed by its metadata record, written
-last; see :mod:`s4w_core.dcp_run` for the layout.  Loads of a run read, from each rank store,
+last; see :mod:`s4w_core.dcp.run` for the layout.  Loads of a run read, from each rank store,
 only the storages their plan needs, so any world size and placement loads any step.
 
 Example::
@@ -72,14 +72,11 @@ from torch.futures import Future
 
 import s4w_core.config
 from s4w_core import api, obs, pipeline
-from s4w_core.dcp_run import (
+from s4w_core.dcp.run import (
     RunRoot,
     cleanup_orphans,
-    close_rank_stores,
-    committed_steps,
     rank_store,
     rank_store_name,
-    wait_rank_stores,
 )
 from s4w_core.errors import UnsupportedTypeError
 from s4w_core.store.records import check_step
@@ -87,8 +84,7 @@ from s4w_core.store.records import check_step
 if TYPE_CHECKING:
     from s4w_core.hostmem import PinnedPool
 
-from s4w_core.dcp_meta import (
-    METADATA_NAME,
+from s4w_core.dcp.meta import (
     SUFFIX,
     Folder,
     FolderCheckpoint,
@@ -101,9 +97,8 @@ from s4w_core.dcp_meta import (
     projection,
     step_from,
 )
-from s4w_core.dcp_reader import S4StorageReader
 
-__all__ = ["S4StorageWriter", "S4StorageReader", "METADATA_NAME", "committed_steps", "close_rank_stores", "wait_rank_stores"]
+__all__ = ["S4StorageWriter"]
 
 
 # ----------------------------------------------------------------------------- staging
@@ -239,7 +234,7 @@ class S4StorageWriter(FolderCheckpoint, StorageWriter):
         path: the checkpoint folder, a local path or ``s3://bucket/prefix``; ``dcp.save``'s
             ``checkpoint_id`` overrides it.  With ``step``: the run's root, holding every step.
         step: save step ``step`` of the run at ``path`` (each rank's items a delta chain, see
-            :mod:`s4w_core.dcp_run`); None (default): ``path`` is one self-contained checkpoint.
+            :mod:`s4w_core.dcp.run`); None (default): ``path`` is one self-contained checkpoint.
         keep_last: with ``step``: once the step is committed, only the newest ``keep_last`` steps
             stay listed; the others' data goes at each rank's next save.
         profile: s4weights profile (``"auto"``: GPU codecs when the tensors are on a usable GPU,
