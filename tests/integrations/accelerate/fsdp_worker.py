@@ -7,6 +7,7 @@ JSON line.
 Accelerate sets ``DistributedType.FSDP`` only for accelerator devices; on the CPU this worker sets it
 before ``prepare``, which then runs Accelerate's own FSDP2 preparation (``fully_shard``, DTensor
 parameters).  The same script with ``native`` as second argument runs Accelerate's own FSDP save.
+With ``S4W_FSDP_WORKER_GPU=1`` each process takes a CUDA device and Accelerate sets FSDP itself (NCCL).
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ import s4w_accelerate  # noqa: E402
 from s4w_core.dcp.run import committed_steps  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
 
+GPU = os.environ.get("S4W_FSDP_WORKER_GPU") == "1"  # one CUDA device per process (NCCL), as `accelerate launch` runs it
+
 
 def setup(project, width=32):
     AcceleratorState._reset_state(True)
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project, automatic_checkpoint_naming=True,
-                                                                    total_limit=2))
-    PartialState().distributed_type = acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    config = ProjectConfiguration(project, automatic_checkpoint_naming=True, total_limit=2)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    if GPU:
+        acc = Accelerator(fsdp_plugin=plugin, project_config=config)
+    else:
+        acc = Accelerator(cpu=True, project_config=config)
+        PartialState().distributed_type = acc.state.distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = plugin
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -46,7 +53,7 @@ def setup(project, width=32):
 
 def train(acc, model, opt, sched, steps):
     for s in steps:
-        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * s + acc.process_index))
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * s + acc.process_index)).to(acc.device)
         acc.backward(torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin()))
         opt.step()
         sched.step()

@@ -17,9 +17,10 @@ pytest.importorskip("accelerate")
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
-def test_fsdp2_sharded_state_goes_through_the_run_and_resumes_bit_exact(tmp_path):
+def _check(tmp_path, gpu: bool) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "integrations")]), OMP_NUM_THREADS="1")
     env.pop("S4W_ACCELERATE", None)
+    env["S4W_FSDP_WORKER_GPU"] = "1" if gpu else "0"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -38,3 +39,16 @@ def test_fsdp2_sharded_state_goes_through_the_run_and_resumes_bit_exact(tmp_path
     assert got["lr"] == pytest.approx([1e-2 * 0.7**6]), got  # the scheduler resumed (2 processes: 2 steps each)
     assert got["same"] == [True, True], got  # every rank's shards of weights and optimizer state, bit for bit
     assert "step 2: the stored shards do not fit" in got["mismatch"], got  # other shapes: nothing loaded
+
+
+def test_fsdp2_sharded_state_goes_through_the_run_and_resumes_bit_exact(tmp_path):
+    _check(tmp_path, gpu=False)
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_two_gpus(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check(tmp_path, gpu=True)
