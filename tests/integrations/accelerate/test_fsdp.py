@@ -18,7 +18,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 
 
 def _check(tmp_path, gpu: bool) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "integrations")]), OMP_NUM_THREADS="1")
+    paths = [ROOT, os.path.join(ROOT, "integrations"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
     env.pop("S4W_ACCELERATE", None)
     env["S4W_FSDP_WORKER_GPU"] = "1" if gpu else "0"
     with socket.socket() as sock:
