@@ -4,34 +4,18 @@ into the store; total_limit rotates both; load_state resumes bit-exactly (fsdp_w
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
-pytest.importorskip("accelerate")
+from tests.integrations._util import torchrun_json
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+pytest.importorskip("accelerate")
 
 
 def _check(tmp_path, gpu: bool) -> None:
-    paths = [ROOT, os.path.join(ROOT, "integrations"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
-    env.pop("S4W_ACCELERATE", None)
-    env["S4W_FSDP_WORKER_GPU"] = "1" if gpu else "0"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     worker = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    r = subprocess.run(
-        [*cmd, "--master_port", port, worker, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    got = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
+    got = torchrun_json(worker, str(tmp_path), 300, S4W_FSDP_WORKER_GPU="1" if gpu else "0")
     # total_limit=2: the store and the run both keep steps 1 and 2; the folders hold no payload
     assert got["steps"] == got["committed"] == [1, 2], got
     assert got["checkpoints"] == ["checkpoint_1", "checkpoint_2"] and got["files"] == [], got
