@@ -22,7 +22,7 @@ records, summed); per step, the kind and size the step ends with and the save se
 seconds by chain depth; a bit-exact check of every step read back (xxh3 of each tensor); and the
 load of the newest step (one object) and of the step ``--back`` saves before it, against
 ``torch.load`` of the newest state from the same disk, each with the files' pages dropped from
-the page cache first (``posix_fadvise(DONTNEED)`` after an ``fsync``; ``--no-drop`` keeps them).
+the page cache first (``posix_fadvise(DONTNEED)`` after a ``sync``: ``_pagecache.evict``; ``--no-drop`` keeps them).
 
 Usage (CPU, small)::
 
@@ -57,6 +57,8 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _pagecache import evict  # noqa: E402
 
 import s4w_core  # noqa: E402
 from s4w_core import delta as delta_mod  # noqa: E402
@@ -281,25 +283,6 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _drop_cache(paths: list[str]) -> bool:
-    """Write back and drop the pages of ``paths`` from the page cache (Linux; clean pages only,
-    hence the fsync first).  False where the platform cannot."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
-
-
-def _files(root: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
-
-
 def _timed(fn: Any, device: str) -> tuple[Any, float]:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -320,19 +303,19 @@ def _load_times(root: str, state: Any, work: str, args: argparse.Namespace) -> d
     pt = os.path.join(work, "newest.pt")
     torch.save(state, pt)
     drop = not args.no_drop
-    dropped = drop and _drop_cache([pt])
+    dropped = drop and evict(pt)
     _, torch_s = _timed(lambda: torch.load(pt, map_location=dev, weights_only=False), dev)
     store = CheckpointStore(root, base_cache_bytes=0)  # keeps no host copy: the load alone is timed
     recs = store.list()
     newest = recs[-1]
     back = recs[max(0, len(recs) - 1 - args.back)]
     if drop:
-        _drop_cache(_files(root))
+        evict(root)
     got, newest_s = _timed(lambda: store.load(newest.step, map_location=dev), dev)
     same = _digest(got) == _digest(state)
     del got
     if drop:
-        _drop_cache(_files(root))
+        evict(root)
     _, back_s = _timed(lambda: store.load(back.step, map_location=dev), dev)
     store.close()
     return {

@@ -41,8 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from _pagecache import evict  # noqa: E402
 from _train_gpt import MODELS, Trainer  # noqa: E402
-from bench_peers import evict  # noqa: E402
 
 from s4w_core import engine  # noqa: E402
 from s4w_core.store._async import pinned_buffers  # noqa: E402

@@ -81,6 +81,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
+from _pagecache import evict  # noqa: E402
 from _train_gpt import MODELS, Trainer  # noqa: E402
 from bench_codec import event_time  # noqa: E402
 
@@ -259,26 +260,6 @@ def _dir_bytes(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-
-
-def evict(path: str) -> bool:
-    """Drop ``path``'s files (a file or a tree) from the page cache: sync, then posix_fadvise DONTNEED."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    os.sync()
-    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        try:
-            fd = os.open(f, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return True
 
 
 def _rss() -> int:

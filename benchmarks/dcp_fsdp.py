@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from _pagecache import evict  # noqa: E402
 from _train_gpt import GPT, corpus  # noqa: E402
 
 
@@ -182,7 +183,7 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
     for cache in ("cold", "warm"):  # cold: the run's files dropped from the page cache first
         if cache == "cold":
             if rank == 0:
-                _drop_cache(root)
+                evict(root)
             dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
@@ -242,19 +243,6 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
     }
 
 
-def _drop_cache(root: str) -> None:
-    """Write back and drop every file under ``root`` from the page cache (clean pages only, hence
-    the fsync first), so that the next load reads the disk."""
-    for d, _, fs in os.walk(root):
-        for f in fs:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
@@ -274,7 +262,7 @@ def _table(res: dict[str, Any]) -> str:
             f"| {r['total_bytes'] / 1e6:.1f} MB | {r['load_s']:.2f} / {r.get('load_warm_s', float('nan')):.2f} | {rs.get('load_s', float('nan')):.2f} "
             f"| {r['loaded_bit_exact']} / {r['resume_bit_exact']} / {rs.get('bit_exact')} |"
         )
-    note = ("load newest: cold = every file of the run dropped from the page cache first (fsync + "
+    note = ("load newest: cold = every file of the run dropped from the page cache first (sync + "
             "posix_fadvise DONTNEED), warm = the same load again. bytes per step: oldest first. FileSystemWriter: one folder per step. s4weights: the newest "
             "step whole, each older step a delta against the step after it (what it adds to the run).")
     return "\n".join(rows) + "\n\n" + note + "\n"

@@ -71,7 +71,8 @@ _MAX_OVERREAD = 0.25
 #: a read is at most ``S4W_READ_BLOCK`` bytes (32 MiB); batches are staged (read and checked)
 #: ``S4W_STAGE_AHEAD`` (4) ahead of the one being decoded, so that about that many reads are in
 #: flight. (On an H100's local disk, a 2.3 GB bf16 state cold: 4 ahead with one read per batch
-#: loaded in 0.77-0.79 s, 2 ahead with each batch cut into 4 parallel reads 0.93-0.97 s.)
+#: loaded in 0.77-0.79 s, 2 ahead with each batch cut into 4 parallel reads 0.96-0.97 s in the same
+#: sweep, 0.91-1.01 s in four other runs.)
 
 
 def _round(x: int, a: int) -> int:
