@@ -56,13 +56,19 @@ def manifest_compressed(blob: bytes) -> bool:
     return bool(struct.unpack_from("<H", blob, 10)[0] & FLAG_MANIFEST_ZSTD)
 
 
-def split(blob: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
-    """``(header + data, trailer, manifest)`` of a well-formed container (the manifest
-    decompressed when the header says it is stored compressed)."""
+def manifest_text(blob: bytes) -> bytes:
+    """The manifest's JSON bytes of a well-formed container (decompressed when stored compressed)."""
     moff, mlen, _h, magic = _TRAILER.unpack(blob[-TRAILER_SIZE:])
     assert magic == TRAILER_MAGIC
     stored = blob[moff : moff + mlen]
-    return blob[:moff], blob[-TRAILER_SIZE:], json.loads(inflate_manifest(stored) if manifest_compressed(blob) else stored)
+    return inflate_manifest(stored) if manifest_compressed(blob) else stored
+
+
+def split(blob: bytes) -> tuple[bytes, bytes, dict[str, Any]]:
+    """``(header + data, trailer, manifest)`` of a well-formed container (the manifest
+    decompressed when the header says it is stored compressed)."""
+    moff = _TRAILER.unpack(blob[-TRAILER_SIZE:])[0]
+    return blob[:moff], blob[-TRAILER_SIZE:], json.loads(manifest_text(blob))
 
 
 def rebuild(prefix: bytes, manifest: dict[str, Any]) -> bytes:
