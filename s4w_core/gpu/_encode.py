@@ -374,6 +374,11 @@ def encode_storages(
             if _on_device(job.raw):
                 fold_items.append((raw, len(entries)))
                 fold_slots.append((len(entries), nbytes))
+            elif _on_device(raw):
+                # a host copy of a GPU storage, moved over whole: summed there now (its device
+                # copy is not held to the end), the same checksum as the step coded from the GPU
+                fold64_batched([(raw, len(entries))], acc)
+                fold_slots.append((len(entries), nbytes))
             else:
                 entry["checksum"] = ck.tensor_checksum(job.raw)
             if nz_pick.get(jidx):

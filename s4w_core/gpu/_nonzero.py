@@ -67,14 +67,24 @@ def _plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
     return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """Order-0 entropy of the uint8 tensor ``x`` times its length: its order-0 cost in bits."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=x.device)
-    hist = torch.bincount(x.to(torch.int32), minlength=256).to(torch.float64)
-    p = hist / x.numel()
-    h = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum()
-    return h.clamp_min(1e-3) * x.numel()
+def _bits_each(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Order-0 entropy times length of each uint8 tensor of ``xs``: its order-0 cost in bits
+    (float64, one per tensor, at least 1e-3 bits a byte), from one histogram for all of them."""
+    dev = xs[0].device
+    sizes = torch.tensor([x.numel() for x in xs], dtype=torch.float64, device=dev)
+    keys = torch.cat([x.to(torch.int32) + 256 * g for g, x in enumerate(xs)])
+    hist = torch.bincount(keys, minlength=256 * len(xs)).view(len(xs), 256).to(torch.float64)
+    p = hist / sizes.clamp_min(1.0)[:, None]
+    h = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
+    return torch.where(sizes > 0, h.clamp_min(1e-3) * sizes, torch.zeros_like(sizes))
+
+
+def _sample_on(t: torch.Tensor, ranges: list[tuple[int, int]], w: int, dev: torch.device) -> torch.Tensor:
+    """The elements ``ranges`` of the byte tensor ``t`` (element width ``w``), concatenated on
+    ``dev``: gathered where ``t`` lives, then moved in one copy (a host copy's sample is many
+    small ranges; one transfer each would cost more than the estimate)."""
+    s = torch.cat([t[a * w : z * w] for a, z in ranges])
+    return s if s.device == dev else s.to(dev)
 
 
 def nonzero_choices_device(
@@ -91,8 +101,8 @@ def nonzero_choices_device(
         if n < NZ_MIN_ELEMS or w not in _ITYPE:
             continue
         ranges = choice.delta_sample_ranges(n)
-        r = torch.cat([raw[a * w : z * w].to(dev) for a, z in ranges])
-        b = None if base is None or op is None else torch.cat([base[a * w : z * w].to(dev) for a, z in ranges])
+        r = _sample_on(raw, ranges, w, dev)
+        b = None if base is None or op is None else _sample_on(base, ranges, w, dev)
         samples.append((i, _residual_words(r, b, op, dtype), w))
     if not samples:
         return out
@@ -106,9 +116,8 @@ def nonzero_choices_device(
         if zeros < choice.NZ_MIN_ZERO_FRAC * words.numel():
             continue
         bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        plain = sum((_bits(p) for p in _plane_bytes(words, w)), zero)
-        nz = _bits(bitmap) + sum((_bits(planes[j]) for j in range(w)), zero)
+        costs = _bits_each(_plane_bytes(words, w) + [bitmap] + [planes[j] for j in range(w)])
+        plain, nz = costs[:w].sum(), costs[w:].sum()
         nonzero = (words != 0).sum().to(torch.float64)
         stats.append(torch.stack([words.numel() - nonzero, plain, nz]))
         idx.append(i)
