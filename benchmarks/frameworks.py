@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import os
 import platform
+import pstats
 import resource
 import shutil
 import subprocess
@@ -154,7 +156,12 @@ class Sampler(threading.Thread):
 
     @staticmethod
     def _key(code: Any) -> str:
-        fn = code.co_filename
+        return Sampler.key_of((code.co_filename, 0, code.co_name))
+
+    @staticmethod
+    def key_of(func: tuple[str, int, str]) -> str:
+        """``file:function`` with the file relative to site-packages or the repository."""
+        fn, _line, name = func
         for marker in ("site-packages/", "dist-packages/", "/lib/python"):
             i = fn.rfind(marker)
             if i >= 0:
@@ -163,7 +170,7 @@ class Sampler(threading.Thread):
         else:
             if fn.startswith(ROOT):
                 fn = fn[len(ROOT) + 1 :]
-        return f"{fn}:{code.co_name}"
+        return f"{fn}:{name}"
 
     _IDLE = ("threading.py:wait", "threading.py:_wait_for_tstate_lock", "queue.py:get", "selectors.py:select",
              "concurrent/futures/thread.py:_worker", "threading.py:join")
@@ -599,6 +606,23 @@ def run_dcp(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer
     return {"wall": wall, "model": model, "opt": opt, "resume": resume if mode != "none" else None}
 
 
+def profiled(fn: Callable[[], None], n: int = 12) -> dict[str, Any]:
+    """Run ``fn`` under cProfile: the functions with the most own time and the most cumulative
+    time (the resume's breakdown; the profiler adds ~10-30 % to what it measures)."""
+    pr = cProfile.Profile()
+    pr.enable()
+    try:
+        fn()
+    finally:
+        pr.disable()
+    st = pstats.Stats(pr)
+    rows = [(Sampler.key_of(func), tt, ct) for func, (_cc, _nc, tt, ct, _callers) in st.stats.items()]  # type: ignore[attr-defined]
+    return {
+        "own_s": [[k, round(tt, 4)] for k, tt, _ in sorted(rows, key=lambda x: -x[1])[:n]],
+        "cumulative_s": [[k, round(ct, 4)] for k, _, ct in sorted(rows, key=lambda x: -x[2])[:n]],
+    }
+
+
 RUNNERS = {"lightning": run_lightning, "hf": run_hf, "accelerate": run_accelerate, "dcp": run_dcp}
 
 
@@ -650,7 +674,10 @@ def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
         sync(device)
         t = time.perf_counter()
         try:
-            r["resume"]()
+            if spec.get("profile_resume"):
+                out["resume_profile"] = profiled(r["resume"])
+            else:
+                r["resume"]()
             out["resume_s"] = time.perf_counter() - t
             out["resume"] = compare(snap, r["model"], r["opt"])
         except Exception as e:  # reported, not fatal: the table says FAIL
@@ -708,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="where runs write their checkpoints (default: a temp dir)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="runs not started by then are reported skipped")
     ap.add_argument("--sample-ms", type=float, default=20.0, help="profile sampling interval (every run, equally)")
+    ap.add_argument("--profile-resume", action="store_true",
+                    help="time each resume under cProfile and report its breakdown (the resume times then include the profiler)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 3 saves, all runs in this process")
     ap.add_argument("--device", default=None)
     ap.add_argument("--torch-threads", type=int, default=None,
@@ -748,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(run_dir)
             spec = {"framework": fw, "mode": mode, "precision": a.precision, "size": size, "steps": a.steps,
-                    "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
+                    "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms, "profile_resume": a.profile_resume,
                     "torch_threads": a.torch_threads or (1 if device == "cpu" else None),
                     "async": name == "s4w-async-warm"}
             left = a.budget_s - (time.perf_counter() - t_start)
@@ -922,6 +951,15 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("- main thread, save path: " + ", ".join(f"`{k}` {v:.2f}" for k, v in p["main_save_path_s"][:12]))
         lines.append("- main thread, leaves: " + ", ".join(f"`{k}` {v:.2f}" for k, v in p["main_leaf_s"][:8]))
         lines.append("- background, s4weights: " + ", ".join(f"`{k}` {v:.2f}" for k, v in p["other_s4w_s"][:10]))
+        lines.append("")
+    for r in results:
+        rp = r.get("resume_profile")
+        if "error" in r or not rp:
+            continue
+        lines.append(f"**{r['framework']} {r['run']}: resume** ({r.get('resume_s', 0):.2f} s, cProfile)")
+        lines.append("")
+        lines.append("- own time: " + ", ".join(f"`{k}` {v:.3f}" for k, v in rp["own_s"][:10]))
+        lines.append("- cumulative: " + ", ".join(f"`{k}` {v:.3f}" for k, v in rp["cumulative_s"][:10]))
         lines.append("")
     return "\n".join(lines) + "\n"
 
