@@ -997,7 +997,7 @@ def targets(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
         rr = v.get("resume_ratio")
         line(None if rr is None else rr <= 1.0, f"{tag}: resume {rr if rr is None else round(rr, 2)}x the default's (<= 1x)")
         line(bool((r.get("resume") or {}).get("bit_identical")), f"{tag}: resumed state bit-identical")
-        if dflt:
+        if dflt and v:  # (no comparison without the framework's `none` run: `--only` left it out)
             sb = r["state_bytes"]
             line(v["extra_rss_bytes"] <= sb, f"{tag}: peak RSS +{v['extra_rss_bytes'] / 1e9:.2f} GB over the default's (<= state {sb / 1e9:.2f} GB)")
             if meta["device"].startswith("cuda"):
