@@ -68,9 +68,11 @@ def enabled() -> bool:
 
 
 def finish_pending() -> None:
-    """Wait for the background save (``async_save=True``) and mirror rotation; raises its error if
-    it failed. ``save_state`` and ``load_state`` call it first; call it at the end of training."""
-    ACTIVE.steps.finish()
+    """Wait for the background save (``async_save=True``), mirror rotation, and wait for the
+    stores' own background work (the step below the newest re-encoded as a delta); raises the
+    save's error if it failed. Call it at the end of training (the process's exit would
+    otherwise wait for that work); ``save_state`` and ``load_state`` wait for the save first."""
+    ACTIVE.steps.wait()
 
 
 def store_for(folder: str | os.PathLike[str]) -> CheckpointStore:
