@@ -66,6 +66,13 @@ def synthetic_states(device: torch.device, dtypes: Iterable[torch.dtype]) -> tup
             s1[f"{name}/w{n}"] = (w * (1 + 1e-3 * torch.randn(n, generator=g))).to(dt).to(device)  # -> a delta
             s0[f"{name}/m{n}"] = torch.randn(n, generator=g).to(dt).to(device)
             s1[f"{name}/m{n}"] = torch.randn(n, generator=g).to(dt).to(device)  # -> plain
+        # an Adam moment with the zero rows of untouched embedding rows: the nonzero transform's
+        # kernels, on save and on load (a resume's first load compiled them otherwise)
+        n = 1 << 18
+        for s in (s0, s1):
+            z = torch.randn(n, generator=g)
+            z[: n // 2] = 0
+            s[f"{name}/z{n}"] = z.to(dt).to(device)
     for n in _INT_SIZES:
         s0[f"int/{n}"] = torch.arange(n, device=device)
         s1[f"int/{n}"] = torch.arange(n, device=device) + 1
