@@ -38,7 +38,7 @@ from s4w_transformers._state import Pending, dcp_route, new_best, sharded_engine
 __all__ = ["S4Callback", "UnsupportedSetupError", "STORE_DIRNAME"]
 
 STORE_DIRNAME = ".s4w"  #: the store folder in ``output_dir`` when no ``store=`` is given
-_CHECKED = "transformers 5.17-5.24"  # the versions whose Trainer._load_from_checkpoint the resume wraps
+_CHECKED = "transformers 5.24.0"  # the version whose Trainer._load_from_checkpoint the FSDP2 resume wraps
 
 
 class UnsupportedSetupError(S4WError, ValueError):
@@ -50,6 +50,10 @@ class S4Callback(TrainerCallback):
 
     ``Trainer(..., callbacks=[S4Callback()])``, or ``S4Callback().attach(trainer)``; list it after
     callbacks that set ``control.should_save``.
+
+    Under FSDP2 every rank's shards of the model and optimizer go into the run-level DCP root
+    beside the store (``<store>_dcp``), the rest into the store step; resume loads them where the
+    Trainer loads its FSDP checkpoint (docs/INTEGRATIONS.md).
 
     Args:
         store: a local directory or ``s3://bucket/prefix``; default ``<output_dir>/.s4w``.
