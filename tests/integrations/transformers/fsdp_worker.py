@@ -49,8 +49,8 @@ for _name in ("save_fsdp_model", "save_fsdp_optimizer"):
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        self.x = torch.randint(0, 64, (128, 16), generator=torch.Generator().manual_seed(0))
+    def __init__(self, n=128, seed=0):
+        self.x = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self):
         return len(self.x)
@@ -94,6 +94,27 @@ class Probe(transformers.TrainerCallback):
         self.files |= set(payload(args.output_dir))
 
 
+class Snapshots(transformers.TrainerCallback):
+    """This rank's weights at every on_save (the saved step's)."""
+
+    def __init__(self):
+        self.bits = {}
+
+    def on_save(self, args, state, control, model=None, **kw):
+        self.bits[state.global_step] = weight_bits(model)
+
+
+class Scores:
+    """compute_metrics with a fixed score per evaluation: 1, 3, 2, 0 -> the best is the 2nd (step 4)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, pred):
+        self.n += 1
+        return {"score": [1.0, 3.0, 2.0, 0.0][min(self.n - 1, 3)]}
+
+
 def payload(out):
     """Files under ``out`` outside the store (``.s4w``) and the run (``.s4w_dcp``)."""
     found = []
@@ -104,7 +125,7 @@ def payload(out):
     return sorted(found)
 
 
-def trainer(out, callbacks, n_embd=32, **kw):
+def trainer(out, callbacks, n_embd=32, extra=None, **kw):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=n_embd, n_layer=2, n_head=2, resid_pdrop=0.1)
     args = transformers.TrainingArguments(
@@ -114,17 +135,26 @@ def trainer(out, callbacks, n_embd=32, **kw):
         fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}, **kw,
     )  # fmt: skip
     cls = transformers.Trainer if GPU else FSDPOnCPU
-    return cls(model=transformers.GPT2LMHeadModel(cfg), args=args, train_dataset=Tokens(), callbacks=callbacks)
+    model = transformers.GPT2LMHeadModel(cfg)
+    return cls(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks, **(extra or {}))
+
+
+def raw(v):
+    t = v.to_local() if hasattr(v, "to_local") else v
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def weight_bits(model):
+    return {k: raw(v) for k, v in model.state_dict().items()}
+
+
+def equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def local_bits(tr):
     """This rank's shards of the weights and of the optimizer state, as bytes."""
-
-    def raw(v):
-        t = v.to_local() if hasattr(v, "to_local") else v
-        return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()
-
-    out = {k: raw(v) for k, v in tr.model.state_dict().items()}
+    out = weight_bits(tr.model)
     for i, st in enumerate(tr.optimizer.state_dict()["state"].values()):
         out.update({f"opt{i}.{k}": raw(v) for k, v in st.items()})
     return out
@@ -153,7 +183,7 @@ def main(out):
     resumed = trainer(run, [S4Callback(), probe])
     resumed.train(resume_from_checkpoint=True)  # from step 6; trains 7 and 8, saves 8
     got = local_bits(resumed)
-    same = got.keys() == want.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    same = equal(got, want)
     lr = resumed.lr_scheduler.get_last_lr() == ref.lr_scheduler.get_last_lr()
     flags, kinds = all_ranks(bool(same and lr)), all_ranks(infos)
     # bad input: a model of other shapes resumed from the store fails on every rank, naming the step
@@ -163,6 +193,16 @@ def main(out):
     except StateMismatchError as e:
         mismatch = str(e)
     mismatches = all_ranks(mismatch)
+    # load_best_model_at_end: every rank loads its shards of the best step (4 of 2, 4, 6, 8), which
+    # save_total_limit=2 keeps beside the newest
+    snaps = Snapshots()
+    evals = {"eval_dataset": Tokens(8, seed=1), "compute_metrics": Scores()}
+    best = trainer(os.path.join(out, "best"), [S4Callback(), snaps], extra=evals, eval_strategy="steps", eval_steps=2,
+                   metric_for_best_model="score", load_best_model_at_end=True)  # fmt: skip
+    best.train()
+    at_end = weight_bits(best.model)
+    best_ok = all_ranks([best.state.best_global_step, equal(at_end, snaps.bits[4]), equal(at_end, snaps.bits[8])])
+    best_root = os.path.join(out, "best", ".s4w_dcp")
     if resumed.args.process_index == 0:
         st = CheckpointStore(os.path.join(run, ".s4w"))
         tree = st.load(8)
@@ -171,6 +211,8 @@ def main(out):
             "kinds": kinds, "native_saves": NATIVE_SAVES, "probe_saves": probe.saves,
             "probe_files": sorted(probe.files), "files": payload(run), "keys": sorted(tree),
             "sharded": st.info(8).extra.get("sharded") == os.path.abspath(root), "mismatch": mismatches,
+            "best": best_ok, "best_steps": CheckpointStore(os.path.join(out, "best", ".s4w")).steps(),
+            "best_committed": committed_steps(best_root),
         }))  # fmt: skip
         st.close()
     torch.distributed.barrier()

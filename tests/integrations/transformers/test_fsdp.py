@@ -1,7 +1,8 @@
 """S4Callback under the HF Trainer's FSDP2 on 2 processes through torchrun (fsdp_worker.py): the
 model's and optimizer's shards go into the run-level DCP root as each rank's delta chain, the rest
 into the store, no Trainer checkpoint folder or payload file at any moment; save_total_limit rotates
-both; resume_from_checkpoint=True resumes bit-exactly on every rank.  On the CPU (gloo), and on 2
+both; resume_from_checkpoint=True resumes bit-exactly on every rank; load_best_model_at_end loads
+the best step's shards.  On the CPU (gloo), and on 2
 GPUs (NCCL, marker ``gpu``)."""
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def _check(tmp_path, gpu: bool) -> None:
     for kinds in got["kinds"]:  # each rank: the older step a delta against the newest, and smaller
         assert kinds["4"][0] == "delta" and kinds["6"][0] == "keyframe" and kinds["4"][1] < kinds["6"][1], got
     assert got["same"] == [True, True], got  # every rank's weights, optimizer state and LR, bit for bit
+    # load_best_model_at_end: every rank ends with its shards of the best step (4), not of the last (8);
+    # save_total_limit=2 keeps the newest and the best, in the store and the run
+    assert got["best"] == [[4, True, False], [4, True, False]], got
+    assert got["best_steps"] == got["best_committed"] == [4, 8], got
     for m in got["mismatch"]:  # other shapes: a clear error on every rank, naming the step and the key
         assert "step 8: the stored shards do not fit" in m and "transformer.wte.weight" in m, got
 
