@@ -8,7 +8,8 @@ The Trainer's FSDP setup comes from Accelerate, which enables FSDP only for acce
 the CPU (gloo) this worker's Trainer sets Accelerate's state to FSDP with the plugin the Trainer
 built from ``fsdp_config`` right after creating its Accelerator; ``prepare`` then runs Accelerate's
 own FSDP2 preparation (``fully_shard``, DTensor parameters).  With ``S4W_FSDP_WORKER_GPU=1`` each
-process takes a CUDA device and the Trainer sets FSDP itself (NCCL).
+process takes a CUDA device and the Trainer sets FSDP itself (NCCL), with ``full_determinism`` (the
+embedding's backward on CUDA adds atomically otherwise: the uninterrupted run could differ in its bits).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def trainer(out, callbacks, n_embd=32, extra=None, **kw):
     args = transformers.TrainingArguments(
         output_dir=out, max_steps=8, per_device_train_batch_size=4, learning_rate=1e-3, lr_scheduler_type="linear",
         save_steps=2, save_total_limit=2, logging_steps=100, report_to=[], use_cpu=not GPU, disable_tqdm=True,
-        seed=0, ddp_backend=None if GPU else "gloo", fsdp="full_shard",
+        seed=0, ddp_backend=None if GPU else "gloo", fsdp="full_shard", full_determinism=GPU,
         fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}, **kw,
     )  # fmt: skip
     cls = transformers.Trainer if GPU else FSDPOnCPU
