@@ -31,7 +31,7 @@ import transformers.trainer  # noqa: E402
 
 from s4w_core.dcp.run import RunRoot, committed_steps, rank_store, rank_store_name, wait_rank_stores  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
-from s4w_transformers import S4Callback, StateMismatchError  # noqa: E402
+from s4w_transformers import S4Callback, StateMismatchError, restore_checkpoint  # noqa: E402
 
 GPU = os.environ.get("S4W_FSDP_WORKER_GPU") == "1"
 NATIVE_SAVES: list[str] = []  # calls of the Trainer's own FSDP writers (there must be none)
@@ -186,7 +186,13 @@ def main(out):
     got = local_bits(resumed)
     same = equal(got, want)
     lr = resumed.lr_scheduler.get_last_lr() == ref.lr_scheduler.get_last_lr()
-    flags, kinds = all_ranks(bool(same and lr)), all_ranks(infos)
+    # the explicit route: restore_checkpoint (every rank) gives the folder, into another output dir
+    path = restore_checkpoint(os.path.join(run, ".s4w"), step=6)
+    listed = sorted(os.listdir(path))
+    again = trainer(os.path.join(out, "again"), [S4Callback()])
+    again.train(resume_from_checkpoint=path)
+    same_again = equal(local_bits(again), want)
+    flags, kinds = all_ranks([bool(same and lr), same_again]), all_ranks(infos)
     # bad input: a model of other shapes resumed from the store fails on every rank, naming the step
     try:
         trainer(run, [S4Callback()], n_embd=16).train(resume_from_checkpoint=True)
@@ -209,7 +215,7 @@ def main(out):
         tree = st.load(8)
         print(json.dumps({
             "first_steps": first_steps, "steps": st.steps(), "committed": committed_steps(root), "same": flags,
-            "kinds": kinds, "native_saves": NATIVE_SAVES, "probe_saves": probe.saves,
+            "kinds": kinds, "native_saves": NATIVE_SAVES, "restored": listed, "probe_saves": probe.saves,
             "probe_files": sorted(probe.files), "files": payload(run), "keys": sorted(tree),
             "sharded": st.info(8).extra.get("sharded") == os.path.abspath(root), "mismatch": mismatches,
             "best": best_ok, "best_steps": CheckpointStore(os.path.join(out, "best", ".s4w")).steps(),

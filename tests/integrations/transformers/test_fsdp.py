@@ -30,7 +30,18 @@ def _check(tmp_path, gpu: bool) -> None:
     assert got["keys"] == ["config", "rng", "scheduler", "sharded", "trainer_state"] and got["sharded"], got
     for kinds in got["kinds"]:  # each rank: the older step a delta against the newest, and smaller
         assert kinds["4"][0] == "delta" and kinds["6"][0] == "keyframe" and kinds["4"][1] < kinds["6"][1], got
-    assert got["same"] == [True, True], got  # every rank's weights, optimizer state and LR, bit for bit
+    # every rank's weights, optimizer state and LR, bit for bit: resume_from_checkpoint=True, and the
+    # folder restore_checkpoint wrote (no weights or optimizer in it: the pointer to the run's step)
+    assert got["same"] == [[True, True], [True, True]], got
+    want = [
+        "config.json",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "s4w_sharded.json",
+        "scheduler.pt",
+        "trainer_state.json",
+    ]
+    assert got["restored"] == want, got
     # load_best_model_at_end: every rank ends with its shards of the best step (4), not of the last (8);
     # save_total_limit=2 keeps the newest and the best, in the store and the run
     assert got["best"] == [[4, True, False], [4, True, False]], got
