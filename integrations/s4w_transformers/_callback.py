@@ -110,23 +110,18 @@ class S4Callback(TrainerCallback):
             trainer.add_callback(self)
         self._trainer = trainer
         train = trainer.train
-        load = private_attrs(trainer, ("_load_from_checkpoint",), "transformers", transformers.__version__, _CHECKED)
-
-        @functools.wraps(load["load_from_checkpoint"])
-        def load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> Any:
-            pointer = read_pointer(resume_from_checkpoint)
-            if pointer is None:  # a folder with the model's files: the Trainer's own load
-                return load["load_from_checkpoint"](resume_from_checkpoint, model)
-            self._load_sharded(trainer, resume_from_checkpoint, pointer, model)
-            return None
-
-        # the one place the Trainer loads an FSDP checkpoint's weights (after `prepare`, every rank)
-        trainer._load_from_checkpoint = load_from_checkpoint  # type: ignore[method-assign]
+        if dcp_route(trainer):
+            self._wrap_fsdp_load(trainer)
 
         @functools.wraps(train)
         def train_from_store(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             try:
-                return train(self._resolve_resume(trainer, resume_from_checkpoint), *args, **kwargs)
+                resume = self._resolve_resume(trainer, resume_from_checkpoint)
+                if isinstance(resume, (str, os.PathLike)) and not dcp_route(trainer) and read_pointer(resume):
+                    raise StateMismatchError(f"{os.fspath(resume)} holds a step saved under FSDP2 (the model's shards "
+                                             "in the run), and this Trainer does not use FSDP2: resume with "
+                                             "fsdp_config={'fsdp_version': 2}")  # fmt: skip
+                return train(resume, *args, **kwargs)
             finally:
                 self._held = {}
                 cleanup_restored()
@@ -149,13 +144,25 @@ class S4Callback(TrainerCallback):
         assert self._trainer is not None
         return self._trainer
 
+    def _wrap_fsdp_load(self, trainer: Trainer) -> None:
+        """FSDP2: the Trainer loads a checkpoint's weights in ``_load_from_checkpoint`` (after
+        ``prepare``, on every rank); for a folder restored from a sharded step, the shards are loaded
+        from the run there instead."""
+        load = private_attrs(trainer, ("_load_from_checkpoint",), "transformers", transformers.__version__, _CHECKED)
+
+        @functools.wraps(load["load_from_checkpoint"])
+        def load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> Any:
+            pointer = read_pointer(resume_from_checkpoint)
+            if pointer is None:  # a folder with the model's files: the Trainer's own load
+                return load["load_from_checkpoint"](resume_from_checkpoint, model)
+            self._load_sharded(trainer, resume_from_checkpoint, pointer, model)
+            return None
+
+        trainer._load_from_checkpoint = load_from_checkpoint  # type: ignore[method-assign]
+
     def _load_sharded(self, trainer: Trainer, folder: str, pointer: dict[str, Any], model: Any) -> None:
         """Every rank: the model's and optimizer's shards of a restored FSDP2 step from the run, and the
         LR scheduler (which the Trainer loads only beside an optimizer file)."""
-        where = f"{folder} (step {pointer['step']} of the run {pointer['root']})"
-        if not dcp_route(trainer):
-            raise StateMismatchError(f"{where} was saved under FSDP2 (the model's shards in the run), and this Trainer "
-                                     "does not use FSDP2: resume with fsdp_config={'fsdp_version': 2}")  # fmt: skip
         model = trainer.model_wrapped if model is None else model
         optimizers = [trainer.optimizer] if pointer["optimizer"] else []
         load_sharded(pointer["root"], pointer["step"], [model], optimizers, self._steps.s3_options)
@@ -287,14 +294,13 @@ class S4Callback(TrainerCallback):
             return
         rngs = [p.rng] if args.save_only_model else frameworks.gather_object(p.rng)
         sharded, st = None, self.store(args)
+        if state.is_world_process_zero:
+            self._steps.finish()
         if self._sharded:  # FSDP2: every rank its shards of the model and optimizer, as step p.step of the run
-            if state.is_world_process_zero:
-                self._steps.finish()
             optimizers = [] if args.save_only_model else [kw["optimizer"]]
             root = self._steps.save_sharded(st, p.step, [self._bound().model], optimizers)
             sharded = {"root": root, "step": p.step, "optimizer": bool(optimizers)}
         if state.is_world_process_zero:
-            self._steps.finish()
             tree = step_tree(self._bound(), args, state, kw, p, rngs, sharded)
             self._steps.save(st, tree, p.step, step_extra(args, p, tree), async_save=self.async_save and not sharded,
                              then=functools.partial(self._rotate, args, state))  # fmt: skip
