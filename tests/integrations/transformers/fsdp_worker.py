@@ -126,11 +126,11 @@ def payload(out):
     return sorted(found)
 
 
-def trainer(out, callbacks, n_embd=32, extra=None, **kw):
+def trainer(out, callbacks, n_embd=128, extra=None, **kw):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=n_embd, n_layer=2, n_head=2, resid_pdrop=0.1)
     args = transformers.TrainingArguments(
-        output_dir=out, max_steps=8, per_device_train_batch_size=4, learning_rate=1e-3, lr_scheduler_type="linear",
+        output_dir=out, max_steps=8, per_device_train_batch_size=4, learning_rate=1e-4, lr_scheduler_type="linear",
         save_steps=2, save_total_limit=2, logging_steps=100, report_to=[], use_cpu=not GPU, disable_tqdm=True,
         seed=0, ddp_backend=None if GPU else "gloo", fsdp="full_shard", full_determinism=GPU,
         fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}, **kw,
