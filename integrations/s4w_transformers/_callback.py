@@ -1,8 +1,9 @@
 """``S4Callback``: the HF Trainer's checkpoints go from memory into a store; no checkpoint folder.
 
 What is saved, when (the save runs at the event after the Trainer's save point, with the RNG states
-and log length of the last event before it), what of the Trainer's save still happens, and the
-FSDP/DeepSpeed fallback (the folder the Trainer wrote, stored packed): docs/INTEGRATIONS.md.
+and log length of the last event before it), what of the Trainer's save still happens, FSDP2 (every
+rank's shards of the model and optimizer through the run-level DCP writer beside the store) and the
+FSDP1/DeepSpeed fallback (the folder the Trainer wrote, stored packed): docs/INTEGRATIONS.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import functools
 import os
 from typing import Any
 
+import torch
+import transformers
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -19,19 +22,23 @@ from s4w_core import CheckpointNotFoundError, S4WError, frameworks
 from s4w_core.framework_steps import (
     AdapterSteps,
     caller_instance,
+    load_sharded,
     prepare_profile,
+    private_attrs,
+    sharded_root,
     temp_folders_pending,
     warn_fallback,
     warn_once,
 )
-from s4w_core.frameworks import barrier
+from s4w_core.frameworks import StateMismatchError, barrier
 from s4w_core.store import CheckpointStore
-from s4w_transformers._restore import WRITER, cleanup_restored, restore_parts
-from s4w_transformers._state import Pending, new_best, sharded_engine, step_extra, step_tree, take
+from s4w_transformers._restore import WRITER, cleanup_restored, read_pointer, restore_parts
+from s4w_transformers._state import Pending, dcp_route, new_best, sharded_engine, step_extra, step_tree, take
 
 __all__ = ["S4Callback", "UnsupportedSetupError", "STORE_DIRNAME"]
 
 STORE_DIRNAME = ".s4w"  #: the store folder in ``output_dir`` when no ``store=`` is given
+_CHECKED = "transformers 5.24.0"  # the version whose Trainer._load_from_checkpoint the FSDP2 resume wraps
 
 
 class UnsupportedSetupError(S4WError, ValueError):
@@ -43,6 +50,10 @@ class S4Callback(TrainerCallback):
 
     ``Trainer(..., callbacks=[S4Callback()])``, or ``S4Callback().attach(trainer)``; list it after
     callbacks that set ``control.should_save``.
+
+    Under FSDP2 every rank's shards of the model and optimizer go into the run-level DCP root
+    beside the store (``<store>_dcp``), the rest into the store step; resume loads them where the
+    Trainer loads its FSDP checkpoint (docs/INTEGRATIONS.md).
 
     Args:
         store: a local directory or ``s3://bucket/prefix``; default ``<output_dir>/.s4w``.
@@ -73,7 +84,7 @@ class S4Callback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._pending: Pending | None = None
         self._held: dict[str, Any] = {}  # optimizer / scheduler states of the step being resumed
-        self._fallback = self._firing = False
+        self._fallback = self._sharded = self._firing = False
         self._warned: set[str] = set()
         self.best_step: int | None = None  #: the store step ``load_best_model_at_end`` loaded, if any
 
@@ -99,11 +110,18 @@ class S4Callback(TrainerCallback):
             trainer.add_callback(self)
         self._trainer = trainer
         train = trainer.train
+        if dcp_route(trainer):
+            self._wrap_fsdp_load(trainer)
 
         @functools.wraps(train)
         def train_from_store(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             try:
-                return train(self._resolve_resume(trainer, resume_from_checkpoint), *args, **kwargs)
+                resume = self._resolve_resume(trainer, resume_from_checkpoint)
+                if isinstance(resume, (str, os.PathLike)) and not dcp_route(trainer) and read_pointer(resume):
+                    raise StateMismatchError(f"{os.fspath(resume)} holds a step saved under FSDP2 (the model's shards "
+                                             "in the run), and this Trainer does not use FSDP2: resume with "
+                                             "fsdp_config={'fsdp_version': 2}")  # fmt: skip
+                return train(resume, *args, **kwargs)
             finally:
                 self._held = {}
                 cleanup_restored()
@@ -125,6 +143,32 @@ class S4Callback(TrainerCallback):
         """The Trainer bound at ``on_init_end`` / ``on_train_begin`` (either raises when there is none)."""
         assert self._trainer is not None
         return self._trainer
+
+    def _wrap_fsdp_load(self, trainer: Trainer) -> None:
+        """FSDP2: the Trainer loads a checkpoint's weights in ``_load_from_checkpoint`` (after
+        ``prepare``, on every rank); for a folder restored from a sharded step, the shards are loaded
+        from the run there instead."""
+        load = private_attrs(trainer, ("_load_from_checkpoint",), "transformers", transformers.__version__, _CHECKED)
+
+        @functools.wraps(load["load_from_checkpoint"])
+        def load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> Any:
+            pointer = read_pointer(resume_from_checkpoint)
+            if pointer is None:  # a folder with the model's files: the Trainer's own load
+                return load["load_from_checkpoint"](resume_from_checkpoint, model)
+            self._load_sharded(trainer, resume_from_checkpoint, pointer, model)
+            return None
+
+        trainer._load_from_checkpoint = load_from_checkpoint  # type: ignore[method-assign]
+
+    def _load_sharded(self, trainer: Trainer, folder: str, pointer: dict[str, Any], model: Any) -> None:
+        """Every rank: the model's and optimizer's shards of a restored FSDP2 step from the run, and the
+        LR scheduler (which the Trainer loads only beside an optimizer file)."""
+        model = trainer.model_wrapped if model is None else model
+        optimizers = [trainer.optimizer] if pointer["optimizer"] else []
+        load_sharded(pointer["root"], pointer["step"], [model], optimizers, self._steps.s3_options)
+        scheduler = os.path.join(folder, "scheduler.pt")
+        if optimizers and trainer.lr_scheduler is not None and os.path.isfile(scheduler):
+            trainer.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
 
     def _resolve_resume(self, trainer: Trainer, resume: Any) -> Any:
         """``True`` (with no checkpoint folder in ``output_dir``) or the store's URL: the newest step,
@@ -163,7 +207,7 @@ class S4Callback(TrainerCallback):
                 "push_to_hub=False (push the final model with trainer.push_to_hub() after training)"
             )
         engine = sharded_engine(self._trainer)
-        self._fallback = engine is not None
+        self._fallback, self._sharded = engine is not None, dcp_route(self._trainer)
         if engine is not None:
             warn_fallback("S4Callback", engine, "the Trainer")
         elif state.is_world_process_zero and state.global_step == 0 and not self.overwrite:
@@ -219,11 +263,18 @@ class S4Callback(TrainerCallback):
         st, best = self.store(args), state.best_global_step
         if args.load_best_model_at_end and best is not None and best in st.steps():
             model: Any = self._bound().model
-            self._steps.load_model(st, best, model, args.device)
+            root = st.info(best).extra.get("sharded")
+            if root is not None:  # every rank its shards
+                load_sharded(root, best, [model], [], self._steps.s3_options)
+            else:
+                self._steps.load_model(st, best, model, args.device)
             self.best_step = best
-        if state.is_world_process_zero and best is not None and args.save_total_limit == 1:
-            for s in (i.step for i in self._steps.own(st) if i.step != best):  # as the Trainer's last-folder delete
-                st.delete(s)
+        if best is not None and args.save_total_limit == 1:
+            if state.is_world_process_zero:
+                for s in (i.step for i in self._steps.own(st) if i.step != best):  # as the Trainer's last-folder delete
+                    st.delete(s)
+            if self._sharded:
+                self._steps.prune_sharded(st, sharded_root(st.url), args.process_index)
         if state.is_world_process_zero:
             cleanup_restored()
 
@@ -242,12 +293,20 @@ class S4Callback(TrainerCallback):
         if p is None:
             return
         rngs = [p.rng] if args.save_only_model else frameworks.gather_object(p.rng)
+        sharded, st = None, self.store(args)
         if state.is_world_process_zero:
             self._steps.finish()
-            tree = step_tree(self._bound(), args, state, kw, p, rngs)
-            self._steps.save(self.store(args), tree, p.step, step_extra(args, p, tree), async_save=self.async_save,
+        if self._sharded:  # FSDP2: every rank its shards of the model and optimizer, as step p.step of the run
+            optimizers = [] if args.save_only_model else [kw["optimizer"]]
+            root = self._steps.save_sharded(st, p.step, [self._bound().model], optimizers)
+            sharded = {"root": root, "step": p.step, "optimizer": bool(optimizers)}
+        if state.is_world_process_zero:
+            tree = step_tree(self._bound(), args, state, kw, p, rngs, sharded)
+            self._steps.save(st, tree, p.step, step_extra(args, p, tree), async_save=self.async_save and not sharded,
                              then=functools.partial(self._rotate, args, state))  # fmt: skip
         barrier()  # the other ranks wait for the save, as at the Trainer's own
+        if sharded is not None and args.save_total_limit:  # the run follows the store's retention
+            self._steps.prune_sharded(st, sharded["root"], args.process_index)
         if fire:
             self._firing = True
             try:

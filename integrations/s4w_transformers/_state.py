@@ -16,15 +16,26 @@ from transformers.training_args import ParallelMode
 from s4w_core import frameworks
 from s4w_core.framework_steps import state_dicts
 
-__all__ = ["FORMAT", "Pending", "sharded_engine", "take", "trainer_state_json", "step_tree", "step_extra", "new_best"]
+__all__ = [
+    "FORMAT", "Pending", "dcp_route", "sharded_engine", "take", "trainer_state_json", "step_tree", "step_extra", "new_best",
+]  # fmt: skip
 
 FORMAT = 2  #: ``extra["format"]``: 2 the in-memory state tree; 1 (or "files" in extra) a packed checkpoint folder
 
 
+def dcp_route(trainer: Any) -> bool:
+    """FSDP2 (``fsdp_config={"fsdp_version": 2}``): the model's and optimizer's shards go through the
+    run-level DCP writer beside the store, whatever the ``state_dict_type``."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    return getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", 1) == 2
+
+
 def sharded_engine(trainer: Any) -> str | None:
-    """``"FSDP"`` or ``"DeepSpeed"`` when ``trainer`` saves through that engine's sharded writer."""
+    """``"FSDP"`` (FSDP1) or ``"DeepSpeed"`` when ``trainer`` saves through that engine's own sharded
+    writer, which the callback cannot intercept (FSDP2 goes through the run: :func:`dcp_route`)."""
     if getattr(trainer, "is_fsdp_enabled", False):
-        return "FSDP"
+        return None if dcp_route(trainer) else "FSDP"
     return "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else None
 
 
@@ -64,14 +75,23 @@ def trainer_state_json(trainer: Trainer, state: Any, p: Pending) -> str:
 
 
 def step_tree(
-    trainer: Trainer, args: Any, state: Any, kw: dict[str, Any], p: Pending, rngs: list[Any]
+    trainer: Trainer,
+    args: Any,
+    state: Any,
+    kw: dict[str, Any],
+    p: Pending,
+    rngs: list[Any],
+    sharded: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state tree of the save point ``p`` (``kw``: the event's keyword arguments; ``rngs``: every
-    process's RNG states)."""
+    process's RNG states).  ``sharded``: the model and optimizer went into a run-level DCP step, whose
+    pointer (``{"root", "step", "optimizer"}``) the tree holds instead of them."""
     model: Any = trainer.model
-    tree: dict[str, Any] = {"model": model.state_dict()}
+    tree: dict[str, Any] = {"sharded": sharded} if sharded is not None else {"model": model.state_dict()}
     if not args.save_only_model:
-        tree["optimizer"], tree["scheduler"] = state_dicts([kw["optimizer"], kw["lr_scheduler"]])
+        if sharded is None:
+            tree["optimizer"] = state_dicts([kw["optimizer"]])[0]
+        tree["scheduler"] = state_dicts([kw["lr_scheduler"]])[0]
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
         if scaler is not None:
             tree["scaler"] = scaler.state_dict()
@@ -85,8 +105,13 @@ def step_tree(
 
 def step_extra(args: Any, p: Pending, tree: dict[str, Any]) -> dict[str, Any]:
     """The step's ``extra`` (what :func:`~s4w_transformers.restore_checkpoint` and a resume check)."""
-    return {"format": FORMAT, "global_step": p.step, "save_only_model": bool(args.save_only_model),
-            "world_size": int(args.world_size or 1), "model": frameworks.fingerprint(tree["model"])}  # fmt: skip
+    extra = {"format": FORMAT, "global_step": p.step, "save_only_model": bool(args.save_only_model),
+             "world_size": int(args.world_size or 1)}  # fmt: skip
+    if "sharded" in tree:  # the run's root: DCP's load plan checks the shards
+        extra["sharded"] = tree["sharded"]["root"]
+    else:
+        extra["model"] = frameworks.fingerprint(tree["model"])
+    return extra
 
 
 def new_best(args: Any, state: Any, metrics: dict[str, Any]) -> bool:

@@ -281,11 +281,11 @@ def load_items(
     chunks); the delta bases they need are resolved through the store's chain.  Every storage is
     checked against its checksum as it is decoded."""
     want = list(dict.fromkeys(wanted))
-    recs: dict[int, StepInfo] = {r.step: r for r in store.list()}
+    recs: dict[int, StepInfo] = store.records()  # hidden steps too: a kept step's delta base may be one
     rec = recs.get(step)
-    if rec is None:
+    if rec is None or rec.hidden:
         raise CheckpointNotFoundError(
-            f"{store.backend.url}: step {step} is not committed in this rank store (it has {sorted(recs)})"
+            f"{store.backend.url}: step {step} is not committed in this rank store (it has {store.steps()})"
         )
     open_object = _open_object(store)
     chain = Chain(open_object, store.backend.url, rec, threads, recs)

@@ -189,6 +189,11 @@ class StoreCore:
         """:class:`StepInfo` of every committed step, ascending."""
         return list(visible(self._read_records()).values())
 
+    def records(self) -> dict[int, StepInfo]:
+        """Every step's record by step, the hidden ones too (deleted steps kept while a kept step is a
+        delta against them): what resolving a step's chain of delta bases needs."""
+        return self._read_records()
+
     def latest(self) -> int | None:
         """The newest committed step, or None for an empty store."""
         s = self.steps()
