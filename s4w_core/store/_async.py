@@ -219,6 +219,12 @@ class Pipeline:
         self.inflight: SaveHandle | None = None
         self.tail: SaveHandle | None = None  # a job behind the saves (the re-encoding)
         self.failed: SaveHandle | None = None
+        # clean-up behind the worker (deletes of objects no record names): its own thread, so a
+        # slow delete (a large local file's unlink: ~0.2 s a GB) does not hold up the next save
+        self._side_q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._side_thread: threading.Thread | None = None
+        self._side_idle = threading.Condition(self._lock)
+        self._side_pending = 0
         self.pending_bytes = 0
         self.peak_pending_bytes = 0
         _PIPELINES.add(self)
@@ -275,6 +281,36 @@ class Pipeline:
             h = getattr(self, which)
             if h is not None and not h.wait_done(timeout):
                 raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
+        if not self._wait_side(timeout):
+            raise TimeoutError(f"{self.url}: deletes of unreferenced objects still running after {timeout} s")
+
+    # -- clean-up behind the worker
+    def later(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (a clean-up that reports its own errors) on the side thread; :meth:`wait`,
+        :meth:`settle` and the exit drain wait for it."""
+        with self._lock:
+            self._side_pending += 1
+            if self._side_thread is None or not self._side_thread.is_alive():
+                self._side_thread = threading.Thread(
+                    target=_run, args=(self._side_q,), name=f"s4w-clean {self.url}", daemon=True
+                )
+                self._side_thread.start()
+        self._side_q.put(functools.partial(self._execute_side, job))
+
+    def _execute_side(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        finally:
+            with self._side_idle:
+                self._side_pending -= 1
+                self._side_idle.notify_all()
+
+    def _wait_side(self, timeout: float | None) -> bool:
+        """Wait until no clean-up is queued or running (False: still some after ``timeout`` s)."""
+        if threading.current_thread() is self._side_thread:
+            return True
+        with self._side_idle:
+            return self._side_idle.wait_for(lambda: self._side_pending == 0, timeout)
 
     def raise_failed(self) -> None:
         with self._lock:
@@ -349,10 +385,12 @@ class Pipeline:
         interpreter shuts down can abort the process."""
         with self._lock:
             t, self._thread = self._thread, None
-        if t is not None:
-            self._q.put(None)
-            if t is not threading.current_thread():
-                t.join(timeout=30)
+            side, self._side_thread = self._side_thread, None
+        for thread, q in ((t, self._q), (side, self._side_q)):
+            if thread is not None:
+                q.put(None)
+                if thread is not threading.current_thread():
+                    thread.join(timeout=30)
 
     # -- exit and garbage collection
     def drain_quietly(self, why: str) -> None:
@@ -365,6 +403,7 @@ class Pipeline:
             tail = self.cancel_tail()  # at exit or in a finalizer: stop it rather than wait it out
             if tail is not None:
                 tail.wait_done()
+            self._wait_side(None)
             with self._lock:
                 f, self.failed = self.failed, None
             if f is not None and not f._observed:  # noqa: SLF001

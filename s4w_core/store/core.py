@@ -9,6 +9,7 @@ retention (:mod:`.retention`), saves (:mod:`.writes`); :mod:`.store` puts them t
 
 from __future__ import annotations
 
+import builtins
 import functools
 import json
 import logging
@@ -285,21 +286,22 @@ class StoreCore:
         return {o for recs in (fast, slow) for r in recs.values() for o in r.live_objects}
 
     def reclaim(self, candidates: Iterable[str]) -> None:
-        """Delete those of ``candidates`` (data objects once committed) no commit needs now.  With
-        a fast tier: on the slow tier, an object stays while a record on either tier lists it (a
-        step still to upload needs its bases); on the fast tier, while a fast record lists it."""
+        """Delete those of ``candidates`` (data objects once committed) no commit needs now."""
+        for backend, key in self.unreferenced(candidates):
+            backend.delete(key)
+
+    def unreferenced(self, candidates: Iterable[str]) -> builtins.list[tuple[Backend, str]]:
+        """Those of ``candidates`` (data objects once committed) no commit needs now, with the
+        tier each is to be deleted from.  With a fast tier: on the slow tier, an object stays while
+        a record on either tier lists it (a step still to upload needs its bases); on the fast
+        tier, while a fast record lists it.  Caller holds ``self._lock``."""
         cands = set(candidates)
-        if self.tiers is None:
-            live = self.all_objects()
-            for o in sorted(cands - live):
-                self.backend.delete(o)
-            return
-        fast, _ = self.tier_views()
-        live_fast = {o for r in fast.values() for o in r.live_objects}
-        for o in sorted(cands - self.all_objects()):
-            self.backend.delete(o)
-        for o in sorted(cands - live_fast):
-            self.tiers.fast.delete(o)
+        out = [(self.backend, o) for o in sorted(cands - self.all_objects())]
+        if self.tiers is not None:
+            fast, _ = self.tier_views()
+            live_fast = {o for r in fast.values() for o in r.live_objects}
+            out += [(self.tiers.fast, o) for o in sorted(cands - live_fast)]
+        return out
 
     def _home(self, step: int) -> Backend:
         """Where a re-coded ``step`` is written: the fast tier while it holds the step (the

@@ -756,3 +756,38 @@ def test_gpu_load_copies_each_decoded_batch_into_the_base_while_it_loads(
     fresh = CheckpointStore(url)
     assert bits_equal(fresh.load(2, map_location="cpu"), {k: v.cpu() for k, v in sd.items()})
     assert bits_equal(fresh.load(1, map_location="cpu"), expected[1])
+
+
+def test_clean_up_behind_the_worker_is_waited_for_and_never_holds_up_a_save(tmp_path):
+    """The old whole object a re-encoding replaces is deleted on the side thread: wait() (and
+    close()) return only once it is gone, and a failing clean-up is logged, not raised."""
+    from s4w_core.store._async import Pipeline
+
+    p = Pipeline("memory://side", None, "wait")
+    gate, done = threading.Event(), []
+
+    def slow() -> None:
+        gate.wait(5)
+        done.append(1)
+
+    p.later(slow)
+    with pytest.raises(TimeoutError, match="deletes of unreferenced objects"):
+        p.wait(timeout=0.05)
+    gate.set()
+    p.wait(timeout=5)
+    assert done == [1]
+    p.later(lambda: (_ for _ in ()).throw(OSError("disk gone")))  # logged by the side thread
+    p.wait(timeout=5)
+    p.stop()
+
+    st = s4w_core.CheckpointStore(str(tmp_path / "st"), keep_last=5)
+    w = torch.arange(4096, dtype=torch.float32)
+    st.save({"w": w}, step=1)
+    st.save({"w": w + 1}, step=2)  # step 1 becomes a delta against 2; its whole object goes behind
+    st.wait()
+    data = sorted(os.listdir(tmp_path / "st" / "data"))
+    named = {r.object for r in st.list()}
+    assert set(data) == {os.path.basename(o) for o in named}, (data, named)
+    assert [(r.step, r.kind) for r in st.list()] == [(1, "delta"), (2, "keyframe")]
+    assert st.load(1)["w"].equal(w)
+    st.close()
