@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from s4w_core import pipeline
-from s4w_core.errors import CheckpointNotFoundError, TruncatedError
+from s4w_core.errors import CheckpointNotFoundError, S4WError, TruncatedError
 from s4w_core.format.container import ContainerReader
 from s4w_core.hostmem import PinnedPool
 from s4w_core.store import _async, _tiered
@@ -43,6 +43,15 @@ log = logging.getLogger("s4w_core.store")
 __all__ = ["StoreCore", "StoreReader", "Progress", "after_saves"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def delete_quietly(objects: builtins.list[tuple[Backend, str]]) -> None:
+    """Delete unreferenced data objects; a failure is logged (``gc()`` reclaims them later)."""
+    for backend, key in objects:
+        try:
+            backend.delete(key)
+        except S4WError as e:
+            log.warning("s4weights: could not delete the unreferenced object %s (%s); gc() reclaims it", key, e)
 
 
 class StoreReader(ContainerReader):
@@ -289,6 +298,15 @@ class StoreCore:
         """Delete those of ``candidates`` (data objects once committed) no commit needs now."""
         for backend, key in self.unreferenced(candidates):
             backend.delete(key)
+
+    def reclaim_later(self, candidates: Iterable[str]) -> None:
+        """:meth:`reclaim` on the store's clean-up thread (a large object's delete takes time:
+        ~0.2 s a GB locally): :meth:`wait`, :meth:`close` and ``gc()`` wait for it; a crash
+        before it leaves unreferenced objects to ``gc()``, as a crash after a commit always
+        could.  Caller holds ``self._lock`` (what is unreferenced is decided now)."""
+        dead = self.unreferenced(candidates)
+        if dead:
+            self._pipe.later(functools.partial(delete_quietly, dead))
 
     def unreferenced(self, candidates: Iterable[str]) -> builtins.list[tuple[Backend, str]]:
         """Those of ``candidates`` (data objects once committed) no commit needs now, with the

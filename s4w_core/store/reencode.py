@@ -49,15 +49,6 @@ class Reencode:
     cache: CachedBase | None
 
 
-def _delete_quietly(objects: builtins.list[tuple[Backend, str]]) -> None:
-    """Delete unreferenced data objects; a failure is logged (``gc()`` reclaims them later)."""
-    for backend, key in objects:
-        try:
-            backend.delete(key)
-        except S4WError as e:
-            log.warning("s4weights: could not delete the unreferenced object %s (%s); gc() reclaims it", key, e)
-
-
 class _Stale(Exception):
     """A re-encoding that no longer applies (the steps changed meanwhile, or no delta pays)."""
 
@@ -184,10 +175,7 @@ class Reencoder(Loads):
                 key = None  # the record owns it now
                 if self.tiers is not None:
                     _tiered.upload_missing(self)
-                dead = self.unreferenced(prev.live_objects)
-            # the old whole object goes behind the worker (an unreferenced object: a crash
-            # before its delete leaves it to gc(), as it always could)
-            self._pipe.later(functools.partial(_delete_quietly, dead))
+                self.reclaim_later(prev.live_objects)  # the old whole object, behind the worker
             handle.stages["commit"] = time.perf_counter() - t
         except _Stale:
             outcome = "skipped"
