@@ -13,7 +13,7 @@ from s4w_core.codecs.chunk import BITMAP, SAMPLE, encode_chunk, estimate_bytes
 from s4w_core.errors import BaseMismatchError
 from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
 from s4w_core.planes import nonzero as nzt
-from s4w_core.planes import plane_width, split_planes
+from s4w_core.planes import plane_width, rowcol, split_planes
 
 __all__ = [
     "DELTA_MIN_GAIN",
@@ -27,6 +27,11 @@ __all__ = [
     "delta_pays",
     "delta_sample_ranges",
     "nonzero_pays",
+    "RC_MIN_ELEMS",
+    "RC_MIN_GAIN",
+    "RC_SAMPLE_ELEMS",
+    "rowcol_pays",
+    "rowcol_sample_rows",
 ]
 
 #: the nonzero transform is tried only where at least this fraction of the sampled elements is zero
@@ -62,6 +67,58 @@ def nonzero_pays(
     nz_cost = len(encode_chunk(transform, BITMAP, bitmap)[1])
     nz_cost += sum(len(encode_chunk(transform, j, planes[j])[1]) for j in range(w))
     return nz_cost < (1.0 - NZ_MIN_GAIN) * plain_cost
+
+
+#: storages of fewer elements never take the row/column transform (docs/FORMAT.md 4.5d)
+RC_MIN_ELEMS = 1 << 12
+#: ... which is used only where it makes the storage (the estimate of all its planes plus the
+#: offsets' ``R + C`` bytes) at least this fraction smaller
+RC_MIN_GAIN = 0.02
+#: about this many elements (whole rows, spread over the storage) are sampled for that choice
+RC_SAMPLE_ELEMS = 1 << 17
+
+
+def rowcol_sample_rows(rows: int, cols: int) -> list[int]:
+    """The rows (indices, in order) that the row/column probe samples from an ``rows x cols``
+    storage: all of them up to :data:`RC_SAMPLE_ELEMS` elements, else evenly spread rows making
+    about that many (at least 2)."""
+    k = max(2, min(rows, RC_SAMPLE_ELEMS // cols))
+    if k >= rows:
+        return list(range(rows))
+    return sorted({(rows - 1) * i // (k - 1) for i in range(k)})
+
+
+def rowcol_pays(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None, cols: int | None
+) -> bool:
+    """Whether the row/column variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5d) pays for
+    the CPU bytes ``raw`` viewed as rows of ``cols`` elements (with ``base`` and delta ``op``, or
+    plain): the rows of :func:`rowcol_sample_rows` are coded both ways with the chunk coder (plane
+    0 as it is and less its offsets, the other planes once), scaled to the storage, the offsets'
+    ``R + C`` bytes added; it pays if that is :data:`RC_MIN_GAIN` smaller."""
+    w = plane_width(dtype)
+    n = raw.numel() // w
+    if not cols or n < RC_MIN_ELEMS or n % cols or n // cols < 2 or cols < 2:
+        return False
+    rows = n // cols
+    pick = rowcol_sample_rows(rows, cols)
+    if len(pick) == rows:
+        r, b = raw, base
+    else:
+        rb = raw.view(rows, cols * w)[pick].reshape(-1)
+        r, b = rb, (None if base is None or op is None else base.view(rows, cols * w)[pick].reshape(-1))
+    words = nzt.residual_words(r, dtype, b if op is not None else None, op)
+    rot = plane_rot(transform)
+    planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
+    costs = [len(encode_chunk(transform, j, planes[j])[1]) for j in range(w)]
+    p0 = planes[0]
+    row, col = rowcol.offsets_np(p0, cols)
+    q = p0 - rowcol.tile_np(row, col, 0, p0.size)
+    rc0 = len(encode_chunk(transform, 0, q)[1])
+    scale = n / p0.size
+    plain_cost = sum(costs) * scale
+    rc_cost = (sum(costs[1:]) + rc0) * scale + rows + cols
+    return rc_cost < (1.0 - RC_MIN_GAIN) * plain_cost
 
 
 #: elements sampled (in runs spread over a storage) to choose plain vs. a delta op.
