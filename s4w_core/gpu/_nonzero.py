@@ -37,8 +37,9 @@ from s4w_core.jobs import dtype_from_name
 from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
 
-__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "decode_nonzero_device", "encode_nonzero_device", "nonzero_choices_device",
-           "nonzero_pays_device"]
+__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "bits_order0", "check_and_merge", "code_parts_device", "decode_nonzero_device",
+           "decode_on_device", "fetch_chunks_device", "encode_nonzero_device", "nonzero_choices_device", "nonzero_estimates_device",
+           "nonzero_pays_device", "plane_bytes", "residual_words"]
 
 #: storages of fewer elements keep their plane transform (the choice costs a read-back)
 NZ_MIN_ELEMS = 1 << 16
@@ -52,7 +53,7 @@ def _round(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def _residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
+def residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The elements to code as int16/int32 words (the residual under ``op`` where there is a base)."""
     if raw.numel() == 0:
         return torch.empty(0, dtype=_ITYPE[dtype.itemsize], device=raw.device)
@@ -60,14 +61,14 @@ def _residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None
     return r.view(_ITYPE[dtype.itemsize])
 
 
-def _plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
+def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
     """The ``planes-rotl1`` planes of ``words`` (plane 0 first), one uint8 tensor each."""
     bits = 8 * w
     r = (words << 1) | ((words >> (bits - 1)) & 1)
     return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
+def bits_order0(x: torch.Tensor) -> torch.Tensor:
     """Order-0 entropy of the uint8 tensor ``x`` times its length: its order-0 cost in bits."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=x.device)
@@ -77,14 +78,16 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return h.clamp_min(1e-3) * x.numel()
 
 
-def nonzero_choices_device(
+def nonzero_estimates_device(
     items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]], dev: torch.device
-) -> list[bool]:
-    """Per storage ``(raw bytes, base, delta op, dtype)``: whether the GPU writer codes it with
-    :data:`NZ_TRANSFORM` -- the order-0 estimate on a sample (module docstring), every storage's
-    estimate on the device and one read-back for all of them."""
-    out = [False] * len(items)
-    samples: list[tuple[int, torch.Tensor, int]] = []
+) -> list[tuple[float, float] | None]:
+    """Per storage ``(raw bytes, base, delta op, dtype)``: ``(plain, nonzero)``, the order-0 estimates
+    in bytes of the storage's planes and of its :data:`NZ_TRANSFORM` chunks (module docstring), or
+    None where it is no candidate (too small, or fewer than
+    :data:`~s4w_core.choice.NZ_MIN_ZERO_FRAC` zeros in the sample). Every storage's estimate is
+    computed on the device, with one read-back for all of them."""
+    out: list[tuple[float, float] | None] = [None] * len(items)
+    samples: list[tuple[int, torch.Tensor, int, int]] = []
     for i, (raw, base, op, dtype) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
@@ -93,30 +96,36 @@ def nonzero_choices_device(
         ranges = choice.delta_sample_ranges(n)
         r = torch.cat([raw[a * w : z * w].to(dev) for a, z in ranges])
         b = None if base is None or op is None else torch.cat([base[a * w : z * w].to(dev) for a, z in ranges])
-        samples.append((i, _residual_words(r, b, op, dtype), w))
+        samples.append((i, residual_words(r, b, op, dtype), w, n))
     if not samples:
         return out
     # the zero count first, for every sample at once (one read-back): the entropy estimates (about
     # twenty small kernels per storage) only for the storages with enough zeros to be candidates
-    zeros_of = torch.stack([(words == 0).sum() for _, words, _w in samples]).cpu().tolist()
+    zeros_of = torch.stack([(words == 0).sum() for _, words, _w, _n in samples]).cpu().tolist()
     stats: list[torch.Tensor] = []
-    idx: list[int] = []
-    sizes: list[int] = []
-    for (i, words, w), zeros in zip(samples, zeros_of):
+    idx: list[tuple[int, float]] = []
+    for (i, words, w, n), zeros in zip(samples, zeros_of):
         if zeros < choice.NZ_MIN_ZERO_FRAC * words.numel():
             continue
         bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
-        plain = sum((_bits(p) for p in _plane_bytes(words, w)), zero)
-        nz = _bits(bitmap) + sum((_bits(planes[j]) for j in range(w)), zero)
-        nonzero = (words != 0).sum().to(torch.float64)
-        stats.append(torch.stack([words.numel() - nonzero, plain, nz]))
-        idx.append(i)
-        sizes.append(words.numel())
+        plain = sum((bits_order0(p) for p in plane_bytes(words, w)), zero)
+        nz = bits_order0(bitmap) + sum((bits_order0(planes[j]) for j in range(w)), zero)
+        stats.append(torch.stack([plain, nz]))
+        idx.append((i, n / max(1, words.numel()) / 8.0))  # sample bits -> storage bytes
     if stats:
-        for i, m, (zeros, plain_cost, nz_cost) in zip(idx, sizes, torch.stack(stats).cpu().tolist()):
-            out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
+        for (i, scale), (plain_cost, nz_cost) in zip(idx, torch.stack(stats).cpu().tolist()):
+            out[i] = (plain_cost * scale, nz_cost * scale)
     return out
+
+
+def nonzero_choices_device(
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]], dev: torch.device
+) -> list[bool]:
+    """Per storage ``(raw bytes, base, delta op, dtype)``: whether the GPU writer codes it with
+    :data:`NZ_TRANSFORM` -- where :func:`nonzero_estimates_device` says it saves
+    :data:`~s4w_core.choice.NZ_MIN_GAIN`."""
+    return [e is not None and e[1] < (1.0 - choice.NZ_MIN_GAIN) * e[0] for e in nonzero_estimates_device(items, dev)]
 
 
 def nonzero_pays_device(
@@ -143,7 +152,7 @@ def encode_nonzero_device(
     coded (``algorithm`` with ``opts``, written as ``codec_id``) only where that is smaller."""
     w = dtype.itemsize
     n = raw.numel() // w
-    words = _residual_words(raw, None if base is None else base.to(dev), op, dtype)
+    words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
     parts: list[torch.Tensor] = []
     nnz: list[int] = []
     for s0, s1 in segments(n, seg):
@@ -151,6 +160,16 @@ def encode_nonzero_device(
         nnz.append(int(planes.shape[1]))
         parts.append(bitmap)
         parts.extend(planes[j] for j in range(w))
+    ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)
+    return nnz, ids, views, host
+
+
+def code_parts_device(
+    parts: list[torch.Tensor], algorithm: str, codec_id: str, opts: dict[str, Any], dev: torch.device
+) -> tuple[list[str], list[memoryview], torch.Tensor]:
+    """Code the uint8 tensors ``parts`` (on ``dev``; one chunk each) in one nvCOMP call: per chunk
+    its codec id (``codec_id``, coded by ``algorithm`` with ``opts``, where that is smaller; else
+    ``raw``) and its bytes, views into the returned pinned host buffer (which must outlive them)."""
     lengths = np.array([p.numel() for p in parts], dtype=np.int64)
     slots = (lengths + _nvcomp.ALIGN - 1) // _nvcomp.ALIGN * _nvcomp.ALIGN
     src_off = np.cumsum(slots) - slots
@@ -184,7 +203,7 @@ def encode_nonzero_device(
     mv = memoryview(host.numpy())
     views = [mv[int(host_off[i]) : int(host_off[i] + out_len[i])] for i in range(len(parts))]
     ids = [codec_id if c else RAW.id for c in coded.tolist()]
-    return nnz, ids, views, host
+    return ids, views, host
 
 
 def _popcount_table(dev: torch.device) -> torch.Tensor:
@@ -223,10 +242,36 @@ def decode_nonzero_device(
     seg = entry["segment_elems"]
     dtype = dtype_from_name(entry["dtype"])
     rot = NZ_TRANSFORMS[entry["transform"]] == ROTL1
-    chunks = entry["chunks"]
     lens = np.asarray(nonzero_chunk_lengths(entry), dtype=np.int64)
     where = f"{name}: tensor {entry['path']!r}"
     out = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # on the caller's stream: it outlives ours
+    with _nvcomp.on_stream(dev):
+        dec_dev, dst_off = fetch_chunks_device(reader, entry, lens, dev, inflate, where)
+        check_and_merge(dec_dev, lens, dst_off, entry["nnz"], n, seg, w, rot, out, where)
+        if base is not None:
+            op = (entry.get("delta") or {}).get("op", "xor")
+            if op not in delta.ops_for(dtype, NZ_TRANSFORMS[entry["transform"]]):
+                raise DecodeError(f"{where}: delta op {op!r} does not apply")
+            out.copy_(delta.inverse(op, out, base, dtype))
+        _nvcomp.synchronize(dev)
+    algo = entry["checksum"].split(":", 1)[0]
+    if ck.compute_checksum(algo, out) != entry["checksum"]:
+        raise ChecksumMismatchError(
+            f"{where} decoded to bytes that do not match its recorded checksum {entry['checksum']}"
+            + (" (is the delta base the right one?)" if base is not None else "")
+        )
+    return out
+
+
+def fetch_chunks_device(
+    reader: ContainerReader, entry: dict[str, Any], lens: np.ndarray, dev: torch.device, inflate: bool, where: str
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Every chunk of the (validated) storage ``entry`` decoded into one uint8 buffer on ``dev``
+    (called within ``_nvcomp.on_stream(dev)``): chunk ``i`` (``lens[i]`` decoded bytes) at
+    ``dst_off[i]`` (16-byte aligned); returns ``(buffer, dst_off)``. Each chunk's xxh3 is checked
+    on the host before any decoder sees it; the GPU's codecs decode on the device in one nvCOMP call
+    per codec (deflate only where ``inflate``), the others on the host."""
+    chunks = entry["chunks"]
     dst_slot = (lens + _nvcomp.ALIGN - 1) // _nvcomp.ALIGN * _nvcomp.ALIGN
     dst_off = np.cumsum(dst_slot) - dst_slot
     hostdec = _nvcomp.host_empty(max(int(dst_slot.sum()), 1))
@@ -248,27 +293,13 @@ def decode_nonzero_device(
         except DecodeError as e:
             raise DecodeError(f"{where}: chunk {i} ({cid}): {e}") from e
         hd[int(dst_off[i]) : int(dst_off[i] + lens[i])] = np.frombuffer(dec, dtype=np.uint8)
-    with _nvcomp.on_stream(dev):
-        dec_dev = hostdec.to(dev, non_blocking=True) if dev.type == "cuda" else hostdec.clone()
-        for cid, items in gpu.items():
-            _decode_on_device(cid, items, lens, dst_off, dec_dev, dev, where)
-        check_and_merge(dec_dev, lens, dst_off, entry["nnz"], n, seg, w, rot, out, where)
-        if base is not None:
-            op = (entry.get("delta") or {}).get("op", "xor")
-            if op not in delta.ops_for(dtype, NZ_TRANSFORMS[entry["transform"]]):
-                raise DecodeError(f"{where}: delta op {op!r} does not apply")
-            out.copy_(delta.inverse(op, out, base, dtype))
-        _nvcomp.synchronize(dev)
-    algo = entry["checksum"].split(":", 1)[0]
-    if ck.compute_checksum(algo, out) != entry["checksum"]:
-        raise ChecksumMismatchError(
-            f"{where} decoded to bytes that do not match its recorded checksum {entry['checksum']}"
-            + (" (is the delta base the right one?)" if base is not None else "")
-        )
-    return out
+    dec_dev = hostdec.to(dev, non_blocking=True) if dev.type == "cuda" else hostdec.clone()
+    for cid, items in gpu.items():
+        decode_on_device(cid, items, lens, dst_off, dec_dev, dev, where)
+    return dec_dev, dst_off
 
 
-def _decode_on_device(
+def decode_on_device(
     cid: str,
     items: list[tuple[int, Any]],
     lens: np.ndarray,
