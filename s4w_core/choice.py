@@ -30,6 +30,8 @@ __all__ = [
     "RC_MIN_ELEMS",
     "RC_MIN_GAIN",
     "RC_SAMPLE_ELEMS",
+    "rowcol_choice",
+    "rowcol_costs",
     "rowcol_pays",
     "rowcol_sample_rows",
 ]
@@ -88,26 +90,29 @@ def rowcol_sample_rows(rows: int, cols: int) -> list[int]:
     return sorted({(rows - 1) * i // (k - 1) for i in range(k)})
 
 
-def rowcol_pays(
+def rowcol_costs(
     raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None, cols: int | None
-) -> bool:
-    """Whether the row/column variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5d) pays for
-    the CPU bytes ``raw`` viewed as rows of ``cols`` elements (with ``base`` and delta ``op``, or
-    plain): the rows of :func:`rowcol_sample_rows` are coded both ways with the chunk coder (plane
-    0 as it is and less its offsets, the other planes once), scaled to the storage, the offsets'
-    ``R + C`` bytes added; it pays if that is :data:`RC_MIN_GAIN` smaller."""
+) -> tuple[float, float] | None:
+    """``(planes, rowcol)``: the estimated stored bytes of the CPU bytes ``raw`` (with ``base`` and
+    delta ``op``, or plain) under the byte-plane ``transform`` and under its row/column variant
+    (docs/FORMAT.md 4.5d) with rows of ``cols`` elements, the offsets' ``R + C`` bytes included; or
+    None where the variant does not apply (no row length, fewer than :data:`RC_MIN_ELEMS`
+    elements). The rows of :func:`rowcol_sample_rows` are coded with the chunk coder (plane 0 as it
+    is and less its offsets, the other planes once) and scaled to the storage."""
     w = plane_width(dtype)
     n = raw.numel() // w
     if not cols or n < RC_MIN_ELEMS or n % cols or n // cols < 2 or cols < 2:
-        return False
+        return None
     rows = n // cols
     pick = rowcol_sample_rows(rows, cols)
+    if base is None or op is None:
+        base, op = None, None
     if len(pick) == rows:
         r, b = raw, base
     else:
-        rb = raw.view(rows, cols * w)[pick].reshape(-1)
-        r, b = rb, (None if base is None or op is None else base.view(rows, cols * w)[pick].reshape(-1))
-    words = nzt.residual_words(r, dtype, b if op is not None else None, op)
+        r = raw.view(rows, cols * w)[pick].reshape(-1)
+        b = None if base is None else base.view(rows, cols * w)[pick].reshape(-1)
+    words = nzt.residual_words(r, dtype, b, op)
     rot = plane_rot(transform)
     planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
     costs = [len(encode_chunk(transform, j, planes[j])[1]) for j in range(w)]
@@ -116,9 +121,36 @@ def rowcol_pays(
     q = p0 - rowcol.tile_np(row, col, 0, p0.size)
     rc0 = len(encode_chunk(transform, 0, q)[1])
     scale = n / p0.size
-    plain_cost = sum(costs) * scale
-    rc_cost = (sum(costs[1:]) + rc0) * scale + rows + cols
-    return rc_cost < (1.0 - RC_MIN_GAIN) * plain_cost
+    return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
+
+
+def rowcol_pays(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None, cols: int | None
+) -> bool:
+    """Whether the row/column variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5d) pays for
+    the CPU bytes ``raw`` viewed as rows of ``cols`` elements (with ``base`` and delta ``op``, or
+    plain): :func:`rowcol_costs` says it is :data:`RC_MIN_GAIN` smaller."""
+    c = rowcol_costs(raw, base, dtype, transform, op, cols)
+    return c is not None and c[1] < (1.0 - RC_MIN_GAIN) * c[0]
+
+
+def rowcol_choice(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None, cols: int | None
+) -> tuple[bool, str | None]:
+    """``(rowcol, op)``: whether to code ``raw`` with the row/column variant of ``transform``, and the
+    delta op to keep (``op``, or None). Without a delta: :func:`rowcol_pays`. With one, the residual
+    is estimated both ways (:func:`rowcol_costs`) and so is ``raw`` alone; the delta is dropped
+    where ``raw`` alone under the variant is :data:`RC_MIN_GAIN` smaller than the residual either
+    way (the exponent's row and column scales can say more than the previous snapshot does)."""
+    if op is None or base is None:
+        return rowcol_pays(raw, None, dtype, transform, None, cols), None
+    resid = rowcol_costs(raw, base, dtype, transform, op, cols)
+    if resid is None:
+        return False, op
+    alone = rowcol_costs(raw, None, dtype, transform, None, cols)
+    if alone is not None and alone[1] < (1.0 - RC_MIN_GAIN) * min(alone[0], *resid):
+        return True, None
+    return resid[1] < (1.0 - RC_MIN_GAIN) * resid[0], op
 
 
 #: elements sampled (in runs spread over a storage) to choose plain vs. a delta op.

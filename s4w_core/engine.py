@@ -35,6 +35,7 @@ from s4w_core.choice import (
     delta_pays,
     delta_sample_ranges,
     nonzero_pays,
+    rowcol_choice,
     rowcol_pays,
 )
 from s4w_core.codecs import get_codec
@@ -75,6 +76,8 @@ __all__ = [
     "choose_delta_ops",
     "encode_storages_cpu",
     "nonzero_pays",
+    "rowcol_choice",
+    "rowcol_pays",
     "nonzero_chunk_lengths",
     "dtype_from_name",
     "dtype_name",
@@ -115,7 +118,8 @@ def encode_storage_cpu(
 
     ``transform``: None for the default choice (:func:`transform_for`: ``planes-rotl1`` for
     bf16/fp16/fp32, else ``bytes``; a byte-plane transform becomes its row/column variant
-    ``rc-...`` where :func:`rowcol_pays` for the job's row length ``job.cols``, else its nonzero
+    ``rc-...`` where :func:`rowcol_choice` says so for the job's row length ``job.cols`` (which may
+    also drop the delta, where the variant alone codes smaller), else its nonzero
     variant ``nz-...`` where :func:`nonzero_pays`), or the transform to write (``"planes"``,
     ``"planes-rotl1"``, ``"bytes"``); ValueError if it does not apply to the storage's dtype and size."""
     segment_elems = segment_elems or SEGMENT_ELEMS
@@ -139,11 +143,12 @@ def encode_storage_cpu(
     op = choose_delta_op(job, transform) if job.base is not None else None
     if op is not None:
         base = job.base.cpu()  # type: ignore[union-attr]
+    rc = False
+    if chosen and transform in PLANE_TRANSFORMS and job.cols is not None:
+        rc, op = rowcol_choice(raw, base, job.dtype, transform, op, job.cols)  # may drop the delta
+        base = base if op is not None else None
+    if op is not None:
         entry["delta"] = {"op": op, "base": job.base_ref}
-    rc = (
-        chosen and transform in PLANE_TRANSFORMS and job.cols is not None
-        and rowcol_pays(raw, base, job.dtype, transform, op, job.cols)
-    )
     offsets = None
     if rc:  # the row/column variant of the transform (docs/FORMAT.md 4.5d)
         assert job.cols is not None

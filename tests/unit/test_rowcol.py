@@ -85,7 +85,7 @@ def test_row_length() -> None:
 
 def test_format_example(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/FORMAT.md 4.5d's worked example, byte for byte."""
-    monkeypatch.setattr(engine, "rowcol_pays", lambda *a: True)
+    monkeypatch.setattr(engine, "rowcol_choice", lambda raw, base, dt, tr, op, cols: (True, op))
     x = torch.tensor([[1.0, 2.0], [4.0, 8.0]], dtype=torch.bfloat16)
     assert bits(x).numpy().tobytes().hex(" ") == "80 3f 00 40 80 40 00 41"
     blob = io.BytesIO()
@@ -117,7 +117,7 @@ def test_roundtrip_rowcol(rc: Any, monkeypatch: pytest.MonkeyPatch, dtype: torch
     """Forced on, with segments of 1003 elements (not a multiple of the 97-element rows): s4w_core
     and the reference reader decode it bit-exactly, specials included."""
     monkeypatch.setattr(engine, "SEGMENT_ELEMS", 1003)
-    monkeypatch.setattr(engine, "rowcol_pays", lambda *a: True)
+    monkeypatch.setattr(engine, "rowcol_choice", lambda raw, base, dt, tr, op, cols: (True, op))
     if tr == "rc-planes":
         monkeypatch.setattr(engine, "transform_for", lambda dt, nb, transform=None: ("planes", dt.itemsize))
     if op is not None:
@@ -170,6 +170,27 @@ def test_chooser_leaves_weights_and_random_bytes(dtype: torch.dtype) -> None:
     assert _transform_of(moments(256, 384, dtype).reshape(-1)) == "planes-rotl1"
     # too small to pay for its offsets
     assert not choice.rowcol_pays(bits(moments(8, 8, dtype)), None, dtype, "planes-rotl1", None, 8)
+
+
+def test_rowcol_alone_beats_a_poor_delta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta whose residual codes worse than the tensor alone under the row/column variant is
+    dropped (an exp_avg-like step: the same row/column scales, new noise and signs)."""
+    monkeypatch.setattr(engine, "choose_delta_op", lambda job, transform, ops=None: "xor")
+    g = torch.Generator().manual_seed(9)
+    r, c = torch.exp(2 * torch.randn(256, 1, generator=g)), torch.exp(2 * torch.randn(1, 384, generator=g))
+    x, base = (((r * c * torch.randn(256, 384, generator=g)) ** 2 * 1e-6).to(torch.bfloat16) for _ in range(2))
+    buf = io.BytesIO()
+    s4w_core.save({"x": x}, buf, profile="portable", _base_lookup=lambda p, n, d: (bits(base), {"b": 0}))
+    e = split(buf.getvalue())[2]["storages"][0]
+    assert e["transform"] == "rc-planes-rotl1" and e["delta"] is None
+    assert torch.equal(bits(s4w_core.load(buf.getvalue())["x"]), bits(x))
+    # and a delta that codes far smaller is kept
+    y = base.clone()
+    y.view(-1)[::97] = 1.0
+    buf = io.BytesIO()
+    s4w_core.save({"x": y}, buf, profile="portable", _base_lookup=lambda p, n, d: (bits(base), {"b": 0}))
+    e = split(buf.getvalue())[2]["storages"][0]
+    assert e["delta"] == {"op": "xor", "base": {"b": 0}}
 
 
 # ----------------------------------------------------------------------------- hostile manifests
