@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from s4w_core import delta
-from s4w_core.codecs.chunk import BITMAP, SAMPLE, encode_chunk, estimate_bytes
+from s4w_core.codecs.chunk import BITMAP, SAMPLE, encode_chunk, entropy_ratio, estimate_bytes
 from s4w_core.errors import BaseMismatchError
+from s4w_core.format.manifest import RC_TRANSFORMS
 from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
 from s4w_core.planes import nonzero as nzt
 from s4w_core.planes import plane_width, rowcol, split_planes
@@ -91,14 +92,22 @@ def rowcol_sample_rows(rows: int, cols: int) -> list[int]:
 
 
 def rowcol_costs(
-    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None, cols: int | None
+    raw: torch.Tensor,
+    base: torch.Tensor | None,
+    dtype: torch.dtype,
+    transform: str,
+    op: str | None,
+    cols: int | None,
+    *,
+    coded: bool = False,
 ) -> tuple[float, float] | None:
     """``(planes, rowcol)``: the estimated stored bytes of the CPU bytes ``raw`` (with ``base`` and
     delta ``op``, or plain) under the byte-plane ``transform`` and under its row/column variant
     (docs/FORMAT.md 4.5d) with rows of ``cols`` elements, the offsets' ``R + C`` bytes included; or
     None where the variant does not apply (no row length, fewer than :data:`RC_MIN_ELEMS`
-    elements). The rows of :func:`rowcol_sample_rows` are coded with the chunk coder (plane 0 as it
-    is and less its offsets, the other planes once) and scaled to the storage."""
+    elements). On the rows of :func:`rowcol_sample_rows`, scaled to the storage: plane 0 coded
+    with the chunk coder as it is and less its offsets; the other planes (the same both ways) coded
+    once where ``coded``, else estimated by their order-0 entropy (:func:`entropy_ratio`)."""
     w = plane_width(dtype)
     n = raw.numel() // w
     if not cols or n < RC_MIN_ELEMS or n % cols or n // cols < 2 or cols < 2:
@@ -110,16 +119,22 @@ def rowcol_costs(
     if len(pick) == rows:
         r, b = raw, base
     else:
-        r = raw.view(rows, cols * w)[pick].reshape(-1)
-        b = None if base is None else base.view(rows, cols * w)[pick].reshape(-1)
+        # numpy's row gather (torch's index of uint8 rows is ~100x slower on a CPU)
+        r = torch.from_numpy(raw.numpy().reshape(rows, cols * w)[pick].reshape(-1))
+        b = None if base is None else torch.from_numpy(base.numpy().reshape(rows, cols * w)[pick].reshape(-1))
     words = nzt.residual_words(r, dtype, b, op)
     rot = plane_rot(transform)
     planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
-    costs = [len(encode_chunk(transform, j, planes[j])[1]) for j in range(w)]
+    # plane 0 coded both ways; the other planes, the same both ways, coded too where ``coded`` (the
+    # estimates of a delta's residual against the tensor alone), else estimated order-0 (the
+    # denominator of the gain only: a fraction of the time of coding them)
+    costs = [float(len(encode_chunk(transform, 0, planes[0])[1]))]
+    for j in range(1, w):
+        costs.append(len(encode_chunk(transform, j, planes[j])[1]) if coded else planes[j].size / entropy_ratio(planes[j]))
     p0 = planes[0]
     row, col = rowcol.offsets_np(p0, cols)
     q = p0 - rowcol.tile_np(row, col, 0, p0.size)
-    rc0 = len(encode_chunk(transform, 0, q)[1])
+    rc0 = len(encode_chunk(next(k for k, v in RC_TRANSFORMS.items() if v == transform), 0, q)[1])
     scale = n / p0.size
     return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
 
@@ -144,10 +159,10 @@ def rowcol_choice(
     way (the exponent's row and column scales can say more than the previous snapshot does)."""
     if op is None or base is None:
         return rowcol_pays(raw, None, dtype, transform, None, cols), None
-    resid = rowcol_costs(raw, base, dtype, transform, op, cols)
+    resid = rowcol_costs(raw, base, dtype, transform, op, cols, coded=True)
     if resid is None:
         return False, op
-    alone = rowcol_costs(raw, None, dtype, transform, None, cols)
+    alone = rowcol_costs(raw, None, dtype, transform, None, cols, coded=True)
     if alone is not None and alone[1] < (1.0 - RC_MIN_GAIN) * min(alone[0], *resid):
         return True, None
     return resid[1] < (1.0 - RC_MIN_GAIN) * resid[0], op

@@ -178,7 +178,7 @@ def encode_storage_cpu(
                 planes = planes_of(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
                 if offsets is not None:
                     np.subtract(planes[0], rowcol.tile_np(*offsets, s0, s1), out=planes[0])
-            calls.extend((transform, j, planes[j]) for j in range(planes.shape[0]))
+            calls.extend((entry["transform"] if rc else transform, j, planes[j]) for j in range(planes.shape[0]))
         coded = (encode_chunk(*c) for c in calls) if nbytes <= INLINE_ENCODE_BYTES else ordered(pool, encode_chunk, calls)
         for codec_id, data in coded:
             off, length, h = writer.add_chunk(data)

@@ -60,8 +60,10 @@ def offsets_np(p0: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     ``col[c]`` the mean of ``p0[:, c] - row`` rounded half up, modulo 256."""
     rows = p0.size // cols
     m = p0.reshape(rows, cols)
-    row = (m.sum(axis=1, dtype=np.int64) + cols // 2) // cols
-    col = (m.sum(axis=0, dtype=np.int64) - int(row.sum()) + rows // 2) // rows
+    # sums of bytes in uint32 where they fit (about 2x faster than int64), exact either way
+    acc = np.uint32 if max(rows, cols) < (1 << 24) else np.int64
+    row = (m.sum(axis=1, dtype=acc).astype(np.int64) + cols // 2) // cols
+    col = (m.sum(axis=0, dtype=acc).astype(np.int64) - int(row.sum()) + rows // 2) // rows
     return row.astype(np.uint8), (col & 0xFF).astype(np.uint8)
 
 
