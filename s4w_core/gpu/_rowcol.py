@@ -30,7 +30,7 @@ from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1, rowcol_offsets
 from s4w_core.gpu import _nvcomp
-from s4w_core.gpu._nonzero import bits_order0, code_parts_device, fetch_chunks_device, plane_bytes, residual_words
+from s4w_core.gpu._nonzero import code_parts_device, fetch_chunks_device, plane_bytes, residual_words
 from s4w_core.jobs import dtype_from_name, plane_rot
 from s4w_core.planes import merge_planes, rowcol
 from s4w_core.workers import segments
@@ -60,35 +60,83 @@ def rowcol_estimates_device(
     a sample of rows (module docstring), or None where it is no candidate (no row length, too
     small). Every storage's estimate is computed on the device, one read-back for all of them."""
     out: list[tuple[float, float] | None] = [None] * len(items)
-    stats: list[torch.Tensor] = []
-    idx: list[tuple[int, int, int]] = []
+    by_width: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
     for i, (raw, base, op, dtype, cols) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
         if not cols or w not in _ITYPE or n < choice.RC_MIN_ELEMS or n % cols or cols < 2 or n // cols < 2:
             continue
         rows = n // cols
-        pick = torch.tensor(choice.rowcol_sample_rows(rows, cols), dtype=torch.int64, device=raw.device)
-        r = raw.view(rows, cols * w).index_select(0, pick).reshape(-1).to(dev)
+        pick = choice.rowcol_sample_rows(rows, cols)
+        r = _rows(raw, rows, cols * w, pick).to(dev)
         b = None
         if base is not None and op is not None:
-            b = base.view(rows, cols * w).index_select(0, pick.to(base.device)).reshape(-1).to(dev)
-        words = residual_words(r, b, op, dtype)
-        planes = plane_bytes(words, w)
-        p0 = planes[0]
-        row, col = rowcol.offsets_torch(p0, cols)
-        q = p0 - rowcol.tile_torch(row, col, 0, p0.numel())
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        plain = sum((bits_order0(p) for p in planes), zero)
-        stats.append(torch.stack([plain, plain - bits_order0(p0) + bits_order0(q)]))
-        idx.append((i, n, words.numel()))
-    if stats:
-        for (i, n, m), (plain_bits, rc_bits) in zip(idx, torch.stack(stats).cpu().tolist()):
-            cols = items[i][4]
-            assert cols
-            scale = n / m / 8.0  # sample bits -> storage bytes
-            out[i] = (plain_bits * scale, rc_bits * scale + n // cols + cols)  # with the offsets' bytes
+            b = _rows(base, rows, cols * w, pick).to(dev)
+        by_width.setdefault(w, []).append((i, residual_words(r, b, op, dtype), cols, n))
+    for w, group in by_width.items():
+        plain, rc = _estimate_group(group, w, dev)
+        for (i, words, cols, n), pb, rb in zip(group, plain, rc):
+            scale = n / words.numel() / 8.0  # sample bits -> storage bytes
+            out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
     return out
+
+
+def _rows(raw: torch.Tensor, rows: int, row_bytes: int, pick: list[int]) -> torch.Tensor:
+    """The rows ``pick`` of ``raw`` (bytes, ``rows`` x ``row_bytes``), back to back: one gather on a
+    device, numpy's on the host (torch's index of uint8 rows is ~100x slower on a CPU)."""
+    if raw.device.type == "cpu":
+        return torch.from_numpy(raw.numpy().reshape(rows, row_bytes)[pick].reshape(-1))
+    idx = torch.tensor(pick, dtype=torch.int64).to(raw.device, non_blocking=True)
+    return raw.view(rows, row_bytes).index_select(0, idx).reshape(-1)
+
+
+def _estimate_group(
+    group: list[tuple[int, torch.Tensor, int, int]], w: int, dev: torch.device
+) -> tuple[list[float], list[float]]:
+    """For samples of one width ``(item, words, cols, n)``: the order-0 bits of all planes of each,
+    and with plane 0 less its row/column offsets -- every sample at once (a fixed number of
+    kernels, whatever the number of storages: sums by ``index_add_``, histograms by one
+    ``bincount``), one read-back."""
+    sizes = [int(words.numel()) for _i, words, _c, _n in group]
+    cols = [c for _i, _w, c, _n in group]
+    krows = [m // c for m, c in zip(sizes, cols)]
+    ns = len(group)
+    words = torch.cat([wd for _i, wd, _c, _n in group]) if ns > 1 else group[0][1]
+    planes = plane_bytes(words, w)
+    p0 = planes[0].to(torch.int64)
+    total = p0.numel()
+    # per element: its sample (sid), global row (rid) and global column (cid); per row / column its sample
+    sizes_t = torch.tensor(sizes, dtype=torch.int64).to(dev)
+    cols_t = torch.tensor(cols, dtype=torch.int64).to(dev)
+    krows_t = torch.tensor(krows, dtype=torch.int64).to(dev)
+    ar = torch.arange(ns, dtype=torch.int64, device=dev)
+    sid = torch.repeat_interleave(ar, sizes_t, output_size=total)
+    start = torch.cumsum(sizes_t, 0) - sizes_t
+    col_base = torch.cumsum(cols_t, 0) - cols_t
+    row_base = torch.cumsum(krows_t, 0) - krows_t
+    local = torch.arange(total, dtype=torch.int64, device=dev) - start[sid]
+    cl = cols_t[sid]
+    rid = row_base[sid] + torch.div(local, cl, rounding_mode="floor")
+    cid = col_base[sid] + local % cl
+    nrows, ncols = sum(krows), sum(cols)
+    row_sid = torch.repeat_interleave(ar, krows_t, output_size=nrows)
+    col_sid = torch.repeat_interleave(ar, cols_t, output_size=ncols)
+    # rowcol.offsets_torch for every sample: integer means, the same bytes
+    rsum = torch.zeros(nrows, dtype=torch.int64, device=dev).index_add_(0, rid, p0)
+    row = torch.div(rsum + cols_t[row_sid] // 2, cols_t[row_sid], rounding_mode="floor")
+    row_total = torch.zeros(ns, dtype=torch.int64, device=dev).index_add_(0, row_sid, row)
+    csum = torch.zeros(ncols, dtype=torch.int64, device=dev).index_add_(0, cid, p0)
+    kr = krows_t[col_sid]
+    col = torch.div(csum - row_total[col_sid] + kr // 2, kr, rounding_mode="floor")
+    q = (p0 - row[rid] - col[cid]) & 0xFF
+    keys = [(sid * (w + 1) + j) * 256 + (planes[j].to(torch.int64) if j else p0) for j in range(w)]
+    keys.append((sid * (w + 1) + w) * 256 + q)
+    hist = torch.bincount(torch.cat(keys), minlength=ns * (w + 1) * 256).view(ns, w + 1, 256).to(torch.float64)
+    p = hist / sizes_t.to(torch.float64)[:, None, None]
+    h = (-(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p))))).sum(2).clamp_min(1e-3)  # bits per byte
+    bits = (h * sizes_t.to(torch.float64)[:, None]).cpu().numpy()  # (ns, w + 1): one read-back
+    plain = bits[:, :w].sum(1)
+    return plain.tolist(), (plain - bits[:, 0] + bits[:, w]).tolist()
 
 
 def encode_rowcol_device(

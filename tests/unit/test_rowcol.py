@@ -248,3 +248,54 @@ def test_unknown_to_old_transform_names() -> None:
     bad = forge(_blob(), lambda m: m["storages"][0].__setitem__("transform", "rc-bytes"))
     with pytest.raises(ManifestError, match="unknown transform"):
         s4w_core.load(bad)
+
+
+# ----------------------------------------------------------------------------- the GPU writer's estimate
+def _h_bits(x: np.ndarray) -> float:
+    c = np.bincount(x, minlength=256)
+    p = c[c > 0] / x.size
+    return max(float(-(p * np.log2(p)).sum()), 1e-3) * x.size
+
+
+def test_gpu_estimates_batched_match_one_by_one() -> None:
+    """The GPU writer's estimate (all storages at once: sums by index_add_, one bincount), run on
+    CPU tensors, equals a plain per-storage computation (numpy: planes of the sampled rows, the
+    offsets of :func:`rowcol.offsets_np`, order-0 entropies), for mixed widths, deltas and
+    storages that are no candidates."""
+    from s4w_core import delta
+    from s4w_core.gpu._rowcol import rowcol_choices_device, rowcol_estimates_device
+
+    items: list[Any] = []
+    for k, (dt, rows, cols) in enumerate([(torch.bfloat16, 300, 97), (torch.float32, 64, 130), (torch.bfloat16, 40, 700),
+                                          (torch.float16, 100, 100), (torch.bfloat16, 3, 2000)]):
+        x = moments(rows, cols, dt, k)
+        items.append((bits(x), None, None, dt, cols))
+    base = moments(300, 97, torch.bfloat16, 9)
+    items.append((bits(moments(300, 97, torch.bfloat16, 0)), bits(base), "sub", torch.bfloat16, 97))
+    items.append((bits(moments(300, 97, torch.bfloat16, 0)), None, None, torch.bfloat16, None))  # no row length
+    items.append((bits(moments(10, 97, torch.bfloat16, 0)), None, None, torch.bfloat16, 97))  # too small
+    got = rowcol_estimates_device(items, torch.device("cpu"))
+    for (raw, b, op, dt, cols), est in zip(items, got):
+        w = dt.itemsize
+        n = raw.numel() // w
+        if cols is None or n < choice.RC_MIN_ELEMS:
+            assert est is None
+            continue
+        rows = n // cols
+        pick = choice.rowcol_sample_rows(rows, cols)
+        r = raw.view(rows, cols * w)[pick].reshape(-1)
+        if b is not None:
+            r = delta.forward(op, r, b.view(rows, cols * w)[pick].reshape(-1), dt)
+        planes = split_planes(r, dt).numpy()
+        row, col = rowcol.offsets_np(planes[0], cols)
+        q = planes[0] - rowcol.tile_np(row, col, 0, planes[0].size)
+        plain = sum(_h_bits(planes[j]) for j in range(w))
+        rc = plain - _h_bits(planes[0]) + _h_bits(q)
+        scale = n / planes[0].size / 8
+        assert est is not None
+        assert est[0] == pytest.approx(plain * scale, rel=1e-9)
+        assert est[1] == pytest.approx(rc * scale + rows + cols, rel=1e-9)
+    picks = rowcol_choices_device(items, torch.device("cpu"))
+    assert picks[0] and picks[1] and not picks[6] and not picks[7]
+    dense = torch.randn(300, 97, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert rowcol_choices_device([(bits(dense), None, None, torch.bfloat16, 97)], torch.device("cpu")) == [False]
