@@ -159,12 +159,10 @@ def encode_rowcol_device(
     w = dtype.itemsize
     n = raw.numel() // w
     words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
-    row, col = rowcol.offsets_torch(rowcol.plane0_torch(words, w, True), cols)
-    parts: list[torch.Tensor] = []
-    for s0, s1 in segments(n, seg):
-        planes = plane_bytes(words[s0:s1], w)
-        planes[0] = planes[0] - rowcol.tile_torch(row, col, s0, s1)  # uint8: modulo 256
-        parts.extend(planes)
+    planes = plane_bytes(words, w)  # the whole storage at once: a few kernels, not a few per segment
+    row, col = rowcol.offsets_torch(planes[0], cols)
+    planes[0] = planes[0] - rowcol.tile_torch(row, col, 0, n)  # uint8: modulo 256
+    parts = [planes[j][s0:s1] for s0, s1 in segments(n, seg) for j in range(w)]
     ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)
     return rowcol.key(cols, row, col), ids, views, host
 
@@ -195,11 +193,14 @@ def decode_rowcol_device(
         row = torch.frombuffer(bytearray(row_b), dtype=torch.uint8).to(dev)
         col = torch.frombuffer(bytearray(col_b), dtype=torch.uint8).to(dev)
         dec, dst_off = fetch_chunks_device(reader, entry, lens, dev, inflate, where)
-        for k, (s0, s1) in enumerate(segments(n, entry["segment_elems"])):
-            m = s1 - s0
-            planes = torch.stack([dec[int(dst_off[k * w + j]) : int(dst_off[k * w + j]) + m] for j in range(w)])
-            planes[0] += rowcol.tile_torch(row, col, s0, s1)
-            out[s0 * w : s1 * w].copy_(merge_planes(planes, dtype, None, rot=rot))
+        # each plane gathered whole from its segments' chunks, then one add and one merge for the
+        # storage (a few kernels, not a few per segment)
+        segs = list(segments(n, entry["segment_elems"]))
+        views = [[dec[int(dst_off[k * w + j]) : int(dst_off[k * w + j]) + s1 - s0] for k, (s0, s1) in enumerate(segs)]
+                 for j in range(w)]
+        planes = torch.stack([torch.cat(v) if len(v) > 1 else v[0] for v in views]) if n else dec[:0].view(w, 0)
+        planes[0] += rowcol.tile_torch(row, col, 0, n)
+        out.copy_(merge_planes(planes, dtype, None, rot=rot))
         if base is not None:
             op = (entry.get("delta") or {}).get("op", "xor")
             if op not in delta.ops_for(dtype, RC_TRANSFORMS[entry["transform"]]):
