@@ -218,13 +218,13 @@ def s4w_gpu_size(ts: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | N
         return b[ref["ref"]]
 
     buf = io.BytesIO()
-    orig = _encode.nonzero_estimates_device
+    orig = _encode.nonzero_choices_device
     if not nonzero:
-        _encode.nonzero_estimates_device = lambda items, dev: [None] * len(items)  # type: ignore[assignment]
+        _encode.nonzero_choices_device = lambda items, dev: [False] * len(items)  # type: ignore[assignment]
     try:
         s4w_core.save(obj, buf, profile="fast", _base_lookup=lookup if b is not None else None)
     finally:
-        _encode.nonzero_estimates_device = orig  # type: ignore[assignment]
+        _encode.nonzero_choices_device = orig  # type: ignore[assignment]
     data = buf.getvalue()
     back = s4w_core.load(data, map_location="cuda", _resolve_base=resolve if b is not None else None)
     for k, v in obj.items():

@@ -56,8 +56,8 @@ from s4w_core.gpu._coder import (
     encode_batch_device,
     encode_tensors_device,
 )
-from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_device, nonzero_estimates_device
-from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_device, rowcol_estimates_device
+from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_device, nonzero_choices_device
+from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_device, rowcol_choices_device
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 
@@ -325,23 +325,17 @@ def encode_storages(
             ops.update({i: op for (i, _), op in zip(on_host, host_ops)})
         # storages coded on the CPU path: their delta ops chosen in one pass too
         engine.choose_delta_ops([j for j, p in zip(jobs, plan) if p[2] and j.base is not None])
-        # which GPU-coded storages take the row/column or the nonzero transform: each estimated on
-        # the device (one read-back each); where both save enough, the smaller estimate wins
-        plane_jobs = [i for i, p in enumerate(plan) if not p[2] and p[0] in PLANE_TRANSFORMS]
-        rc_est = rowcol_estimates_device(
-            [(jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype, jobs[i].cols)
-             for i in plane_jobs], dev)
-        nz_est = nonzero_estimates_device(
-            [(jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype) for i in plane_jobs], dev)
-        rc_pick: dict[int, bool] = {}
-        nz_pick: dict[int, bool] = {}
-        for i, rce, nze in zip(plane_jobs, rc_est, nz_est):
-            rc_cost = rce[1] if rce is not None and rce[1] < (1.0 - choice.RC_MIN_GAIN) * rce[0] else None
-            nz_cost = nze[1] if nze is not None and nze[1] < (1.0 - choice.NZ_MIN_GAIN) * nze[0] else None
-            if rc_cost is not None and (nz_cost is None or rc_cost <= nz_cost):
-                rc_pick[i] = True
-            elif nz_cost is not None:
-                nz_pick[i] = True
+        # which GPU-coded storages take the nonzero transform (one read-back for all of them)
+        nz_jobs = [i for i, p in enumerate(plan) if not p[2] and p[0] in PLANE_TRANSFORMS]
+        nz_items = [(jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype) for i in nz_jobs]
+        nz_pick = dict(zip(nz_jobs, nonzero_choices_device(nz_items, dev)))
+        # ... and which of the others the row/column transform (one read-back for all of them; a
+        # storage with zeros enough for the nonzero transform keeps it: it codes those as runs)
+        rc_jobs = [i for i in nz_jobs if not nz_pick[i] and jobs[i].cols]
+        rc_items = [
+            (jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype, jobs[i].cols) for i in rc_jobs
+        ]
+        rc_pick = dict(zip(rc_jobs, rowcol_choices_device(rc_items, dev)))
         batch = Batch()
         # the transform of each storage: the layout probe chooses it with the storage's first piece;
         # its later pieces (in later batches) take the same
@@ -390,6 +384,17 @@ def encode_storages(
                 fold_slots.append((len(entries), nbytes))
             else:
                 entry["checksum"] = ck.tensor_checksum(job.raw)
+            if nz_pick.get(jidx):
+                # the nonzero variant (docs/FORMAT.md 4.5c): coded here, on its own, by the profile's coder
+                entry["transform"] = NZ_TRANSFORM
+                nnz, ids, views, keep = encode_nonzero_device(
+                    raw, base, op, job.dtype, seg, prof.algorithm, prof.codec_id, dict(prof.opts), dev
+                )
+                entry["nnz"] = nnz
+                ji = sink.add_job(entry, len(ids))
+                entries.append(entry)
+                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+                continue
             if rc_pick.get(jidx):
                 # the row/column variant (docs/FORMAT.md 4.5d): coded here, on its own, by the profile's coder
                 assert job.cols is not None
@@ -398,17 +403,6 @@ def encode_storages(
                     raw, base, op, job.dtype, seg, job.cols, prof.algorithm, prof.codec_id, dict(prof.opts), dev
                 )
                 entry["rowcol"] = key
-                ji = sink.add_job(entry, len(ids))
-                entries.append(entry)
-                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
-                continue
-            if nz_pick.get(jidx):
-                # the nonzero variant (docs/FORMAT.md 4.5c): coded here, on its own, by the profile's coder
-                entry["transform"] = NZ_TRANSFORM
-                nnz, ids, views, keep = encode_nonzero_device(
-                    raw, base, op, job.dtype, seg, prof.algorithm, prof.codec_id, dict(prof.opts), dev
-                )
-                entry["nnz"] = nnz
                 ji = sink.add_job(entry, len(ids))
                 entries.append(entry)
                 io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)

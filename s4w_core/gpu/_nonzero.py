@@ -37,9 +37,9 @@ from s4w_core.jobs import dtype_from_name
 from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
 
-__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "bits_order0", "check_and_merge", "code_parts_device", "decode_nonzero_device",
-           "decode_on_device", "fetch_chunks_device", "encode_nonzero_device", "nonzero_choices_device", "nonzero_estimates_device",
-           "nonzero_pays_device", "plane_bytes", "residual_words"]
+__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "code_parts_device", "decode_nonzero_device",
+           "decode_on_device", "fetch_chunks_device", "encode_nonzero_device", "nonzero_choices_device",
+           "nonzero_pays_device"]
 
 #: storages of fewer elements keep their plane transform (the choice costs a read-back)
 NZ_MIN_ELEMS = 1 << 16
@@ -53,7 +53,7 @@ def _round(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
+def _residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The elements to code as int16/int32 words (the residual under ``op`` where there is a base)."""
     if raw.numel() == 0:
         return torch.empty(0, dtype=_ITYPE[dtype.itemsize], device=raw.device)
@@ -61,14 +61,14 @@ def residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None,
     return r.view(_ITYPE[dtype.itemsize])
 
 
-def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
+def _plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
     """The ``planes-rotl1`` planes of ``words`` (plane 0 first), one uint8 tensor each."""
     bits = 8 * w
     r = (words << 1) | ((words >> (bits - 1)) & 1)
     return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
 
 
-def bits_order0(x: torch.Tensor) -> torch.Tensor:
+def _bits(x: torch.Tensor) -> torch.Tensor:
     """Order-0 entropy of the uint8 tensor ``x`` times its length: its order-0 cost in bits."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=x.device)
@@ -78,16 +78,14 @@ def bits_order0(x: torch.Tensor) -> torch.Tensor:
     return h.clamp_min(1e-3) * x.numel()
 
 
-def nonzero_estimates_device(
+def nonzero_choices_device(
     items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]], dev: torch.device
-) -> list[tuple[float, float] | None]:
-    """Per storage ``(raw bytes, base, delta op, dtype)``: ``(plain, nonzero)``, the order-0 estimates
-    in bytes of the storage's planes and of its :data:`NZ_TRANSFORM` chunks (module docstring), or
-    None where it is no candidate (too small, or fewer than
-    :data:`~s4w_core.choice.NZ_MIN_ZERO_FRAC` zeros in the sample). Every storage's estimate is
-    computed on the device, with one read-back for all of them."""
-    out: list[tuple[float, float] | None] = [None] * len(items)
-    samples: list[tuple[int, torch.Tensor, int, int]] = []
+) -> list[bool]:
+    """Per storage ``(raw bytes, base, delta op, dtype)``: whether the GPU writer codes it with
+    :data:`NZ_TRANSFORM` -- the order-0 estimate on a sample (module docstring), every storage's
+    estimate on the device and one read-back for all of them."""
+    out = [False] * len(items)
+    samples: list[tuple[int, torch.Tensor, int]] = []
     for i, (raw, base, op, dtype) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
@@ -96,36 +94,30 @@ def nonzero_estimates_device(
         ranges = choice.delta_sample_ranges(n)
         r = torch.cat([raw[a * w : z * w].to(dev) for a, z in ranges])
         b = None if base is None or op is None else torch.cat([base[a * w : z * w].to(dev) for a, z in ranges])
-        samples.append((i, residual_words(r, b, op, dtype), w, n))
+        samples.append((i, _residual_words(r, b, op, dtype), w))
     if not samples:
         return out
     # the zero count first, for every sample at once (one read-back): the entropy estimates (about
     # twenty small kernels per storage) only for the storages with enough zeros to be candidates
-    zeros_of = torch.stack([(words == 0).sum() for _, words, _w, _n in samples]).cpu().tolist()
+    zeros_of = torch.stack([(words == 0).sum() for _, words, _w in samples]).cpu().tolist()
     stats: list[torch.Tensor] = []
-    idx: list[tuple[int, float]] = []
-    for (i, words, w, n), zeros in zip(samples, zeros_of):
+    idx: list[int] = []
+    sizes: list[int] = []
+    for (i, words, w), zeros in zip(samples, zeros_of):
         if zeros < choice.NZ_MIN_ZERO_FRAC * words.numel():
             continue
         bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
-        plain = sum((bits_order0(p) for p in plane_bytes(words, w)), zero)
-        nz = bits_order0(bitmap) + sum((bits_order0(planes[j]) for j in range(w)), zero)
-        stats.append(torch.stack([plain, nz]))
-        idx.append((i, n / max(1, words.numel()) / 8.0))  # sample bits -> storage bytes
+        plain = sum((_bits(p) for p in _plane_bytes(words, w)), zero)
+        nz = _bits(bitmap) + sum((_bits(planes[j]) for j in range(w)), zero)
+        nonzero = (words != 0).sum().to(torch.float64)
+        stats.append(torch.stack([words.numel() - nonzero, plain, nz]))
+        idx.append(i)
+        sizes.append(words.numel())
     if stats:
-        for (i, scale), (plain_cost, nz_cost) in zip(idx, torch.stack(stats).cpu().tolist()):
-            out[i] = (plain_cost * scale, nz_cost * scale)
+        for i, m, (zeros, plain_cost, nz_cost) in zip(idx, sizes, torch.stack(stats).cpu().tolist()):
+            out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
     return out
-
-
-def nonzero_choices_device(
-    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]], dev: torch.device
-) -> list[bool]:
-    """Per storage ``(raw bytes, base, delta op, dtype)``: whether the GPU writer codes it with
-    :data:`NZ_TRANSFORM` -- where :func:`nonzero_estimates_device` says it saves
-    :data:`~s4w_core.choice.NZ_MIN_GAIN`."""
-    return [e is not None and e[1] < (1.0 - choice.NZ_MIN_GAIN) * e[0] for e in nonzero_estimates_device(items, dev)]
 
 
 def nonzero_pays_device(
@@ -152,7 +144,7 @@ def encode_nonzero_device(
     coded (``algorithm`` with ``opts``, written as ``codec_id``) only where that is smaller."""
     w = dtype.itemsize
     n = raw.numel() // w
-    words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
+    words = _residual_words(raw, None if base is None else base.to(dev), op, dtype)
     parts: list[torch.Tensor] = []
     nnz: list[int] = []
     for s0, s1 in segments(n, seg):

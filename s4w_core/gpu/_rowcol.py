@@ -30,17 +30,30 @@ from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1, rowcol_offsets
 from s4w_core.gpu import _nvcomp
-from s4w_core.gpu._nonzero import code_parts_device, fetch_chunks_device, plane_bytes, residual_words
+from s4w_core.gpu._nonzero import code_parts_device, fetch_chunks_device
 from s4w_core.jobs import dtype_from_name, plane_rot
 from s4w_core.planes import merge_planes, rowcol
 from s4w_core.workers import segments
 
-__all__ = ["RC_TRANSFORM", "decode_rowcol_device", "encode_rowcol_device", "rowcol_choices_device",
-           "rowcol_estimates_device"]
+__all__ = ["RC_TRANSFORM", "decode_rowcol_device", "encode_rowcol_device", "plane_bytes", "residual_words",
+           "rowcol_choices_device", "rowcol_estimates_device"]
 
 #: the row/column transform the GPU writer writes
 RC_TRANSFORM = next(k for k, v in RC_TRANSFORMS.items() if v == ROTL1)
 _ITYPE = {2: torch.int16, 4: torch.int32}
+
+
+def residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """The elements to code as int16/int32 words (the residual under ``op`` where there is a base)."""
+    r = raw if base is None or op is None else delta.forward(op, raw, base, dtype)
+    return r.view(_ITYPE[dtype.itemsize])
+
+
+def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
+    """The ``planes-rotl1`` planes of the int16/int32 ``words`` (plane 0 first), uint8 each."""
+    bits = 8 * w
+    r = (words << 1) | ((words >> (bits - 1)) & 1)
+    return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
 
 
 def rowcol_choices_device(

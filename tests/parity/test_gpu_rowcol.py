@@ -78,13 +78,13 @@ def pipeline_rowcol() -> None:
             buf = io.BytesIO()
             with simulated_gpu(segment_elems=seg), contextlib.ExitStack() as stack:
                 stack.enter_context(_as_gpu_host_copies())
-                orig_choose, orig_rc = _encode._choose_delta_ops, _encode.rowcol_estimates_device
-                _encode.rowcol_estimates_device = lambda items, dev: [(1.0, 0.0)] * len(items)
+                orig_choose, orig_rc = _encode._choose_delta_ops, _encode.rowcol_choices_device
+                _encode.rowcol_choices_device = lambda items, dev: [True] * len(items)
                 _encode._choose_delta_ops = lambda cands, pool, dev=None, o=op: [o] * len(cands)
                 try:
                     s4w_core.save({"v": v}, buf, profile="portable", _base_lookup=lookup)
                 finally:
-                    _encode._choose_delta_ops, _encode.rowcol_estimates_device = orig_choose, orig_rc
+                    _encode._choose_delta_ops, _encode.rowcol_choices_device = orig_choose, orig_rc
                 back, m = _decode_all_gpu_sim(buf.getvalue(), lambda ref, nbytes, b=bb: b)
             e = m["storages"][0]
             assert e["transform"] == _rowcol.RC_TRANSFORM and e["delta"]["op"] == op, e["delta"]
