@@ -245,8 +245,13 @@ def stage(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPo
 
     Layout of :attr:`Staged.host`: the chunks read in place, in file order, each in a slot rounded
     up to :data:`_nvcomp.ALIGN`; then the decoded bytes of the host-decoded chunks (whose stored
-    bytes are read into ordinary memory). Every check passed when this returns.
+    bytes are read into ordinary memory). Every check passed when this returns. Storages decoded on
+    their own (:func:`_alone`: ``nz-``, ``rc-``) have no place in a staged batch: ValueError
+    (:func:`decode_storages` routes them).
     """
+    alone = [e["path"] for e in entries if _alone(e)]
+    if alone:
+        raise ValueError(f"stage: {alone[:3]} are decoded on their own (nz-/rc- transforms), not in a batch")
     inflate = _gpu_inflate()
     recs: list[tuple[int, int, int, int]] = []
     chunks: list[_Chunk] = []
