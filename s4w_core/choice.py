@@ -78,7 +78,7 @@ RC_MIN_ELEMS = 1 << 12
 #: offsets' ``R + C`` bytes) at least this fraction smaller
 RC_MIN_GAIN = 0.02
 #: about this many elements (whole rows, spread over the storage) are sampled for that choice
-RC_SAMPLE_ELEMS = 1 << 17
+RC_SAMPLE_ELEMS = 1 << 15
 
 
 def rowcol_sample_rows(rows: int, cols: int) -> list[int]:
