@@ -331,9 +331,10 @@ def encode_storages(
         nz_pick = dict(zip(nz_jobs, nonzero_choices_device(nz_items, dev)))
         # ... and which of the others the row/column transform (one read-back for all of them; a
         # storage with zeros enough for the nonzero transform keeps it: it codes those as runs)
-        rc_jobs = [i for i in nz_jobs if not nz_pick[i] and jobs[i].cols]
-        rc_items = [
-            (jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype, jobs[i].cols) for i in rc_jobs
+        # (plain storages only: a delta's residual has its scales removed already)
+        rc_jobs = [i for i in nz_jobs if not nz_pick[i] and jobs[i].cols and ops.get(i) is None]
+        rc_items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]] = [
+            (jobs[i].raw, None, None, jobs[i].dtype, jobs[i].cols) for i in rc_jobs
         ]
         rc_pick = dict(zip(rc_jobs, rowcol_choices_device(rc_items, dev)))
         batch = Batch()

@@ -43,8 +43,15 @@ def rc_like(dtype: torch.dtype, rows: int, cols: int, seed: int) -> torch.Tensor
 
 @_check
 def pipeline_rowcol() -> None:
+    import base64
+
+    import numpy as np
+
     import s4w_core
+    from s4w_core import engine
+    from s4w_core.codecs import get_codec
     from s4w_core.gpu import _encode, _rowcol
+    from s4w_core.planes import rowcol
     from tests.parity._interpret_checks import _as_gpu_host_copies, _decode_all_gpu_sim, assert_same, simulated_gpu
 
     for case, (dtype, rows, cols, seg) in enumerate(
@@ -67,7 +74,8 @@ def pipeline_rowcol() -> None:
             assert not by["d"]["transform"].startswith("rc-"), by["d"]["transform"]
             if profile == "portable":  # GPU-written, CPU-read (the oracle)
                 assert_same(obj, s4w_core.load(buf.getvalue(), map_location="cpu"), f"{dtype} portable (CPU reader)")
-        # deltas, the choice forced on (a residual rarely has the row/column structure)
+        # deltas: the GPU writer keeps a storage with a delta on its plane transform (the residual
+        # has no row/column scales) ...
         base = rc_like(dtype, rows, cols, case + 10)
         for op in ("xor", "sub"):
             bb = base.reshape(-1).view(torch.uint8).clone()
@@ -78,19 +86,50 @@ def pipeline_rowcol() -> None:
             buf = io.BytesIO()
             with simulated_gpu(segment_elems=seg), contextlib.ExitStack() as stack:
                 stack.enter_context(_as_gpu_host_copies())
-                orig_choose, orig_rc = _encode._choose_delta_ops, _encode.rowcol_choices_device
-                _encode.rowcol_choices_device = lambda items, dev: [True] * len(items)
+                orig_choose = _encode._choose_delta_ops
                 _encode._choose_delta_ops = lambda cands, pool, dev=None, o=op: [o] * len(cands)
                 try:
                     s4w_core.save({"v": v}, buf, profile="portable", _base_lookup=lookup)
                 finally:
-                    _encode._choose_delta_ops, _encode.rowcol_choices_device = orig_choose, orig_rc
+                    _encode._choose_delta_ops = orig_choose
                 back, m = _decode_all_gpu_sim(buf.getvalue(), lambda ref, nbytes, b=bb: b)
             e = m["storages"][0]
-            assert e["transform"] == _rowcol.RC_TRANSFORM and e["delta"]["op"] == op, e["delta"]
+            assert not e["transform"].startswith("rc-") and e["delta"]["op"] == op, (e["transform"], e["delta"])
             assert_same({"v": v}, back, f"{dtype} {op}")
-            cpu = s4w_core.load(buf.getvalue(), map_location="cpu", _resolve_base=lambda r, n, b=bb: b)
-            assert_same({"v": v}, cpu, f"{dtype} {op} (CPU reader)")
+            # ... but any writer may combine them (FORMAT.md 4.5d): the CPU writer, forced, and the
+            # GPU reader; and the GPU coder of a residual, forced, read back by the CPU reader
+            orig_rc = engine.rowcol_choice
+            engine.rowcol_choice = lambda raw, b, dt, tr, o, c: (True, o)
+            orig_op = engine.choose_delta_op
+            engine.choose_delta_op = lambda job, transform, ops=None, o=op: o
+            try:
+                buf = io.BytesIO()
+                s4w_core.save({"v": v}, buf, profile="portable", _base_lookup=lookup)
+            finally:
+                engine.rowcol_choice, engine.choose_delta_op = orig_rc, orig_op
+            with simulated_gpu():
+                back, m = _decode_all_gpu_sim(buf.getvalue(), lambda ref, nbytes, b=bb: b)
+            e = m["storages"][0]
+            assert e["transform"] == "rc-planes-rotl1" and e["delta"]["op"] == op, (e["transform"], e["delta"])
+            assert_same({"v": v}, back, f"{dtype} {op} CPU-written, GPU-read")
+            with simulated_gpu():
+                key, ids, views, _keep = _rowcol.encode_rowcol_device(
+                    bits_of(v), bb, op, dtype, 1000, cols, "Deflate", "deflate", {}, torch.device("cpu")
+                )
+            ref = engine.planes_of(bits_of(v), dtype, "planes-rotl1", bb, op).numpy()
+            row = np.frombuffer(base64.b64decode(key["row"]), dtype=np.uint8)
+            col = np.frombuffer(base64.b64decode(key["col"]), dtype=np.uint8)
+            n = v.numel()
+            for c, (cid, data) in enumerate(zip(ids, views)):
+                k, j = divmod(c, dtype.itemsize)
+                s0, s1 = k * 1000, min(n, (k + 1) * 1000)
+                got = np.frombuffer(get_codec(cid).decode(bytes(data), s1 - s0), dtype=np.uint8)
+                want = ref[j, s0:s1] - (rowcol.tile_np(row, col, s0, s1) if j == 0 else 0)
+                assert np.array_equal(got, want.astype(np.uint8)), (dtype, op, c)
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 @_check
