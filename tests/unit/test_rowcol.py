@@ -299,3 +299,14 @@ def test_gpu_estimates_batched_match_one_by_one() -> None:
     assert picks[0] and picks[1] and not picks[6] and not picks[7]
     dense = torch.randn(300, 97, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert rowcol_choices_device([(bits(dense), None, None, torch.bfloat16, 97)], torch.device("cpu")) == [False]
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 2000), (300, 97), (64, 130), (40, 700), (100_000, 8), (5, 10_000), (2, 70_000)])
+def test_gpu_sample_rows_are_the_probes(rows: int, cols: int) -> None:
+    """The GPU writer computes the sampled rows on the device as ``(rows - 1) * i // (k - 1)``: the
+    rows of :func:`choice.rowcol_sample_rows`, which the CPU probe and the tests use."""
+    pick = choice.rowcol_sample_rows(rows, cols)
+    k = len(pick)
+    assert pick == sorted(set(pick)) and 2 <= k <= rows
+    if k < rows:
+        assert torch.div((rows - 1) * torch.arange(k), k - 1, rounding_mode="floor").tolist() == pick
