@@ -22,7 +22,8 @@ Columns, ratio = raw bytes / stored bytes (codec output only, summed over the gr
 
 ``s4w`` (CPU): ``s4w_core.save(..., profile="portable", threads=1)`` of each tensor (the chain
 against the previous snapshot's tensor through ``_base_lookup``), stored bytes = the chunk bytes of
-its manifest. z4ai: ``z4ai.compress(bytes, dtype=..., threads=1)`` (default effort). ZipNN: torch
+its manifest, plus the row/column offsets of its ``rc-`` storages (``R + C`` bytes each, held in the
+manifest: docs/FORMAT.md 4.5d). z4ai: ``z4ai.compress(bytes, dtype=..., threads=1)`` (default effort). ZipNN: torch
 input mode, one thread. Each is one thread per tensor; ``--workers`` processes code tensors side by
 side (default: the core count). Every file and frame is decoded and compared to its input.
 A peer that is not installed is left out of the table (with a note); its sizes are kept in
@@ -30,7 +31,7 @@ A peer that is not installed is left out of the table (with a note); its sizes a
 
 ``--gpu`` (needs a usable GPU backend) adds GPU-written files: ``s4w-gpu`` is
 ``s4w_core.save(..., profile="fast")`` of each group's CUDA tensors (the chain against the previous
-snapshot's CUDA tensors), stored bytes = the chunk bytes of its manifest; every file is loaded back
+snapshot's CUDA tensors), stored bytes counted the same way; every file is loaded back
 on the GPU and compared bit for bit. ``s4w-gpu-nonz`` is the same writer with the nonzero transform
 switched off, to show what it buys. Should the GPU-written files fail, their columns are left out,
 the error is named in the results and the run exits non-zero.
@@ -88,8 +89,17 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_bytes(data: bytes) -> int:
+    """The stored bytes of a file's tensors: its chunks, plus the row/column offsets that an ``rc-``
+    storage keeps in the manifest (docs/FORMAT.md 4.5d), counted at their ``R + C`` raw bytes."""
     m = s4w_core.api.open_reader(data).manifest
-    return sum(c[2] for st in m["storages"] for c in st["chunks"])
+    total = 0
+    for st in m["storages"]:
+        total += sum(c[2] for c in st["chunks"])
+        rc = st.get("rowcol")
+        if rc is not None:
+            n = st["nbytes"] // st["_width"]
+            total += n // rc["cols"] + rc["cols"]
+    return total
 
 
 def s4w_size(t: torch.Tensor, base: torch.Tensor | None) -> int:

@@ -258,6 +258,9 @@ def decode_storage(blob: bytes, s: dict[str, Any], base: bytes | None = None, ch
     """The raw bytes of one storage entry (``base``: the delta base's raw bytes, if it has one)."""
     tr = s["transform"]
     nzt = tr.removeprefix("nz-") if tr in ("nz-planes-rotl1", "nz-planes") else None  # FORMAT.md 4.5c
+    rct = tr.removeprefix("rc-") if tr in ("rc-planes-rotl1", "rc-planes") else None  # FORMAT.md 4.5d
+    if rct:
+        tr = rct
     if tr in ("planes-rotl1", "planes") or nzt:
         w = PLANE_WIDTH[s["dtype"]]
     elif tr == "bytes":
@@ -272,6 +275,18 @@ def decode_storage(blob: bytes, s: dict[str, Any], base: bytes | None = None, ch
         raise FormatError(f"{s['path']}: expected {nseg * per} chunks")
     if s.get("delta") and base is None:
         raise FormatError(f"{s['path']} is an XOR delta; its base is needed")
+    if rct:  # the row/column offsets of plane 0
+        rc = s.get("rowcol")
+        cols = rc.get("cols") if isinstance(rc, dict) else None
+        if type(cols) is not int or not 1 <= cols <= n or n % cols:
+            raise FormatError(f"{s['path']}: rowcol cols {cols!r} does not divide {n} elements")
+        assert isinstance(rc, dict)
+        try:
+            row, col = base64.b64decode(rc.get("row"), validate=True), base64.b64decode(rc.get("col"), validate=True)
+        except (TypeError, ValueError) as e:
+            raise FormatError(f"{s['path']}: rowcol offsets are not base64: {e}") from None
+        if len(row) != n // cols or len(col) != cols:
+            raise FormatError(f"{s['path']}: rowcol offsets are not {n // cols} and {cols} bytes")
 
     def chunk(c: int, raw_len: int) -> bytes:
         codec, off, length, h = s["chunks"][c]
@@ -293,6 +308,9 @@ def decode_storage(blob: bytes, s: dict[str, Any], base: bytes | None = None, ch
         else:
             elems = m
         planes = [chunk(c0 + j, elems) for j in range(w)]
+        if rct:  # plane 0 of element i was stored less row[i // cols] + col[i % cols], modulo 256
+            i0 = k * seg
+            planes[0] = bytes((v + row[i // cols] + col[i % cols]) & 0xFF for i, v in enumerate(planes[0], i0))
         if tr == "bytes":
             out += planes[0]
             continue

@@ -9,11 +9,12 @@ import numpy as np
 import torch
 
 from s4w_core import delta
-from s4w_core.codecs.chunk import BITMAP, SAMPLE, encode_chunk, estimate_bytes
+from s4w_core.codecs.chunk import BITMAP, SAMPLE, encode_chunk, entropy_ratio, estimate_bytes
 from s4w_core.errors import BaseMismatchError
+from s4w_core.format.manifest import RC_TRANSFORMS
 from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
 from s4w_core.planes import nonzero as nzt
-from s4w_core.planes import plane_width, split_planes
+from s4w_core.planes import plane_width, rowcol, split_planes
 
 __all__ = [
     "DELTA_MIN_GAIN",
@@ -27,6 +28,13 @@ __all__ = [
     "delta_pays",
     "delta_sample_ranges",
     "nonzero_pays",
+    "RC_MIN_ELEMS",
+    "RC_MIN_GAIN",
+    "RC_SAMPLE_ELEMS",
+    "rowcol_choice",
+    "rowcol_costs",
+    "rowcol_pays",
+    "rowcol_sample_rows",
 ]
 
 #: the nonzero transform is tried only where at least this fraction of the sampled elements is zero
@@ -62,6 +70,104 @@ def nonzero_pays(
     nz_cost = len(encode_chunk(transform, BITMAP, bitmap)[1])
     nz_cost += sum(len(encode_chunk(transform, j, planes[j])[1]) for j in range(w))
     return nz_cost < (1.0 - NZ_MIN_GAIN) * plain_cost
+
+
+#: storages of fewer elements never take the row/column transform (docs/FORMAT.md 4.5d)
+RC_MIN_ELEMS = 1 << 12
+#: ... which is used only where it makes the storage (the estimate of all its planes plus the
+#: offsets' ``R + C`` bytes) at least this fraction smaller
+RC_MIN_GAIN = 0.02
+#: about this many elements (whole rows, spread over the storage) are sampled for that choice
+RC_SAMPLE_ELEMS = 1 << 15
+
+
+def rowcol_sample_rows(rows: int, cols: int) -> list[int]:
+    """The rows (indices, in order) that the row/column probe samples from an ``rows x cols``
+    storage: all of them up to :data:`RC_SAMPLE_ELEMS` elements, else evenly spread rows making
+    about that many (at least 2)."""
+    k = max(2, min(rows, RC_SAMPLE_ELEMS // cols))
+    if k >= rows:
+        return list(range(rows))
+    return sorted({(rows - 1) * i // (k - 1) for i in range(k)})
+
+
+def rowcol_costs(
+    raw: torch.Tensor,
+    base: torch.Tensor | None,
+    dtype: torch.dtype,
+    transform: str,
+    op: str | None,
+    cols: int | None,
+    *,
+    coded: bool = False,
+) -> tuple[float, float] | None:
+    """``(planes, rowcol)``: the estimated stored bytes of the CPU bytes ``raw`` (with ``base`` and
+    delta ``op``, or plain) under the byte-plane ``transform`` and under its row/column variant
+    (docs/FORMAT.md 4.5d) with rows of ``cols`` elements, the offsets' ``R + C`` bytes included; or
+    None where the variant does not apply (no row length, fewer than :data:`RC_MIN_ELEMS`
+    elements). On the rows of :func:`rowcol_sample_rows`, scaled to the storage: plane 0 coded
+    with the chunk coder as it is and less its offsets; the other planes (the same both ways) coded
+    once where ``coded``, else estimated by their order-0 entropy (:func:`entropy_ratio`)."""
+    w = plane_width(dtype)
+    n = raw.numel() // w
+    if not cols or n < RC_MIN_ELEMS or n % cols or n // cols < 2 or cols < 2:
+        return None
+    rows = n // cols
+    pick = rowcol_sample_rows(rows, cols)
+    if base is None or op is None:
+        base, op = None, None
+    if len(pick) == rows:
+        r, b = raw, base
+    else:
+        # numpy's row gather (torch's index of uint8 rows is ~100x slower on a CPU)
+        r = torch.from_numpy(raw.numpy().reshape(rows, cols * w)[pick].reshape(-1))
+        b = None if base is None else torch.from_numpy(base.numpy().reshape(rows, cols * w)[pick].reshape(-1))
+    words = nzt.residual_words(r, dtype, b, op)
+    rot = plane_rot(transform)
+    planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
+    # plane 0 coded both ways; the other planes, the same both ways, coded too where ``coded`` (the
+    # estimates of a delta's residual against the tensor alone), else estimated order-0 (the
+    # denominator of the gain only: a fraction of the time of coding them)
+    costs = [float(len(encode_chunk(transform, 0, planes[0])[1]))]
+    for j in range(1, w):
+        costs.append(len(encode_chunk(transform, j, planes[j])[1]) if coded else planes[j].size / entropy_ratio(planes[j]))
+    p0 = planes[0]
+    row, col = rowcol.offsets_np(p0, cols)
+    q = p0 - rowcol.tile_np(row, col, 0, p0.size)
+    rc0 = len(encode_chunk(next(k for k, v in RC_TRANSFORMS.items() if v == transform), 0, q)[1])
+    scale = n / p0.size
+    return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
+
+
+def rowcol_pays(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None, cols: int | None
+) -> bool:
+    """Whether the row/column variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5d) pays for
+    the CPU bytes ``raw`` viewed as rows of ``cols`` elements (with ``base`` and delta ``op``, or
+    plain): :func:`rowcol_costs` says it is :data:`RC_MIN_GAIN` smaller."""
+    c = rowcol_costs(raw, base, dtype, transform, op, cols)
+    return c is not None and c[1] < (1.0 - RC_MIN_GAIN) * c[0]
+
+
+def rowcol_choice(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None, cols: int | None
+) -> tuple[bool, str | None]:
+    """``(rowcol, op)``: whether to code ``raw`` with the row/column variant of ``transform``, and the
+    delta op to keep (``op``, or None). Without a delta: :func:`rowcol_pays`. With one, the variant
+    is never applied to the residual (a ``sub`` residual has its scales removed already; on the
+    MiniLM chain the sample's estimate picked it for storages it made 1-2 % larger), but ``raw``
+    alone under the variant is weighed against the residual (:func:`rowcol_costs`, the same rows,
+    every plane coded): the delta is dropped where ``raw`` alone is :data:`RC_MIN_GAIN` smaller
+    (an ``exp_avg`` step, whose signs and exponents move more than its row and column scales)."""
+    if op is None or base is None:
+        return rowcol_pays(raw, None, dtype, transform, None, cols), None
+    alone = rowcol_costs(raw, None, dtype, transform, None, cols, coded=True)
+    if alone is None or alone[1] >= (1.0 - RC_MIN_GAIN) * alone[0]:
+        return False, op
+    resid = rowcol_costs(raw, base, dtype, transform, op, cols, coded=True)
+    if resid is not None and alone[1] < (1.0 - RC_MIN_GAIN) * resid[0]:
+        return True, None
+    return False, op
 
 
 #: elements sampled (in runs spread over a storage) to choose plain vs. a delta op.

@@ -35,12 +35,14 @@ from s4w_core.choice import (
     delta_pays,
     delta_sample_ranges,
     nonzero_pays,
+    rowcol_choice,
+    rowcol_pays,
 )
 from s4w_core.codecs import get_codec
 from s4w_core.codecs.chunk import BITMAP, encode_chunk
 from s4w_core.errors import BaseMismatchError, ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader, ContainerWriter
-from s4w_core.format.manifest import NZ_TRANSFORMS, PLANE_TRANSFORMS
+from s4w_core.format.manifest import NZ_TRANSFORMS, PLANE_TRANSFORMS, RC_TRANSFORMS, rowcol_offsets
 from s4w_core.jobs import (
     DTYPES,
     BaseLookup,
@@ -54,7 +56,7 @@ from s4w_core.jobs import (
     planes_of,
     transform_for,
 )
-from s4w_core.planes import merge_planes
+from s4w_core.planes import merge_planes, rowcol
 from s4w_core.planes import nonzero as nzt
 from s4w_core.planes.reference import merge_hash_into, merge_into
 from s4w_core.workers import Pool, executor, ordered, ordered_window, segments
@@ -74,6 +76,8 @@ __all__ = [
     "choose_delta_ops",
     "encode_storages_cpu",
     "nonzero_pays",
+    "rowcol_choice",
+    "rowcol_pays",
     "nonzero_chunk_lengths",
     "dtype_from_name",
     "dtype_name",
@@ -117,8 +121,10 @@ def encode_storage_cpu(
     """Encode one storage on the CPU and append its chunks; returns its manifest entry.
 
     ``transform``: None for the default choice (:func:`transform_for`: ``planes-rotl1`` for
-    bf16/fp16/fp32, else ``bytes``; a byte-plane transform becomes its nonzero variant
-    ``nz-...`` where :func:`nonzero_pays`), or the transform to write (``"planes"``,
+    bf16/fp16/fp32, else ``bytes``; a byte-plane transform becomes its row/column variant
+    ``rc-...`` where :func:`rowcol_choice` says so for the job's row length ``job.cols`` (which may
+    also drop the delta, where the variant alone codes smaller), else its nonzero
+    variant ``nz-...`` where :func:`nonzero_pays`), or the transform to write (``"planes"``,
     ``"planes-rotl1"``, ``"bytes"``); ValueError if it does not apply to the storage's dtype and size."""
     segment_elems = segment_elems or SEGMENT_ELEMS
     raw = job.raw.cpu() if job.raw.device.type != "cpu" else job.raw
@@ -141,8 +147,21 @@ def encode_storage_cpu(
     op = choose_delta_op(job, transform) if job.base is not None else None
     if op is not None:
         base = job.base.cpu()  # type: ignore[union-attr]
+    rc = False
+    if chosen and transform in PLANE_TRANSFORMS and job.cols is not None:
+        rc, op = rowcol_choice(raw, base, job.dtype, transform, op, job.cols)  # may drop the delta
+        base = base if op is not None else None
+    if op is not None:
         entry["delta"] = {"op": op, "base": job.base_ref}
-    nz = chosen and transform in PLANE_TRANSFORMS and nonzero_pays(raw, base, job.dtype, transform, op)
+    offsets = None
+    if rc:  # the row/column variant of the transform (docs/FORMAT.md 4.5d)
+        assert job.cols is not None
+        p0 = rowcol.plane0_np(nzt.residual_words(raw, job.dtype, base, op), w, plane_rot(transform))
+        offsets = rowcol.offsets_np(p0, job.cols)
+        del p0
+        entry["transform"] = next(k for k, v in RC_TRANSFORMS.items() if v == transform)
+        entry["rowcol"] = rowcol.key(job.cols, *offsets)
+    nz = not rc and chosen and transform in PLANE_TRANSFORMS and nonzero_pays(raw, base, job.dtype, transform, op)
     if nz:  # the nonzero-element variant of the transform (docs/FORMAT.md 4.5c)
         entry["transform"] = next(k for k, v in NZ_TRANSFORMS.items() if v == transform)
         entry["nnz"] = []
@@ -161,7 +180,9 @@ def encode_storage_cpu(
                 calls.append((transform, BITMAP, bitmap))
             else:
                 planes = planes_of(raw[s0 * w : s1 * w], job.dtype, transform, b, op).numpy()
-            calls.extend((transform, j, planes[j]) for j in range(planes.shape[0]))
+                if offsets is not None:
+                    np.subtract(planes[0], rowcol.tile_np(*offsets, s0, s1), out=planes[0])
+            calls.extend((entry["transform"] if rc else transform, j, planes[j]) for j in range(planes.shape[0]))
         coded = (encode_chunk(*c) for c in calls) if nbytes <= INLINE_ENCODE_BYTES else ordered(pool, encode_chunk, calls)
         for codec_id, data in coded:
             off, length, h = writer.add_chunk(data)
@@ -345,7 +366,11 @@ def decode_storage_cpu(
     if nbytes >= PREFAULT_MIN_BYTES:
         _prefault(out)
     out_np = out.numpy()
-    is_planes = transform in PLANE_TRANSFORMS
+    offsets = None
+    if transform in RC_TRANSFORMS:  # plane 0 is stored less its row/column offsets (FORMAT.md 4.5d)
+        _cols, row_b, col_b = rowcol_offsets(entry, n, "storage")
+        offsets = np.frombuffer(row_b, dtype=np.uint8), np.frombuffer(col_b, dtype=np.uint8)
+    is_planes = transform in PLANE_TRANSFORMS or offsets is not None
     rot = is_planes and plane_rot(transform)
     merge_fast = is_planes and (base is None or op == "xor")
     base_np = None if base is None else base.numpy()
@@ -377,6 +402,8 @@ def decode_storage_cpu(
                 out[s0 * w : s1 * w] = delta.inverse(op, out[s0 * w : s1 * w], base[s0 * w : s1 * w], dtype)
             continue
         parts = [np.frombuffer(next(decoded), dtype=np.uint8) for _j in range(w)]
+        if offsets is not None:
+            parts[0] = parts[0] + rowcol.tile_np(*offsets, s0, s1)  # uint8: modulo 256
         a, z = s0 * w, s1 * w
         if merge_fast:
             if hasher is None:

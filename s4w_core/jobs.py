@@ -12,7 +12,7 @@ import torch
 
 from s4w_core import delta
 from s4w_core.errors import ManifestError, UnsupportedTypeError
-from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, ROTL1
+from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, RC_PLAIN, RC_ROTL1, ROTL1
 from s4w_core.planes import PLANE_DTYPES, plane_width, split_planes
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "plane_rot",
+    "row_length",
     "planes_of",
     "transform_for",
 ]
@@ -83,6 +84,18 @@ def check_views(m: dict[str, Any], name: str) -> None:
             raise ManifestError(f"{name}: manifest: tensor {i} ({t['path']!r}) of dtype {dt} cannot require grad")
 
 
+def row_length(t: torch.Tensor, nbytes: int) -> int | None:
+    """The row length ``C`` a writer may use for the row/column transform of the storage of ``t``
+    (``nbytes`` bytes): ``prod(shape[1:])`` where ``t`` has at least 2 dimensions, at least 2 rows
+    and 2 columns, is contiguous, starts at the storage's start and covers all of it; else None."""
+    if t.dim() < 2 or not t.numel() or not t.is_contiguous() or t.storage_offset():
+        return None
+    if t.numel() * t.element_size() != nbytes:
+        return None
+    cols = t.numel() // t.shape[0]
+    return cols if cols >= 2 and t.shape[0] >= 2 else None
+
+
 @dataclass
 class StorageJob:
     """One storage to encode: its bytes as a 1-D uint8 tensor and how to interpret them."""
@@ -95,6 +108,9 @@ class StorageJob:
     base_ref: dict[str, Any] | None = None
     #: ``(transform, op)`` once :func:`choose_delta_ops` chose the delta op for this base
     delta_choice: tuple[str, str | None] | None = None
+    #: row length in elements of a 2-D view of the whole storage (the row/column transform's ``C``,
+    #: docs/FORMAT.md 4.5d), or None where no tensor views it that way
+    cols: int | None = None
 
 
 @dataclass
@@ -130,7 +146,7 @@ class Collector:
             sidx = len(self.jobs)
             self._storage_idx[key] = sidx
             raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (nbytes,), (1,))
-            self.jobs.append(StorageJob(raw, t.dtype, path, str(t.device)))
+            self.jobs.append(StorageJob(raw, t.dtype, path, str(t.device), cols=row_length(t, nbytes)))
             self._keep.append(st)
         entry = {
             "path": path,
@@ -156,7 +172,8 @@ TRANSFORMS = (*PLANE_TRANSFORMS, "bytes")
 
 def plane_rot(transform: str) -> bool:
     """Whether the byte-plane ``transform`` rotates each element left by one bit before the split:
-    True for ``planes-rotl1``, False for ``planes`` (the ``rot`` argument of
+    True for ``planes-rotl1`` (and ``rc-planes-rotl1``), False for ``planes`` (and ``rc-planes``;
+    the ``rot`` argument of
     :func:`~s4w_core.planes.split_planes` and :func:`~s4w_core.planes.merge_planes`). Raises
     ValueError for any other transform.
 
@@ -164,9 +181,9 @@ def plane_rot(transform: str) -> bool:
         >>> plane_rot("planes-rotl1"), plane_rot("planes")
         (True, False)
     """
-    if transform == ROTL1:
+    if transform == ROTL1 or transform == RC_ROTL1:
         return True
-    if transform == PLAIN:
+    if transform == PLAIN or transform == RC_PLAIN:
         return False
     raise ValueError(f"{transform!r} is not a byte-plane transform (one of {PLANE_TRANSFORMS})")
 

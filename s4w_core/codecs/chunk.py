@@ -55,9 +55,11 @@ def encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes]
     data = memoryview(plane)
     if codec is ZSTD_PLANE:
         cid, out = ZSTD.id, zstd_encode_plane(data)
-        if len(out) * LOW_ENTROPY_RATIO < plane.size:
+        if len(out) * LOW_ENTROPY_RATIO < plane.size and not (j == 0 and transform.startswith("rc-")):
             # near-constant planes (delta residuals of unchanged or barely changed values) go far
-            # below a Huffman code's 1 bit a byte with zstd's matches at its default level.
+            # below a Huffman code's 1 bit a byte with zstd's matches at its default level. (Not
+            # the plane 0 of a row/column transform, FORMAT.md 4.5d: ~2 bits a byte of noise around
+            # its offsets, where level 3 took 0.1 % off at 1.6x the time.)
             assert ZSTD.encode_cpu is not None
             z = ZSTD.encode_cpu(data)
             if len(z) < len(out):

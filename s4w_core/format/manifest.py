@@ -7,6 +7,8 @@ allocates more than the bound stated in docs/FORMAT.md ("Resource bounds").
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 from s4w_core.codecs import get_codec
@@ -20,7 +22,9 @@ __all__ = [
     "MAX_STORAGE_BYTES",
     "PLANE_TRANSFORMS",
     "NZ_TRANSFORMS",
+    "RC_TRANSFORMS",
     "nz_counts",
+    "rowcol_offsets",
     "NVCOMP_ANS_MAX_CHUNK",
     "PLAUSIBLE_RATIO",
     "PLAUSIBLE_SLACK",
@@ -52,7 +56,11 @@ PLANE_TRANSFORMS = (ROTL1, PLAIN)
 #: those elements through the byte-plane transform each one names; ``nnz`` lists their count per segment.
 NZ_ROTL1, NZ_PLAIN = "nz-planes-rotl1", "nz-planes"
 NZ_TRANSFORMS = {NZ_ROTL1: ROTL1, NZ_PLAIN: PLAIN}
-_WIDTH = {ROTL1: None, PLAIN: None, NZ_ROTL1: None, NZ_PLAIN: None, "bytes": 1}
+#: the row/column exponent-model transforms (docs/FORMAT.md 4.5d): the byte-plane transform each
+#: one names, with plane 0 stored less a per-row and a per-column offset, held by the ``rowcol`` key.
+RC_ROTL1, RC_PLAIN = "rc-planes-rotl1", "rc-planes"
+RC_TRANSFORMS = {RC_ROTL1: ROTL1, RC_PLAIN: PLAIN}
+_WIDTH = {ROTL1: None, PLAIN: None, NZ_ROTL1: None, NZ_PLAIN: None, RC_ROTL1: None, RC_PLAIN: None, "bytes": 1}
 #: delta ops (s4w_core.delta): "xor" for any storage, "sub" for byte-plane (planes-rotl1, planes) storages.
 _DELTA_OPS = ("xor", "sub")
 _PLANE_WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -76,6 +84,41 @@ def nz_counts(s: dict[str, Any], n: int, seg: int, where: str) -> list[int]:
         if type(c) is not int or not 0 <= c <= m:
             raise ManifestError(f"manifest: {where}: nnz[{k}] must be an integer in [0, {m}], got {c!r}")
     return nnz
+
+
+def _b64(v: Any, size: int, what: str) -> bytes:
+    """``v``, a base64 string (RFC 4648, padded) that must decode to exactly ``size`` bytes: its
+    length is checked before anything is decoded."""
+    if not isinstance(v, str) or len(v) != 4 * (-(-size // 3)):
+        raise ManifestError(
+            f"manifest: {what} must be the base64 text of exactly {size} bytes "
+            f"({4 * (-(-size // 3))} characters), got {type(v).__name__} of {len(v) if isinstance(v, str) else '?'}"
+        )
+    try:
+        out = base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ManifestError(f"manifest: {what} is not valid base64: {e}") from None
+    if len(out) != size:
+        raise ManifestError(f"manifest: {what} decodes to {len(out)} bytes, expected {size}")
+    return out
+
+
+def rowcol_offsets(s: dict[str, Any], n: int, where: str) -> tuple[int, bytes, bytes]:
+    """The ``rowcol`` key of a row/column-transform storage entry of ``n`` elements, checked and
+    decoded (docs/FORMAT.md 4.5d): ``(cols, row, col)``, ``cols`` dividing ``n``, ``row`` the
+    ``n // cols`` row offsets and ``col`` the ``cols`` column offsets (bytes). Every length is
+    checked against ``n`` before a byte is decoded; ManifestError otherwise."""
+    rc = s.get("rowcol")
+    if not isinstance(rc, dict):
+        raise ManifestError(f"manifest: {where}: transform {s.get('transform')} needs a 'rowcol' object")
+    cols = rc.get("cols")
+    if type(cols) is not int or not 1 <= cols <= n or n % cols:
+        raise ManifestError(
+            f"manifest: {where}: rowcol 'cols' must be an integer in [1, {n}] dividing the {n} elements, got {cols!r}"
+        )
+    row = _b64(rc.get("row"), n // cols, f"{where} rowcol 'row'")
+    col = _b64(rc.get("col"), cols, f"{where} rowcol 'col'")
+    return cols, row, col
 
 
 def claims_plausible(entry: dict[str, Any]) -> bool:
@@ -122,7 +165,7 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
             raise ManifestError(f"manifest: {where} has unknown transform {tr!r}")
         if not isinstance(s.get("dtype"), str):
             raise ManifestError(f"manifest: {where} dtype must be a string")
-        w = _PLANE_WIDTH.get(s["dtype"]) if tr in PLANE_TRANSFORMS or tr in NZ_TRANSFORMS else 1
+        w = _PLANE_WIDTH.get(s["dtype"]) if tr != "bytes" else 1
         if w is None or nbytes % w:
             raise ManifestError(f"manifest: {where}: transform {tr} does not apply to {s['dtype']} x {nbytes} bytes")
         seg = _int(s.get("segment_elems"), f"{where} segment_elems", 1, MAX_SEGMENT_BYTES // w)
@@ -132,13 +175,15 @@ def _validate(m: dict[str, Any], data_start: int, data_end: int, known_codecs: s
         delta = s.get("delta")
         if delta is not None and (not isinstance(delta, dict) or delta.get("op") not in _DELTA_OPS):
             raise ManifestError(f"manifest: {where} has an unknown delta {delta!r}")
-        if delta is not None and delta["op"] == "sub" and tr not in PLANE_TRANSFORMS and tr not in NZ_TRANSFORMS:
+        if delta is not None and delta["op"] == "sub" and tr == "bytes":
             raise ManifestError(
                 f"manifest: {where}: delta op 'sub' applies only to byte-plane (planes-rotl1, planes) storages"
             )
         n = nbytes // w
         nseg = -(-n // seg)
         nnz = nz_counts(s, n, seg, where) if tr in NZ_TRANSFORMS else None
+        if tr in RC_TRANSFORMS:
+            rowcol_offsets(s, n, where)
         per = w if nnz is None else w + 1  # a nz segment: its bitmap chunk, then its w plane chunks
         chunks = s.get("chunks")
         if not isinstance(chunks, list) or len(chunks) != nseg * per:

@@ -42,12 +42,13 @@ from s4w_core import config, engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW, get_codec
 from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
-from s4w_core.format.manifest import NZ_TRANSFORMS
+from s4w_core.format.manifest import NZ_TRANSFORMS, RC_TRANSFORMS
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._coder import TRACE_MARKS, mark
 from s4w_core.gpu._decplan import Call, DecodePlan, plan_key
 from s4w_core.gpu._nonzero import decode_nonzero_device
 from s4w_core.gpu._prove import prove_claims
+from s4w_core.gpu._rowcol import decode_rowcol_device
 from s4w_core.gpu.kernels import fold64_finish, fold64_launch, fold64_rows, gather_copy
 from s4w_core.planes.triton_kernels import (
     MERGE,
@@ -111,8 +112,8 @@ def decode_storages(
             st = ahead.popleft().result()  # a failed read or check of this batch raises here, in batch order
             for later in itertools.islice(todo, 1):
                 ahead.append(stager.submit(_stage_gpu, reader, later, pool))
-            if st is None:  # a nonzero-transform storage: decoded on its own
-                done = [_decode_nonzero(reader, e, device, resolve_base, pool) for e in group]
+            if st is None:  # a nonzero or row/column-transform storage: decoded on its own
+                done = [_decode_alone(reader, e, device, resolve_base, pool) for e in group]
             else:
                 done = _decode_group(reader, group, st, device, resolve_base)
             if on_batch is not None:  # checked and complete: the next batch is being read meanwhile
@@ -127,38 +128,48 @@ def decode_storages(
             pool.shutdown(wait=True)
 
 
-def _decode_nonzero(
+def _alone(e: dict[str, Any]) -> bool:
+    """Whether a storage entry is decoded on its own (a batch of its own), not by the batched
+    plane merge: the nonzero (``nz-*``) and row/column (``rc-*``) transforms."""
+    tr = e.get("transform")
+    return tr in NZ_TRANSFORMS or tr in RC_TRANSFORMS
+
+
+def _decode_alone(
     reader: ContainerReader,
     e: dict[str, Any],
     device: torch.device,
     resolve_base: engine.BaseResolver | None,
     pool: Pool,
 ) -> torch.Tensor:
-    """One ``nz-`` storage on the device; one whose size claim is implausible for its stored bytes
-    (:func:`engine.claims_plausible`) and that the CPU can decode goes through the CPU reader, which
-    decodes its chunks before allocating its output, and is then copied over."""
+    """One ``nz-`` or ``rc-`` storage on the device; one whose size claim is implausible for its
+    stored bytes (:func:`engine.claims_plausible`) and that the CPU can decode goes through the CPU
+    reader, which decodes its chunks before allocating its output, and is then copied over."""
     if not engine.claims_plausible(e) and all(get_codec(c[0]).cpu_decodable for c in e["chunks"]):
         return engine.decode_storage_cpu(reader, e, pool, resolve_base, reader.name).to(device)
     base = engine.resolve_base_bytes(e, resolve_base, reader.name, device)
+    if e.get("transform") in RC_TRANSFORMS:
+        return decode_rowcol_device(reader, e, device, base, _gpu_inflate())
     return decode_nonzero_device(reader, e, device, base, _gpu_inflate())
 
 
 def _stage_gpu(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPoolExecutor) -> Staged | None:
-    """:func:`stage`, or None for a batch of a nonzero-transform storage (decoded by
-    :func:`~s4w_core.gpu._nonzero.decode_nonzero_device`)."""
-    if entries[0].get("transform") in NZ_TRANSFORMS:
+    """:func:`stage`, or None for a batch of a storage decoded on its own (:func:`_alone`: by
+    :func:`~s4w_core.gpu._nonzero.decode_nonzero_device` or
+    :func:`~s4w_core.gpu._rowcol.decode_rowcol_device`)."""
+    if _alone(entries[0]):
         return None
     return stage(reader, entries, pool)
 
 
 def _groups(entries: list[dict[str, Any]], budget: int) -> list[list[dict[str, Any]]]:
     """``entries`` cut into batches of at most ``budget`` raw bytes (a larger entry alone); a
-    nonzero-transform storage (``nz-*``) is a batch of its own."""
+    storage decoded on its own (:func:`_alone`) is a batch of its own."""
     groups: list[list[dict[str, Any]]] = []
     size = 0
     nz_last = False
     for e in entries:
-        nz = e.get("transform") in NZ_TRANSFORMS
+        nz = _alone(e)
         if not groups or size + e["nbytes"] > budget or nz or nz_last:
             nz_last = nz
             groups.append([])
@@ -234,8 +245,13 @@ def stage(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPo
 
     Layout of :attr:`Staged.host`: the chunks read in place, in file order, each in a slot rounded
     up to :data:`_nvcomp.ALIGN`; then the decoded bytes of the host-decoded chunks (whose stored
-    bytes are read into ordinary memory). Every check passed when this returns.
+    bytes are read into ordinary memory). Every check passed when this returns. Storages decoded on
+    their own (:func:`_alone`: ``nz-``, ``rc-``) have no place in a staged batch: ValueError
+    (:func:`decode_storages` routes them).
     """
+    alone = [e["path"] for e in entries if _alone(e)]
+    if alone:
+        raise ValueError(f"stage: {alone[:3]} are decoded on their own (nz-/rc- transforms), not in a batch")
     inflate = _gpu_inflate()
     recs: list[tuple[int, int, int, int]] = []
     chunks: list[_Chunk] = []

@@ -57,6 +57,7 @@ from s4w_core.gpu._coder import (
     encode_tensors_device,
 )
 from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_device, nonzero_choices_device
+from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_device, rowcol_choices_device
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 
@@ -328,6 +329,14 @@ def encode_storages(
         nz_jobs = [i for i, p in enumerate(plan) if not p[2] and p[0] in PLANE_TRANSFORMS]
         nz_items = [(jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype) for i in nz_jobs]
         nz_pick = dict(zip(nz_jobs, nonzero_choices_device(nz_items, dev)))
+        # ... and which of the others the row/column transform (one read-back for all of them; a
+        # storage with zeros enough for the nonzero transform keeps it: it codes those as runs)
+        # (plain storages only: a delta's residual has its scales removed already)
+        rc_jobs = [i for i in nz_jobs if not nz_pick[i] and jobs[i].cols and ops.get(i) is None]
+        rc_items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]] = [
+            (jobs[i].raw, None, None, jobs[i].dtype, jobs[i].cols) for i in rc_jobs
+        ]
+        rc_pick = dict(zip(rc_jobs, rowcol_choices_device(rc_items, dev)))
         batch = Batch()
         # the transform of each storage: the layout probe chooses it with the storage's first piece;
         # its later pieces (in later batches) take the same
@@ -388,6 +397,18 @@ def encode_storages(
                     raw, base, op, job.dtype, seg, prof.algorithm, prof.codec_id, dict(prof.opts), dev
                 )
                 entry["nnz"] = nnz
+                ji = sink.add_job(entry, len(ids))
+                entries.append(entry)
+                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+                continue
+            if rc_pick.get(jidx):
+                # the row/column variant (docs/FORMAT.md 4.5d): coded here, on its own, by the profile's coder
+                assert job.cols is not None
+                entry["transform"] = RC_TRANSFORM
+                key, ids, views, keep = encode_rowcol_device(
+                    raw, base, op, job.dtype, seg, job.cols, prof.algorithm, prof.codec_id, dict(prof.opts), dev
+                )
+                entry["rowcol"] = key
                 ji = sink.add_job(entry, len(ids))
                 entries.append(entry)
                 io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)

@@ -37,7 +37,8 @@ from s4w_core.jobs import dtype_from_name
 from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
 
-__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "decode_nonzero_device", "encode_nonzero_device", "nonzero_choices_device",
+__all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "code_parts_device", "decode_nonzero_device",
+           "decode_on_device", "fetch_chunks_device", "encode_nonzero_device", "nonzero_choices_device",
            "nonzero_pays_device"]
 
 #: storages of fewer elements keep their plane transform (the choice costs a read-back)
@@ -160,6 +161,16 @@ def encode_nonzero_device(
         nnz.append(int(planes.shape[1]))
         parts.append(bitmap)
         parts.extend(planes[j] for j in range(w))
+    ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)
+    return nnz, ids, views, host
+
+
+def code_parts_device(
+    parts: list[torch.Tensor], algorithm: str, codec_id: str, opts: dict[str, Any], dev: torch.device
+) -> tuple[list[str], list[memoryview], torch.Tensor]:
+    """Code the uint8 tensors ``parts`` (on ``dev``; one chunk each) in one nvCOMP call: per chunk
+    its codec id (``codec_id``, coded by ``algorithm`` with ``opts``, where that is smaller; else
+    ``raw``) and its bytes, views into the returned pinned host buffer (which must outlive them)."""
     lengths = np.array([p.numel() for p in parts], dtype=np.int64)
     slots = (lengths + _nvcomp.ALIGN - 1) // _nvcomp.ALIGN * _nvcomp.ALIGN
     src_off = np.cumsum(slots) - slots
@@ -193,7 +204,7 @@ def encode_nonzero_device(
     mv = memoryview(host.numpy())
     views = [mv[int(host_off[i]) : int(host_off[i] + out_len[i])] for i in range(len(parts))]
     ids = [codec_id if c else RAW.id for c in coded.tolist()]
-    return nnz, ids, views, host
+    return ids, views, host
 
 
 def _popcount_table(dev: torch.device) -> torch.Tensor:
@@ -232,10 +243,36 @@ def decode_nonzero_device(
     seg = entry["segment_elems"]
     dtype = dtype_from_name(entry["dtype"])
     rot = NZ_TRANSFORMS[entry["transform"]] == ROTL1
-    chunks = entry["chunks"]
     lens = np.asarray(nonzero_chunk_lengths(entry), dtype=np.int64)
     where = f"{name}: tensor {entry['path']!r}"
     out = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # on the caller's stream: it outlives ours
+    with _nvcomp.on_stream(dev):
+        dec_dev, dst_off = fetch_chunks_device(reader, entry, lens, dev, inflate, where)
+        check_and_merge(dec_dev, lens, dst_off, entry["nnz"], n, seg, w, rot, out, where)
+        if base is not None:
+            op = (entry.get("delta") or {}).get("op", "xor")
+            if op not in delta.ops_for(dtype, NZ_TRANSFORMS[entry["transform"]]):
+                raise DecodeError(f"{where}: delta op {op!r} does not apply")
+            out.copy_(delta.inverse(op, out, base, dtype))
+        _nvcomp.synchronize(dev)
+    algo = entry["checksum"].split(":", 1)[0]
+    if ck.compute_checksum(algo, out) != entry["checksum"]:
+        raise ChecksumMismatchError(
+            f"{where} decoded to bytes that do not match its recorded checksum {entry['checksum']}"
+            + (" (is the delta base the right one?)" if base is not None else "")
+        )
+    return out
+
+
+def fetch_chunks_device(
+    reader: ContainerReader, entry: dict[str, Any], lens: np.ndarray, dev: torch.device, inflate: bool, where: str
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Every chunk of the (validated) storage ``entry`` decoded into one uint8 buffer on ``dev``
+    (called within ``_nvcomp.on_stream(dev)``): chunk ``i`` (``lens[i]`` decoded bytes) at
+    ``dst_off[i]`` (16-byte aligned); returns ``(buffer, dst_off)``. Each chunk's xxh3 is checked
+    on the host before any decoder sees it; the GPU's codecs decode on the device in one nvCOMP call
+    per codec (deflate only where ``inflate``), the others on the host."""
+    chunks = entry["chunks"]
     dst_slot = (lens + _nvcomp.ALIGN - 1) // _nvcomp.ALIGN * _nvcomp.ALIGN
     dst_off = np.cumsum(dst_slot) - dst_slot
     hostdec = _nvcomp.host_empty(max(int(dst_slot.sum()), 1))
@@ -257,27 +294,13 @@ def decode_nonzero_device(
         except DecodeError as e:
             raise DecodeError(f"{where}: chunk {i} ({cid}): {e}") from e
         hd[int(dst_off[i]) : int(dst_off[i] + lens[i])] = np.frombuffer(dec, dtype=np.uint8)
-    with _nvcomp.on_stream(dev):
-        dec_dev = hostdec.to(dev, non_blocking=True) if dev.type == "cuda" else hostdec.clone()
-        for cid, items in gpu.items():
-            _decode_on_device(cid, items, lens, dst_off, dec_dev, dev, where)
-        check_and_merge(dec_dev, lens, dst_off, entry["nnz"], n, seg, w, rot, out, where)
-        if base is not None:
-            op = (entry.get("delta") or {}).get("op", "xor")
-            if op not in delta.ops_for(dtype, NZ_TRANSFORMS[entry["transform"]]):
-                raise DecodeError(f"{where}: delta op {op!r} does not apply")
-            out.copy_(delta.inverse(op, out, base, dtype))
-        _nvcomp.synchronize(dev)
-    algo = entry["checksum"].split(":", 1)[0]
-    if ck.compute_checksum(algo, out) != entry["checksum"]:
-        raise ChecksumMismatchError(
-            f"{where} decoded to bytes that do not match its recorded checksum {entry['checksum']}"
-            + (" (is the delta base the right one?)" if base is not None else "")
-        )
-    return out
+    dec_dev = hostdec.to(dev, non_blocking=True) if dev.type == "cuda" else hostdec.clone()
+    for cid, items in gpu.items():
+        decode_on_device(cid, items, lens, dst_off, dec_dev, dev, where)
+    return dec_dev, dst_off
 
 
-def _decode_on_device(
+def decode_on_device(
     cid: str,
     items: list[tuple[int, Any]],
     lens: np.ndarray,

@@ -69,6 +69,18 @@ def weights_fp32(n: int, seed: int) -> torch.Tensor:
     return torch.cat([_as(torch.tensor(FP32_SPECIALS, dtype=torch.int64), 32, torch.float32), _as(bits, 32, torch.float32)])
 
 
+def moments_rc(rows: int, cols: int, seed: int, width: int) -> torch.Tensor:
+    """exp_avg_sq-like (non-negative; exponent = row offset + column offset + noise of 0..2;
+    random mantissa) as bf16 (``width`` 16) or fp32 (32): data the row/column transform is for."""
+    n = rows * cols
+    h = _mix(n, seed)
+    i = torch.arange(n, dtype=torch.int64)
+    exp = 100 + (_mix(rows, seed + 1) % 12)[i // cols] + (_mix(cols, seed + 2) % 10)[i % cols] + (h >> 1) % 3
+    if width == 16:
+        return _as((exp << 7) | ((h >> 8) & 0x7F), 16, torch.bfloat16).reshape(rows, cols)
+    return _as((exp << 23) | (_mix(n, seed + 3) & 0x7FFFFF), 32, torch.float32).reshape(rows, cols)
+
+
 def build_objects() -> dict[str, tuple[Any, int]]:
     """Golden name -> (object, segment_elems used when writing it)."""
     emb = torch.nn.Parameter(weights_bf16(64 * 16, 1).reshape(64, 16))
@@ -108,8 +120,12 @@ def build_objects() -> dict[str, tuple[Any, int]]:
     # the CPU writer once it coded byte planes as zstd frames (PLANE_PARAMS), exponent chunks under 64 KiB
     # as deflate where smaller
     zstd_planes = {"bf16": weights_bf16(1 << 16, 21), "fp32": weights_fp32(1 << 16, 22), "small": weights_bf16(1000, 23)}
+    # the row/column transforms (FORMAT.md 4.5d): segments of 1000 elements, not whole rows of 80 / 96
+    rowcol = {"exp_avg_sq": moments_rc(96, 80, 31, 16), "exp_avg_sq32": moments_rc(64, 96, 32, 32),
+              "weight": weights_bf16(96 * 80, 33).reshape(96, 80)}
     return {
         "v1_portable_mixed": (mixed, 1024),
+        "v1_portable_rowcol": (rowcol, 1000),
         "v1_portable_all_bf16": (all_bf16, 1 << 14),
         "v1_portable_zstd_planes": (zstd_planes, 1 << 16),
     }

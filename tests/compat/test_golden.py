@@ -17,7 +17,7 @@ import torch
 import s4w_core
 from tests.compat.make_golden import GOLDEN, build_objects, describe, tensor_bytes
 
-NAMES = ["v1_portable_mixed", "v1_portable_all_bf16", "v1_portable_zstd_planes"]
+NAMES = ["v1_portable_mixed", "v1_portable_all_bf16", "v1_portable_zstd_planes", "v1_portable_rowcol"]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -95,3 +95,12 @@ def test_current_writer_reads_the_same_as_golden(tmp_path: Path) -> None:
         finally:
             engine.SEGMENT_ELEMS = old
         assert describe(s4w_core.load(tmp_path / "x.s4w")) == _expected(name)["describe"]
+
+
+def test_rowcol_golden_uses_the_transform() -> None:
+    """v1_portable_rowcol holds rc- storages (FORMAT.md 4.5d) with segments that are not whole rows,
+    so every reader of version 1 that claims them is held to them."""
+    m = s4w_core.api.open_reader((GOLDEN / "v1_portable_rowcol.s4w").read_bytes()).manifest
+    by = {s["path"]: s for s in m["storages"]}
+    assert by["exp_avg_sq"]["transform"] == by["exp_avg_sq32"]["transform"] == "rc-planes-rotl1"
+    assert by["exp_avg_sq"]["segment_elems"] % by["exp_avg_sq"]["rowcol"]["cols"]

@@ -1,0 +1,233 @@
+"""The row/column transforms (``rc-planes-rotl1``, docs/FORMAT.md 4.5d) on the GPU: the writer's
+choice and coding of a storage, and the reader's decode of any ``rc-`` storage (GPU- or CPU-written).
+
+Writer, per storage the GPU codes that a tensor views whole as rows of ``C`` elements
+(:attr:`~s4w_core.jobs.StorageJob.cols`): on a sample of whole rows
+(:func:`~s4w_core.choice.rowcol_sample_rows`), the order-0 entropy of every plane, and of plane 0
+less its row/column offsets (what the GPU's order-0 coders get), scaled to the storage; the
+row/column variant is used where it saves :data:`~s4w_core.choice.RC_MIN_GAIN` with the offsets'
+``R + C`` bytes counted. Every candidate's estimate is computed on the device and read back once
+for all of them. A chosen storage is split on the device, its offsets taken by two reductions over
+plane 0 (:func:`~s4w_core.planes.rowcol.offsets_torch`), plane 0 stored less them, and its chunks
+coded in one nvCOMP call, each kept coded only if smaller.
+
+Reader: every chunk's xxh3 checked on the host before any decoder sees it; chunks of the GPU's
+codecs decoded in one nvCOMP call, the others on the host; per segment, the offsets added to plane
+0 and the planes merged on the device; the delta undone; the raw checksum checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from s4w_core import checksum as ck
+from s4w_core import choice, delta
+from s4w_core.engine import chunk_layout
+from s4w_core.errors import ChecksumMismatchError, DecodeError
+from s4w_core.format.container import ContainerReader
+from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1, rowcol_offsets
+from s4w_core.gpu import _nvcomp
+from s4w_core.gpu._nonzero import code_parts_device, fetch_chunks_device
+from s4w_core.jobs import dtype_from_name, plane_rot
+from s4w_core.planes import merge_planes, rowcol
+from s4w_core.workers import segments
+
+__all__ = ["RC_TRANSFORM", "decode_rowcol_device", "encode_rowcol_device", "plane_bytes", "residual_words",
+           "rowcol_choices_device", "rowcol_estimates_device"]
+
+#: the row/column transform the GPU writer writes
+RC_TRANSFORM = next(k for k, v in RC_TRANSFORMS.items() if v == ROTL1)
+_ITYPE = {2: torch.int16, 4: torch.int32}
+
+
+def residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """The elements to code as int16/int32 words (the residual under ``op`` where there is a base)."""
+    r = raw if base is None or op is None else delta.forward(op, raw, base, dtype)
+    return r.view(_ITYPE[dtype.itemsize])
+
+
+def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
+    """The ``planes-rotl1`` planes of the int16/int32 ``words`` (plane 0 first), uint8 each."""
+    bits = 8 * w
+    r = (words << 1) | ((words >> (bits - 1)) & 1)
+    return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
+
+
+def rowcol_choices_device(
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]], dev: torch.device
+) -> list[bool]:
+    """Per storage ``(raw bytes, base, delta op, dtype, row length)``: whether the GPU writer codes
+    it with :data:`RC_TRANSFORM` -- where :func:`rowcol_estimates_device` says it saves
+    :data:`~s4w_core.choice.RC_MIN_GAIN`."""
+    return [e is not None and e[1] < (1.0 - choice.RC_MIN_GAIN) * e[0] for e in rowcol_estimates_device(items, dev)]
+
+
+def rowcol_estimates_device(
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]], dev: torch.device
+) -> list[tuple[float, float] | None]:
+    """Per storage ``(raw bytes, base, delta op, dtype, row length)``: ``(plain, rowcol)``, the
+    order-0 estimates in bytes of its planes and of its :data:`RC_TRANSFORM` chunks plus offsets, on
+    a sample of rows (module docstring), or None where it is no candidate (no row length, too
+    small). Every storage's estimate is computed on the device, one read-back for all of them."""
+    out: list[tuple[float, float] | None] = [None] * len(items)
+    by_width: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
+    for i, (raw, base, op, dtype, cols) in enumerate(items):
+        w = dtype.itemsize
+        n = raw.numel() // w
+        if not cols or w not in _ITYPE or n < choice.RC_MIN_ELEMS or n % cols or cols < 2 or n // cols < 2:
+            continue
+        rows = n // cols
+        pick = choice.rowcol_sample_rows(rows, cols)
+        r = _rows(raw, rows, cols * w, pick).to(dev)
+        b = None
+        if base is not None and op is not None:
+            b = _rows(base, rows, cols * w, pick).to(dev)
+        by_width.setdefault(w, []).append((i, residual_words(r, b, op, dtype), cols, n))
+    for w, group in by_width.items():
+        plain, rc = _estimate_group(group, w, dev)
+        for (i, words, cols, n), pb, rb in zip(group, plain, rc):
+            scale = n / words.numel() / 8.0  # sample bits -> storage bytes
+            out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
+    return out
+
+
+def _rows(raw: torch.Tensor, rows: int, row_bytes: int, pick: list[int]) -> torch.Tensor:
+    """The rows ``pick`` of ``raw`` (bytes, ``rows`` x ``row_bytes``), back to back: one gather on a
+    device, numpy's on the host (torch's index of uint8 rows is ~100x slower on a CPU)."""
+    if len(pick) == rows:
+        return raw
+    if raw.device.type == "cpu":
+        return torch.from_numpy(raw.numpy().reshape(rows, row_bytes)[pick].reshape(-1))
+    # the same rows computed on the device (no upload, no wait): (rows - 1) * i // (k - 1), i < k
+    k = len(pick)
+    idx = torch.div((rows - 1) * torch.arange(k, dtype=torch.int64, device=raw.device), k - 1, rounding_mode="floor")
+    return raw.view(rows, row_bytes).index_select(0, idx).reshape(-1)
+
+
+def _estimate_group(
+    group: list[tuple[int, torch.Tensor, int, int]], w: int, dev: torch.device
+) -> tuple[list[float], list[float]]:
+    """For samples of one width ``(item, words, cols, n)``: the order-0 bits of all planes of each,
+    and with plane 0 less its row/column offsets -- every sample at once (a fixed number of
+    kernels, whatever the number of storages: sums by ``index_add_``, histograms by one
+    ``bincount``), one read-back."""
+    sizes = [int(words.numel()) for _i, words, _c, _n in group]
+    cols = [c for _i, _w, c, _n in group]
+    krows = [m // c for m, c in zip(sizes, cols)]
+    ns = len(group)
+    words = torch.cat([wd for _i, wd, _c, _n in group]) if ns > 1 else group[0][1]
+    planes = plane_bytes(words, w)
+    p0 = planes[0].to(torch.int64)
+    total = p0.numel()
+    # per element: its sample (sid), global row (rid) and global column (cid); per row / column its sample
+    sizes_t = torch.tensor(sizes, dtype=torch.int64).to(dev)
+    cols_t = torch.tensor(cols, dtype=torch.int64).to(dev)
+    krows_t = torch.tensor(krows, dtype=torch.int64).to(dev)
+    ar = torch.arange(ns, dtype=torch.int64, device=dev)
+    sid = torch.repeat_interleave(ar, sizes_t, output_size=total)
+    start = torch.cumsum(sizes_t, 0) - sizes_t
+    col_base = torch.cumsum(cols_t, 0) - cols_t
+    row_base = torch.cumsum(krows_t, 0) - krows_t
+    local = torch.arange(total, dtype=torch.int64, device=dev) - start[sid]
+    cl = cols_t[sid]
+    rid = row_base[sid] + torch.div(local, cl, rounding_mode="floor")
+    cid = col_base[sid] + local % cl
+    nrows, ncols = sum(krows), sum(cols)
+    row_sid = torch.repeat_interleave(ar, krows_t, output_size=nrows)
+    col_sid = torch.repeat_interleave(ar, cols_t, output_size=ncols)
+    # rowcol.offsets_torch for every sample: integer means, the same bytes
+    rsum = torch.zeros(nrows, dtype=torch.int64, device=dev).index_add_(0, rid, p0)
+    row = torch.div(rsum + cols_t[row_sid] // 2, cols_t[row_sid], rounding_mode="floor")
+    row_total = torch.zeros(ns, dtype=torch.int64, device=dev).index_add_(0, row_sid, row)
+    csum = torch.zeros(ncols, dtype=torch.int64, device=dev).index_add_(0, cid, p0)
+    kr = krows_t[col_sid]
+    col = torch.div(csum - row_total[col_sid] + kr // 2, kr, rounding_mode="floor")
+    q = (p0 - row[rid] - col[cid]) & 0xFF
+    keys = [(sid * (w + 1) + j) * 256 + (planes[j].to(torch.int64) if j else p0) for j in range(w)]
+    keys.append((sid * (w + 1) + w) * 256 + q)
+    hist = torch.bincount(torch.cat(keys), minlength=ns * (w + 1) * 256).view(ns, w + 1, 256).to(torch.float64)
+    p = hist / sizes_t.to(torch.float64)[:, None, None]
+    h = (-(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p))))).sum(2).clamp_min(1e-3)  # bits per byte
+    bits = (h * sizes_t.to(torch.float64)[:, None]).cpu().numpy()  # (ns, w + 1): one read-back
+    plain = bits[:, :w].sum(1)
+    return plain.tolist(), (plain - bits[:, 0] + bits[:, w]).tolist()
+
+
+def encode_rowcol_device(
+    raw: torch.Tensor,
+    base: torch.Tensor | None,
+    op: str | None,
+    dtype: torch.dtype,
+    seg: int,
+    cols: int,
+    algorithm: str,
+    codec_id: str,
+    opts: dict[str, Any],
+    dev: torch.device,
+) -> tuple[dict[str, Any], list[str], list[memoryview], torch.Tensor]:
+    """Code the storage bytes ``raw`` (on ``dev``) with :data:`RC_TRANSFORM`, rows of ``cols``
+    elements, in segments of ``seg`` elements: returns the entry's ``rowcol`` value, then per chunk
+    in manifest order its codec id and its bytes (views into the returned pinned host buffer, which
+    must outlive them). A chunk is coded (``algorithm`` with ``opts``, written as ``codec_id``)
+    only where that is smaller."""
+    w = dtype.itemsize
+    n = raw.numel() // w
+    words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
+    planes = plane_bytes(words, w)  # the whole storage at once: a few kernels, not a few per segment
+    row, col = rowcol.offsets_torch(planes[0], cols)
+    planes[0] = planes[0] - rowcol.tile_torch(row, col, 0, n)  # uint8: modulo 256
+    parts = [planes[j][s0:s1] for s0, s1 in segments(n, seg) for j in range(w)]
+    ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)
+    return rowcol.key(cols, row, col), ids, views, host
+
+
+def decode_rowcol_device(
+    reader: ContainerReader,
+    entry: dict[str, Any],
+    dev: torch.device,
+    base: torch.Tensor | None,
+    inflate: bool = True,
+) -> torch.Tensor:
+    """Decode one (validated) ``rc-`` storage entry to a 1-D uint8 tensor on ``dev``, verifying every
+    checksum (module docstring). ``base``: its delta base on ``dev`` (None for a plain entry);
+    ``inflate``: deflate chunks are decoded by nvCOMP (else on the host). Raises
+    ChecksumMismatchError or DecodeError naming the tensor."""
+    name = reader.name
+    w = entry["_width"]
+    nbytes = entry["nbytes"]
+    n = nbytes // w
+    dtype = dtype_from_name(entry["dtype"])
+    rot = plane_rot(entry["transform"])
+    where = f"{name}: tensor {entry['path']!r}"
+    _cols, row_b, col_b = rowcol_offsets(entry, n, where)
+    layout = chunk_layout(entry)
+    lens = np.asarray([s1 - s0 for s0, s1, _j in layout], dtype=np.int64)
+    out = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # on the caller's stream: it outlives ours
+    with _nvcomp.on_stream(dev):
+        row = torch.frombuffer(bytearray(row_b), dtype=torch.uint8).to(dev)
+        col = torch.frombuffer(bytearray(col_b), dtype=torch.uint8).to(dev)
+        dec, dst_off = fetch_chunks_device(reader, entry, lens, dev, inflate, where)
+        # each plane gathered whole from its segments' chunks, then one add and one merge for the
+        # storage (a few kernels, not a few per segment)
+        segs = list(segments(n, entry["segment_elems"]))
+        views = [[dec[int(dst_off[k * w + j]) : int(dst_off[k * w + j]) + s1 - s0] for k, (s0, s1) in enumerate(segs)]
+                 for j in range(w)]
+        planes = torch.stack([torch.cat(v) if len(v) > 1 else v[0] for v in views]) if n else dec[:0].view(w, 0)
+        planes[0] += rowcol.tile_torch(row, col, 0, n)
+        out.copy_(merge_planes(planes, dtype, None, rot=rot))
+        if base is not None:
+            op = (entry.get("delta") or {}).get("op", "xor")
+            if op not in delta.ops_for(dtype, RC_TRANSFORMS[entry["transform"]]):
+                raise DecodeError(f"{where}: delta op {op!r} does not apply")
+            out.copy_(delta.inverse(op, out, base, dtype))
+        _nvcomp.synchronize(dev)
+    algo = entry["checksum"].split(":", 1)[0]
+    if ck.compute_checksum(algo, out) != entry["checksum"]:
+        raise ChecksumMismatchError(
+            f"{where} decoded to bytes that do not match its recorded checksum {entry['checksum']}"
+            + (" (is the delta base the right one?)" if base is not None else "")
+        )
+    return out
