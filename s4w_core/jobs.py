@@ -16,6 +16,7 @@ from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, RC_PLAIN, RC_ROTL1
 from s4w_core.planes import PLANE_DTYPES, plane_width, split_planes
 
 __all__ = [
+    "row_lengths",
     "BaseLookup",
     "BaseResolver",
     "DTYPES",
@@ -94,6 +95,33 @@ def row_length(t: torch.Tensor, nbytes: int) -> int | None:
         return None
     cols = t.numel() // t.shape[0]
     return cols if cols >= 2 and t.shape[0] >= 2 else None
+
+
+def row_lengths(tensors: list[dict[str, Any]], nbytes: list[int]) -> list[int | None]:
+    """:func:`row_length` per storage from a tensor table (manifest ``tensors`` entries: ``storage``,
+    ``dtype``, ``shape``, ``stride``, ``offset``), the first tensor that views each storage as the
+    collector took it: what a step rebuilt from its manifest (the store's re-encodings) codes with."""
+    out: list[int | None] = [None] * len(nbytes)
+    seen: set[int] = set()
+    for t in tensors:
+        i = t.get("storage")
+        if type(i) is not int or not 0 <= i < len(nbytes) or i in seen:
+            continue
+        seen.add(i)
+        shape, stride = list(t.get("shape") or []), list(t.get("stride") or [])
+        dt = DTYPES.get(str(t.get("dtype")))
+        if dt is None or len(shape) < 2 or len(stride) != len(shape) or t.get("offset"):
+            continue
+        want, acc = [], 1
+        for n in reversed(shape):
+            want.append(acc)
+            acc *= n
+        numel = acc
+        if not numel or list(reversed(want)) != stride or numel * dt.itemsize != nbytes[i]:
+            continue
+        cols = numel // shape[0]
+        out[i] = cols if cols >= 2 and shape[0] >= 2 else None
+    return out
 
 
 @dataclass

@@ -25,6 +25,7 @@ from s4w_core.errors import (
     StoreError,
 )
 from s4w_core.format.container import ContainerReader
+from s4w_core.jobs import row_lengths
 from s4w_core.store.records import StepInfo, step_of_object
 from s4w_core.workers import Pool
 
@@ -71,8 +72,10 @@ class CachedBase:
         if self.source is None or len(self.raws) != len(self.source[2]):
             return None
         tree, tensors, jobs = self.source
+        cols = row_lengths(tensors, [r.numel() for r in self.raws])  # as the save coded it
         col = engine.Collector(
-            tensors=tensors, jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(self.raws, jobs)]
+            tensors=tensors,
+            jobs=[engine.StorageJob(r, dt, p, d, cols=c) for r, (dt, p, d), c in zip(self.raws, jobs, cols)],
         )
         return pipeline.Collected(col, tree, profile)
 

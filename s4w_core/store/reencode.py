@@ -17,6 +17,7 @@ import torch
 
 from s4w_core import engine, obs, pipeline
 from s4w_core.errors import S4WError, StoreError
+from s4w_core.jobs import row_lengths
 from s4w_core.store import _tiered
 from s4w_core.store._async import SaveHandle
 from s4w_core.store._backend import Backend
@@ -232,8 +233,10 @@ class Reencoder(Loads):
         manifest = reader.manifest
         src = source_of_manifest(manifest)
         if src is not None and len(src[2]) == len(raws):
+            cols = row_lengths(src[1], [r.numel() for r in raws])
             col = engine.Collector(
-                tensors=src[1], jobs=[engine.StorageJob(r, dt, p, d) for r, (dt, p, d) in zip(raws, src[2])]
+                tensors=src[1],
+                jobs=[engine.StorageJob(r, dt, p, d, cols=c) for r, (dt, p, d), c in zip(raws, src[2], cols)],
             )
             return pipeline.Collected(col, src[0], rec.profile if rec.profile in ("portable", "fast") else self.profile), raws, manifest
         return obj, raws, manifest
