@@ -42,14 +42,14 @@ from s4w_core import config, engine
 from s4w_core.codecs import DEFLATE, NVCOMP_ANS, RAW, get_codec
 from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
-from s4w_core.format.manifest import NZ_TRANSFORMS, RC_TRANSFORMS
+from s4w_core.format.manifest import NZ_TRANSFORMS, rowcol_offsets
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._coder import TRACE_MARKS, mark
 from s4w_core.gpu._decplan import Call, DecodePlan, plan_key
 from s4w_core.gpu._nonzero import decode_nonzero_device
 from s4w_core.gpu._prove import prove_claims
-from s4w_core.gpu._rowcol import decode_rowcol_device
 from s4w_core.gpu.kernels import fold64_finish, fold64_launch, fold64_rows, gather_copy
+from s4w_core.planes import rowcol
 from s4w_core.planes.triton_kernels import (
     MERGE,
     MERGE_CHUNKS,
@@ -130,9 +130,8 @@ def decode_storages(
 
 def _alone(e: dict[str, Any]) -> bool:
     """Whether a storage entry is decoded on its own (a batch of its own), not by the batched
-    plane merge: the nonzero (``nz-*``) and row/column (``rc-*``) transforms."""
-    tr = e.get("transform")
-    return tr in NZ_TRANSFORMS or tr in RC_TRANSFORMS
+    plane merge: the nonzero (``nz-*``) transforms."""
+    return e.get("transform") in NZ_TRANSFORMS
 
 
 def _decode_alone(
@@ -142,21 +141,18 @@ def _decode_alone(
     resolve_base: engine.BaseResolver | None,
     pool: Pool,
 ) -> torch.Tensor:
-    """One ``nz-`` or ``rc-`` storage on the device; one whose size claim is implausible for its
+    """One ``nz-`` storage on the device; one whose size claim is implausible for its
     stored bytes (:func:`engine.claims_plausible`) and that the CPU can decode goes through the CPU
     reader, which decodes its chunks before allocating its output, and is then copied over."""
     if not engine.claims_plausible(e) and all(get_codec(c[0]).cpu_decodable for c in e["chunks"]):
         return engine.decode_storage_cpu(reader, e, pool, resolve_base, reader.name).to(device)
     base = engine.resolve_base_bytes(e, resolve_base, reader.name, device)
-    if e.get("transform") in RC_TRANSFORMS:
-        return decode_rowcol_device(reader, e, device, base, _gpu_inflate())
     return decode_nonzero_device(reader, e, device, base, _gpu_inflate())
 
 
 def _stage_gpu(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPoolExecutor) -> Staged | None:
     """:func:`stage`, or None for a batch of a storage decoded on its own (:func:`_alone`: by
-    :func:`~s4w_core.gpu._nonzero.decode_nonzero_device` or
-    :func:`~s4w_core.gpu._rowcol.decode_rowcol_device`)."""
+    :func:`~s4w_core.gpu._nonzero.decode_nonzero_device`)."""
     if _alone(entries[0]):
         return None
     return stage(reader, entries, pool)
@@ -246,12 +242,12 @@ def stage(reader: ContainerReader, entries: list[dict[str, Any]], pool: ThreadPo
     Layout of :attr:`Staged.host`: the chunks read in place, in file order, each in a slot rounded
     up to :data:`_nvcomp.ALIGN`; then the decoded bytes of the host-decoded chunks (whose stored
     bytes are read into ordinary memory). Every check passed when this returns. Storages decoded on
-    their own (:func:`_alone`: ``nz-``, ``rc-``) have no place in a staged batch: ValueError
+    their own (:func:`_alone`: ``nz-``) have no place in a staged batch: ValueError
     (:func:`decode_storages` routes them).
     """
     alone = [e["path"] for e in entries if _alone(e)]
     if alone:
-        raise ValueError(f"stage: {alone[:3]} are decoded on their own (nz-/rc- transforms), not in a batch")
+        raise ValueError(f"stage: {alone[:3]} are decoded on their own (nz- transforms), not in a batch")
     inflate = _gpu_inflate()
     recs: list[tuple[int, int, int, int]] = []
     chunks: list[_Chunk] = []
@@ -387,6 +383,29 @@ def _decode_group(
 
 
 
+def _add_rowcol_offsets(
+    plan: DecodePlan, entries: list[dict[str, Any]], staged: torch.Tensor, planes: torch.Tensor, dev: torch.device,
+    name: str,
+) -> None:
+    """Plane 0 of each row/column-transform entry's segments, where the merge will read it, plus
+    its row and column offsets (mod 256; docs/FORMAT.md 4.5d): the merge then takes it as plane 0
+    of ``planes-rotl1`` / ``planes``."""
+    offsets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for k, s0, n, in_staged, off in plan.rc_fix:
+        if k not in offsets:
+            e = entries[k]
+            _c, row_b, col_b = rowcol_offsets(e, int(plan.n_el[k]), f"{name}: tensor {e['path']!r}")
+            offsets[k] = (
+                torch.frombuffer(bytearray(row_b), dtype=torch.uint8).to(dev),
+                torch.frombuffer(bytearray(col_b), dtype=torch.uint8).to(dev),
+            )
+        row, col = offsets[k]
+        buf = staged if in_staged else planes
+        if off + n > buf.numel():
+            raise DecodeError(f"{name}: a row/column chunk lies outside its buffer")
+        buf[off : off + n].add_(rowcol.tile_torch(row, col, s0, s0 + n))
+
+
 def decode_device(
     staged: torch.Tensor,
     st: Staged,
@@ -415,6 +434,8 @@ def decode_device(
     pending = [_gpu_decode(call, dev, staged, planes, name) for call in plan.calls]
     mark("nvcomp_decode", dev)
     gather_copy(staged, planes, *plan.place, pad_ok=True)
+    if plan.rc_fix:
+        _add_rowcol_offsets(plan, entries, staged, planes, dev, name)
     mark("place", dev)
     k_n = plan.k
     out_addr = np.fromiter((o.data_ptr() for o in outs), dtype=np.int64, count=k_n)

@@ -11,7 +11,7 @@ import torch
 
 from s4w_core import config
 from s4w_core.errors import DecodeError
-from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS
+from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, RC_TRANSFORMS
 from s4w_core.gpu import _nvcomp
 from s4w_core.gpu.kernels import fold64_programs
 from s4w_core.planes.triton_kernels import OP_PLAIN, OPS, block_config, merge_block, program_map
@@ -96,7 +96,7 @@ class DecodePlan:
     __slots__ = (
         "entries", "key", "k", "width", "nbytes", "rot", "n_el", "region", "op", "planes_bytes", "staged_end",
         "calls", "place", "in_place", "chunk_staged", "chunk_off", "chunk_aligned", "merge_cols", "rot_widths",
-        "merge_groups", "byte_entries", "fold_idx", "fold_groups", "maps_host", "map_at",
+        "merge_groups", "byte_entries", "fold_idx", "fold_groups", "maps_host", "map_at", "rc_fix",
     )
     entries: list[dict[str, Any]]
     key: tuple[Any, ...]
@@ -122,6 +122,9 @@ class DecodePlan:
     fold_idx: np.ndarray
     fold_groups: list[Group]
     maps_host: torch.Tensor  # the groups' program maps (int32, merge groups first), pinned on a GPU machine
+    #: the plane-0 chunks of row/column-transform entries (docs/FORMAT.md 4.5d), to which the decode
+    #: adds the offsets before merging: ``(entry, first element, elements, in the staged buffer, offset)``
+    rc_fix: list[tuple[int, int, int, bool, int]]
     map_at: list[int]  # each group's map's first element in ``maps_host``
 
     @classmethod
@@ -131,7 +134,8 @@ class DecodePlan:
         p.key = plan_key()
         k_n = p.k = len(entries)
         meta = np.array(
-            [(e["_width"], e["nbytes"], e["transform"] in PLANE_TRANSFORMS, e["segment_elems"],
+            [(e["_width"], e["nbytes"], e["transform"] in PLANE_TRANSFORMS or e["transform"] in RC_TRANSFORMS,
+              e["segment_elems"],
               e["checksum"].startswith("fold64:"))
              for e in entries],
             dtype=np.int64,
@@ -145,7 +149,7 @@ class DecodePlan:
                 if op not in (("xor", "sub") if rot[i] else ("xor",)):
                     raise DecodeError(f"{name}: delta op {op!r} does not apply to tensor {e['path']!r}")
                 p.op[i] = OPS[op]
-            if e["transform"] == PLAIN:
+            if e["transform"] == PLAIN or RC_TRANSFORMS.get(e["transform"]) == PLAIN:
                 p.op[i] |= OP_PLAIN  # the merge launches are grouped by this code: one more constexpr
         n_el = p.n_el = meta[:, 1] // width
         ps = (n_el + _A - 1) // _A * _A
@@ -220,6 +224,18 @@ class DecodePlan:
             p.chunk_staged = p.chunk_off = None
             p.chunk_aligned = False
             p.merge_cols = np.column_stack([region, n_el, ps])
+        # row/column entries: where each plane-0 chunk lies when the merge reads it (a raw or
+        # host-decoded chunk merged in place stays in the staged buffer; every other one is in the
+        # planes buffer)
+        rc = np.array([e["transform"] in RC_TRANSFORMS for e in entries], dtype=bool)
+        p.rc_fix = []
+        if rc.any():
+            sel = np.nonzero(rc[k] & (j == 0))[0]
+            in_staged = (cp & rot[k]) if in_place else np.zeros(len(k), dtype=bool)
+            p.rc_fix = [
+                (int(k[c]), int(s0[c]), int(raw_len[c]), bool(in_staged[c]), int(slot[c] if in_staged[c] else dst[c]))
+                for c in sel.tolist()
+            ]
         p.byte_entries = np.nonzero(~rot)[0].tolist()
         fold = meta[:, 4].astype(bool) & (p.nbytes > 0)
         p.fold_idx = np.nonzero(fold)[0]

@@ -1,5 +1,5 @@
 """The row/column transforms (``rc-planes-rotl1``, docs/FORMAT.md 4.5d) on the GPU: the writer's
-choice and coding of a storage, and the reader's decode of any ``rc-`` storage (GPU- or CPU-written).
+choice and coding of a storage.
 
 Writer, per storage the GPU codes that a tensor views whole as rows of ``C`` elements
 (:attr:`~s4w_core.jobs.StorageJob.cols`): on a sample of whole rows
@@ -11,31 +11,23 @@ for all of them. A chosen storage is split on the device, its offsets taken by t
 plane 0 (:func:`~s4w_core.planes.rowcol.offsets_torch`), plane 0 stored less them, and its chunks
 coded in one nvCOMP call, each kept coded only if smaller.
 
-Reader: every chunk's xxh3 checked on the host before any decoder sees it; chunks of the GPU's
-codecs decoded in one nvCOMP call, the others on the host; per segment, the offsets added to plane
-0 and the planes merged on the device; the delta undone; the raw checksum checked.
+Reader: ``rc-`` storages are decoded in the GPU reader's batches like ``planes-rotl1`` /
+``planes`` (gpu/_decode.py): the offsets are added to each segment's plane 0 before the merge.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
-from s4w_core import checksum as ck
 from s4w_core import choice, delta
-from s4w_core.engine import chunk_layout
-from s4w_core.errors import ChecksumMismatchError, DecodeError
-from s4w_core.format.container import ContainerReader
-from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1, rowcol_offsets
-from s4w_core.gpu import _nvcomp
-from s4w_core.gpu._nonzero import code_parts_device, fetch_chunks_device
-from s4w_core.jobs import dtype_from_name, plane_rot
-from s4w_core.planes import merge_planes, rowcol
+from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1
+from s4w_core.gpu._nonzero import code_parts_device
+from s4w_core.planes import rowcol
 from s4w_core.workers import segments
 
-__all__ = ["RC_TRANSFORM", "decode_rowcol_device", "encode_rowcol_device", "plane_bytes", "residual_words",
+__all__ = ["RC_TRANSFORM", "encode_rowcol_device", "plane_bytes", "residual_words",
            "rowcol_choices_device", "rowcol_estimates_device"]
 
 #: the row/column transform the GPU writer writes
@@ -182,52 +174,3 @@ def encode_rowcol_device(
     parts = [planes[j][s0:s1] for s0, s1 in segments(n, seg) for j in range(w)]
     ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)
     return rowcol.key(cols, row, col), ids, views, host
-
-
-def decode_rowcol_device(
-    reader: ContainerReader,
-    entry: dict[str, Any],
-    dev: torch.device,
-    base: torch.Tensor | None,
-    inflate: bool = True,
-) -> torch.Tensor:
-    """Decode one (validated) ``rc-`` storage entry to a 1-D uint8 tensor on ``dev``, verifying every
-    checksum (module docstring). ``base``: its delta base on ``dev`` (None for a plain entry);
-    ``inflate``: deflate chunks are decoded by nvCOMP (else on the host). Raises
-    ChecksumMismatchError or DecodeError naming the tensor."""
-    name = reader.name
-    w = entry["_width"]
-    nbytes = entry["nbytes"]
-    n = nbytes // w
-    dtype = dtype_from_name(entry["dtype"])
-    rot = plane_rot(entry["transform"])
-    where = f"{name}: tensor {entry['path']!r}"
-    _cols, row_b, col_b = rowcol_offsets(entry, n, where)
-    layout = chunk_layout(entry)
-    lens = np.asarray([s1 - s0 for s0, s1, _j in layout], dtype=np.int64)
-    out = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # on the caller's stream: it outlives ours
-    with _nvcomp.on_stream(dev):
-        row = torch.frombuffer(bytearray(row_b), dtype=torch.uint8).to(dev)
-        col = torch.frombuffer(bytearray(col_b), dtype=torch.uint8).to(dev)
-        dec, dst_off = fetch_chunks_device(reader, entry, lens, dev, inflate, where)
-        # each plane gathered whole from its segments' chunks, then one add and one merge for the
-        # storage (a few kernels, not a few per segment)
-        segs = list(segments(n, entry["segment_elems"]))
-        views = [[dec[int(dst_off[k * w + j]) : int(dst_off[k * w + j]) + s1 - s0] for k, (s0, s1) in enumerate(segs)]
-                 for j in range(w)]
-        planes = torch.stack([torch.cat(v) if len(v) > 1 else v[0] for v in views]) if n else dec[:0].view(w, 0)
-        planes[0] += rowcol.tile_torch(row, col, 0, n)
-        out.copy_(merge_planes(planes, dtype, None, rot=rot))
-        if base is not None:
-            op = (entry.get("delta") or {}).get("op", "xor")
-            if op not in delta.ops_for(dtype, RC_TRANSFORMS[entry["transform"]]):
-                raise DecodeError(f"{where}: delta op {op!r} does not apply")
-            out.copy_(delta.inverse(op, out, base, dtype))
-        _nvcomp.synchronize(dev)
-    algo = entry["checksum"].split(":", 1)[0]
-    if ck.compute_checksum(algo, out) != entry["checksum"]:
-        raise ChecksumMismatchError(
-            f"{where} decoded to bytes that do not match its recorded checksum {entry['checksum']}"
-            + (" (is the delta base the right one?)" if base is not None else "")
-        )
-    return out
