@@ -102,6 +102,12 @@ SEGMENT_ELEMS = 1 << 20
 #: chunks to the pool and waiting for them costs more than coding them (a training state's many
 #: biases and norms: 0.25 -> 0.1 ms per tensor, benchmarks/bench_tensor_cost.py)
 INLINE_ENCODE_BYTES = 64 << 10
+#: storages of at most this many bytes are decoded on the calling thread (decoding is faster than
+#: coding, so the pool pays later): a small training state's load then starts no pool thread and
+#: waits for none (the CPU resume of issue #23, benchmarks/frameworks.py --device cpu)
+INLINE_DECODE_BYTES = 256 << 10
+
+
 def encode_storage_cpu(
     job: StorageJob,
     writer: ContainerWriter,
@@ -332,8 +338,10 @@ def decode_storage_cpu(
             ) from e
 
     # an implausible storage is decoded on this thread: a forged frame costs one output buffer
-    # (at most a segment) at a time, not one per thread
-    decoded: Iterator[Any] = ordered_window(pool if proven else None, fetch_decode, len(chunks))
+    # (at most a segment) at a time, not one per thread; a small one too (INLINE_DECODE_BYTES)
+    decoded: Iterator[Any] = ordered_window(
+        pool if proven and nbytes > INLINE_DECODE_BYTES else None, fetch_decode, len(chunks)
+    )
     if not proven:
         decoded = _drain(collections.deque(decoded))
     out = torch.empty(nbytes, dtype=torch.uint8)

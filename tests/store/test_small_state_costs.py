@@ -1,0 +1,61 @@
+"""The fixed costs of a small training state (issue #23, CPU): what a save or a resume of a
+few-MB state does besides coding its bytes -- threads started, objects listed and parsed, files
+read -- checked as behaviour, not as timings."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from s4w_core import CheckpointStore, engine
+
+
+def _state(n_small: int = 40, big: int = 0, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    st: dict[str, Any] = {f"b{i}": torch.randn(96, generator=g).to(torch.bfloat16) for i in range(n_small)}
+    st["w"] = torch.randn(96, 288, generator=g).to(torch.bfloat16)  # 55 KB, like a GPT-2 c_attn of the CPU model
+    if big:
+        st["big"] = torch.randn(big // 2, generator=g).to(torch.bfloat16)
+    return st
+
+
+@pytest.fixture
+def started_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the threads started while the test runs (``threading.Thread.start`` counted)."""
+    names: list[str] = []
+    orig = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        names.append(self.name)
+        orig(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    yield names
+
+
+def test_a_small_load_starts_no_thread(tmp_path: Any, started_threads: list[str]) -> None:
+    st = CheckpointStore(tmp_path / "s", base_cache_bytes=0)
+    state = _state()
+    st.save(state, step=1)
+    st.wait()
+    started_threads.clear()
+    got = st.load(threads=4)
+    assert started_threads == [], started_threads  # every storage decoded on the calling thread
+    assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
+    st.close()
+
+
+def test_a_large_storage_is_still_decoded_by_the_pool(tmp_path: Any, started_threads: list[str]) -> None:
+    st = CheckpointStore(tmp_path / "s", base_cache_bytes=0)
+    big = 8 * engine.INLINE_DECODE_BYTES  # several plane chunks per segment: worth the pool
+    state = _state(n_small=2, big=big)
+    st.save(state, step=1)
+    st.wait()
+    started_threads.clear()
+    got = st.load(threads=4)
+    assert started_threads, "a storage above INLINE_DECODE_BYTES decodes its chunks on the pool"
+    assert torch.equal(got["big"].view(torch.uint8), state["big"].view(torch.uint8))
+    st.close()
