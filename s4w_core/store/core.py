@@ -133,8 +133,8 @@ class StoreCore:
                 return key, parse_record(backend.get(key), key, backend.url)
 
             if todo:
-                if len(todo) == 1:
-                    got = [fetch(todo[0].key)]
+                if len(todo) == 1 or not backend.concurrent_reads:  # a local read costs less than a thread
+                    got = [fetch(o.key) for o in todo]
                 else:
                     with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
                         got = list(pool.map(fetch, [o.key for o in todo]))

@@ -36,16 +36,34 @@ def started_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     yield names
 
 
-def test_a_small_load_starts_no_thread(tmp_path: Any, started_threads: list[str]) -> None:
-    st = CheckpointStore(tmp_path / "s", base_cache_bytes=0)
-    state = _state()
-    st.save(state, step=1)
-    st.wait()
+def test_a_small_resume_starts_no_thread(tmp_path: Any, started_threads: list[str]) -> None:
+    """A resume opens the store afresh (its commit records not parsed yet) and loads the newest
+    step: on a local store neither the records nor the small storages go through a thread pool."""
+    with CheckpointStore(tmp_path / "s") as st:
+        for step in (1, 2, 3):
+            st.save(_state(seed=step), step=step)
+    state = _state(seed=3)
     started_threads.clear()
-    got = st.load(threads=4)
-    assert started_threads == [], started_threads  # every storage decoded on the calling thread
+    with CheckpointStore(tmp_path / "s") as st:
+        assert st.steps() == [1, 2, 3]
+        got = st.load(threads=4)
+    assert started_threads == [], started_threads
     assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
-    st.close()
+
+
+def test_map_location_is_asked_per_device_not_per_storage(tmp_path: Any) -> None:
+    calls: list[str] = []
+
+    def where(orig: str) -> str:
+        calls.append(orig)
+        return "cpu"
+
+    state = _state(n_small=60)
+    with CheckpointStore(tmp_path / "s") as st:
+        st.save(state, step=1)
+        got = st.load(map_location=where)
+    assert set(calls) == {"cpu"} and len(calls) <= 3, calls  # once per place that needs the devices
+    assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
 
 
 def test_a_large_storage_is_still_decoded_by_the_pool(tmp_path: Any, started_threads: list[str]) -> None:
