@@ -100,8 +100,9 @@ SEGMENT_ELEMS = 1 << 20
 
 #: storages of at most this many bytes are coded on the calling thread: handing their few small
 #: chunks to the pool and waiting for them costs more than coding them (a training state's many
-#: biases and norms: 0.25 -> 0.1 ms per tensor, benchmarks/bench_tensor_cost.py)
-INLINE_ENCODE_BYTES = 64 << 10
+#: biases and norms: 0.25 -> 0.1 ms per tensor, benchmarks/bench_tensor_cost.py; the 74 KB MLP
+#: weights of the CPU framework run's GPT-2: a whole save of its state 24 -> 20 ms of CPU)
+INLINE_ENCODE_BYTES = 128 << 10
 #: storages of at most this many bytes are decoded on the calling thread (decoding is faster than
 #: coding, so the pool pays later): a small training state's load then starts no pool thread and
 #: waits for none (the CPU resume of issue #23, benchmarks/frameworks.py --device cpu)

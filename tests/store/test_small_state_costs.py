@@ -77,3 +77,16 @@ def test_a_large_storage_is_still_decoded_by_the_pool(tmp_path: Any, started_thr
     assert started_threads, "a storage above INLINE_DECODE_BYTES decodes its chunks on the pool"
     assert torch.equal(got["big"].view(torch.uint8), state["big"].view(torch.uint8))
     st.close()
+
+
+def test_a_small_save_codes_on_the_calling_thread(tmp_path: Any, started_threads: list[str]) -> None:
+    """A whole save of a small state (the largest storage 74 KB, a 96-wide GPT-2's MLP weight)
+    hands no chunk to the CPU path's pool: no pool thread is started."""
+    g = torch.Generator().manual_seed(1)
+    state = {**_state(), "mlp": torch.randn(96, 384, generator=g).to(torch.bfloat16)}
+    assert state["mlp"].untyped_storage().nbytes() <= engine.INLINE_ENCODE_BYTES
+    with CheckpointStore(tmp_path / "s", delta=False) as st:
+        st.save(state, step=1, extra={})
+        assert [n for n in started_threads if n.startswith("ThreadPoolExecutor")] == [], started_threads
+        got = st.load()
+    assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
