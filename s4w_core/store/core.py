@@ -39,23 +39,34 @@ from s4w_core.store.records import (
 
 log = logging.getLogger("s4w_core.store")
 
-__all__ = ["StoreCore", "StoreReader", "Progress", "after_saves"]
+__all__ = ["StoreCore", "StoreReader", "Progress", "after_saves", "WHOLE_READ_BYTES"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+#: a data object of at most this many bytes that a load reads whole from a local (or memory)
+#: store is read in one call, and its chunks are then views of it: a small training state's
+#: hundreds of chunks cost one read instead of one each (the CPU resume of issue #23)
+WHOLE_READ_BYTES = 16 << 20
 
 
 class StoreReader(ContainerReader):
     """A container reader over one data object of a store (a backend's :class:`RangeReader`),
     which closes the range reader with it; ``counter``, when set, is told the bytes each read
-    returns (a progress bar)."""
+    returns (a progress bar).  ``whole``: the object's bytes, read at once (chunks are then read
+    as views of them)."""
 
-    def __init__(self, rr: RangeReader) -> None:
+    def __init__(self, rr: RangeReader, whole: bytes | None = None) -> None:
         self.range_reader = rr
         self.counter: Callable[[int], None] | None = None
-        super().__init__(self._counted, rr.size, rr.name, readinto=rr.readinto)
+        self._whole = None if whole is None else memoryview(whole)
+        super().__init__(self._counted, rr.size, rr.name, readinto=rr.readinto, view=self._whole)
 
     def _counted(self, offset: int, length: int) -> bytes:
-        b = self.range_reader.read(offset, length)
+        if self._whole is not None:
+            b = self._whole[offset : offset + length].tobytes()
+        else:
+            b = self.range_reader.read(offset, length)
         if self.counter is not None:
             self.counter(len(b))
         return b
@@ -307,10 +318,11 @@ class StoreCore:
     # ------------------------------------------------------------------ reading
     def _open(self, key: str, *, whole: bool, expect: int | None = None, what: str = "") -> ContainerReader:
         rr: RangeReader | None = None
+        src = self.backend
         if self.tiers is not None:  # the fast tier's copy when it has one
-            fast = self.tiers.fast
             try:
-                rr = fast.fetch(key) if whole else fast.open_range(key)
+                rr = self.tiers.fast.fetch(key) if whole else self.tiers.fast.open_range(key)
+                src = self.tiers.fast
             except CheckpointNotFoundError:
                 rr = None
         if rr is None:
@@ -321,7 +333,8 @@ class StoreCore:
                     f"{rr.name}{what}: data object is {rr.size} bytes but its commit record says {expect}: "
                     "truncated or replaced"
                 )
-            reader = StoreReader(rr)
+            data = rr.read(0, rr.size) if whole and not src.concurrent_reads and rr.size <= WHOLE_READ_BYTES else None
+            reader = StoreReader(rr, data)
             pipeline.open_reader(reader)  # validates the manifest
         except BaseException:
             rr.close()

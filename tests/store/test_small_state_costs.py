@@ -90,3 +90,39 @@ def test_a_small_save_codes_on_the_calling_thread(tmp_path: Any, started_threads
         assert [n for n in started_threads if n.startswith("ThreadPoolExecutor")] == [], started_threads
         got = st.load()
     assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
+
+
+def test_a_small_object_is_read_in_one_call(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local store's small data object is read whole in one call (its chunks are views of
+    it), not with one read per chunk; a large one is still read by ranges."""
+    from s4w_core.store import _local
+    from s4w_core.store._backend import RangeReader
+    from s4w_core.store.core import WHOLE_READ_BYTES
+
+    reads: dict[str, int] = {}
+    orig = _local.LocalBackend.open_range
+
+    def counted(self: Any, key: str) -> RangeReader:
+        rr = orig(self, key)
+        read = rr.read
+
+        def r(off: int, n: int) -> bytes:
+            reads[key] = reads.get(key, 0) + 1
+            return read(off, n)
+
+        rr.read = r
+        return rr
+
+    monkeypatch.setattr(_local.LocalBackend, "open_range", counted)
+    small = _state()
+    big = {"big": torch.randn(WHOLE_READ_BYTES, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)}
+    for name, state in (("small", small), ("big", big)):
+        with CheckpointStore(tmp_path / name) as st:
+            st.save(state, step=1)
+        reads.clear()
+        with CheckpointStore(tmp_path / name) as st:
+            got = st.load()
+        data = [k for k in reads if k.startswith("data/")]
+        assert len(data) == 1
+        assert (reads[data[0]] == 1) == (name == "small"), reads
+        assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
