@@ -126,3 +126,20 @@ def test_a_small_object_is_read_in_one_call(tmp_path: Any, monkeypatch: pytest.M
         assert len(data) == 1
         assert (reads[data[0]] == 1) == (name == "small"), reads
         assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
+
+
+def test_a_load_beyond_base_cache_bytes_prepares_no_host_copy(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``base_cache_bytes=0`` (or a step larger than it): the load does not prepare the step as the
+    next base (no source rebuilt from its manifest, nothing reserved); within it, it does."""
+    from s4w_core.store import cache
+
+    built: list[int] = []
+    orig = cache.source_of_manifest
+    monkeypatch.setattr(cache, "source_of_manifest", lambda m: built.append(1) or orig(m))
+    with CheckpointStore(tmp_path / "s") as st:
+        st.save(_state(), step=1)
+    for limit, expected in ((0, 0), (None, 1)):
+        built.clear()
+        with CheckpointStore(tmp_path / "s", base_cache_bytes=limit) as st:
+            st.load()
+        assert len(built) == expected, (limit, built)
