@@ -50,6 +50,24 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 WHOLE_READ_BYTES = 16 << 20
 
 
+class _CountedRead:
+    """The reads of a :class:`StoreReader`: from the object's bytes in memory or by range, each
+    told to ``counter`` when one is set.  An object of its own, not a bound method of the reader:
+    that would be a reference cycle (reader -> its read function -> reader), which kept every
+    reader and its parsed manifest (thousands of objects for a training state) alive until the
+    cyclic GC ran, and made a load's garbage trigger collections of the caller's whole heap."""
+
+    def __init__(self, rr: RangeReader, whole: memoryview | None) -> None:
+        self.rr, self.whole = rr, whole
+        self.counter: Callable[[int], None] | None = None
+
+    def __call__(self, offset: int, length: int) -> bytes:
+        b = self.whole[offset : offset + length].tobytes() if self.whole is not None else self.rr.read(offset, length)
+        if self.counter is not None:
+            self.counter(len(b))
+        return b
+
+
 class StoreReader(ContainerReader):
     """A container reader over one data object of a store (a backend's :class:`RangeReader`),
     which closes the range reader with it; ``counter``, when set, is told the bytes each read
@@ -58,18 +76,17 @@ class StoreReader(ContainerReader):
 
     def __init__(self, rr: RangeReader, whole: bytes | None = None) -> None:
         self.range_reader = rr
-        self.counter: Callable[[int], None] | None = None
-        self._whole = None if whole is None else memoryview(whole)
-        super().__init__(self._counted, rr.size, rr.name, readinto=rr.readinto, view=self._whole)
+        view = None if whole is None else memoryview(whole)
+        self._reads = _CountedRead(rr, view)
+        super().__init__(self._reads, rr.size, rr.name, readinto=rr.readinto, view=view)
 
-    def _counted(self, offset: int, length: int) -> bytes:
-        if self._whole is not None:
-            b = self._whole[offset : offset + length].tobytes()
-        else:
-            b = self.range_reader.read(offset, length)
-        if self.counter is not None:
-            self.counter(len(b))
-        return b
+    @property
+    def counter(self) -> Callable[[int], None] | None:
+        return self._reads.counter
+
+    @counter.setter
+    def counter(self, fn: Callable[[int], None] | None) -> None:
+        self._reads.counter = fn
 
     def close(self) -> None:
         super().close()

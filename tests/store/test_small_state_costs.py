@@ -143,3 +143,46 @@ def test_a_load_beyond_base_cache_bytes_prepares_no_host_copy(tmp_path: Any, mon
         with CheckpointStore(tmp_path / "s", base_cache_bytes=limit) as st:
             st.load()
         assert len(built) == expected, (limit, built)
+
+
+def _ours(o: Any) -> bool:
+    mod = getattr(o, "__module__", None)  # an instance's class's module, a function's own
+    return isinstance(o, torch.Tensor) or (mod if isinstance(mod, str) else type(o).__module__).startswith(("s4w_", "torch"))
+
+
+def cyclic_garbage(fn: Any) -> list[str]:
+    """The objects of s4weights and torch that ``fn()`` leaves for the cyclic GC to free (held by
+    reference cycles), by type name.  (Other libraries' garbage, e.g. numba compiling its kernels
+    on a background thread, is not counted.)"""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        fn()
+        gc.collect()
+        return [type(o).__qualname__ for o in gc.garbage if _ours(o)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_saves_and_loads_leave_no_reference_cycles(tmp_path: Any) -> None:
+    """A save or a load frees what it made when it returns: no reference cycle keeps its
+    collected state (every storage job and tensor) or a reader's parsed manifest alive until the
+    cyclic GC runs (which then walks the training process's whole heap, in a training step)."""
+    url = tmp_path / "s"
+
+    def save(step: int) -> None:
+        with CheckpointStore(url) as st:
+            st.save(_state(seed=step), step=step)
+
+    def load() -> None:
+        with CheckpointStore(url) as st:
+            st.load()
+
+    save(1)
+    assert cyclic_garbage(lambda: save(2)) == []
+    assert cyclic_garbage(load) == []
