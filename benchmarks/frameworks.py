@@ -831,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
     meta = {"precision": a.precision, "smoke": a.smoke, "model": a.model, "size": size, "steps": a.steps, "every": a.every,
-            "keep": a.keep, "device": device, "env": environment(device), "wall_s": time.perf_counter() - t_start}
+            "keep": a.keep, "device": device, "env": environment(device), "wall_s": time.perf_counter() - t_start,
+            "command": " ".join(["python benchmarks/frameworks.py", *(sys.argv[1:] if argv is None else argv)])}
     derive(results, a.precision)
     with open(os.path.join(a.out, f"frameworks_{tag}.json"), "w") as f:
         json.dump({"meta": meta, "runs": results}, f, indent=1)
@@ -908,6 +909,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"# Checkpointing inside training: {meta['precision']}{' (smoke, CPU)' if meta['smoke'] else ''}",
         "",
+        *([f"`{meta['command']}`", ""] if meta.get("command") else []),
         f"{env.get('gpu') or 'CPU'}; torch {env['torch']}, lightning {env.get('lightning')}, transformers "
         f"{env.get('transformers')}, accelerate {env.get('accelerate')}, triton {env.get('triton')}; git {env.get('git')}. "
         f"GPT-2 shape {meta['size']}, {meta['steps']} steps, a save every {meta['every']}, keep {meta['keep']}. "
