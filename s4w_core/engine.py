@@ -339,10 +339,9 @@ def decode_storage_cpu(
             ) from e
 
     # an implausible storage is decoded on this thread: a forged frame costs one output buffer
-    # (at most a segment) at a time, not one per thread; a small one too (INLINE_DECODE_BYTES)
-    decoded: Iterator[Any] = ordered_window(
-        pool if proven and nbytes > INLINE_DECODE_BYTES else None, fetch_decode, len(chunks)
-    )
+    # (at most a segment) at a time, not one per thread
+    threaded = proven and nbytes > INLINE_DECODE_BYTES
+    decoded: Iterator[Any] = ordered_window(pool if threaded else None, fetch_decode, len(chunks))
     if not proven:
         decoded = _drain(collections.deque(decoded))
     out = torch.empty(nbytes, dtype=torch.uint8)

@@ -44,30 +44,6 @@ __all__ = ["StoreCore", "StoreReader", "Progress", "after_saves", "WHOLE_READ_BY
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-#: a data object of at most this many bytes that a load reads whole from a local (or memory)
-#: store is read in one call, and its chunks are then views of it: a small training state's
-#: hundreds of chunks cost one read instead of one each (the CPU resume of issue #23)
-WHOLE_READ_BYTES = 16 << 20
-
-
-class _CountedRead:
-    """The reads of a :class:`StoreReader`: from the object's bytes in memory or by range, each
-    told to ``counter`` when one is set.  An object of its own, not a bound method of the reader:
-    that would be a reference cycle (reader -> its read function -> reader), which kept every
-    reader and its parsed manifest (thousands of objects for a training state) alive until the
-    cyclic GC ran, and made a load's garbage trigger collections of the caller's whole heap."""
-
-    def __init__(self, rr: RangeReader, whole: memoryview | None) -> None:
-        self.rr, self.whole = rr, whole
-        self.counter: Callable[[int], None] | None = None
-
-    def __call__(self, offset: int, length: int) -> bytes:
-        b = self.whole[offset : offset + length].tobytes() if self.whole is not None else self.rr.read(offset, length)
-        if self.counter is not None:
-            self.counter(len(b))
-        return b
-
-
 class StoreReader(ContainerReader):
     """A container reader over one data object of a store (a backend's :class:`RangeReader`),
     which closes the range reader with it; ``counter``, when set, is told the bytes each read
@@ -113,6 +89,30 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
 
+
+
+#: a data object of at most this many bytes that a load reads whole from a local (or memory)
+#: store is read in one call, and its chunks are then views of it: a small training state's
+#: hundreds of chunks cost one read instead of one each (the CPU resume of issue #23)
+WHOLE_READ_BYTES = 16 << 20
+
+
+class _CountedRead:
+    """The reads of a :class:`StoreReader`: from the object's bytes in memory or by range, each
+    told to ``counter`` when one is set.  An object of its own, not a bound method of the reader:
+    that would be a reference cycle (reader -> its read function -> reader), which kept every
+    reader and its parsed manifest (thousands of objects for a training state) alive until the
+    cyclic GC ran, and made a load's garbage trigger collections of the caller's whole heap."""
+
+    def __init__(self, rr: RangeReader, whole: memoryview | None) -> None:
+        self.rr, self.whole = rr, whole
+        self.counter: Callable[[int], None] | None = None
+
+    def __call__(self, offset: int, length: int) -> bytes:
+        b = self.whole[offset : offset + length].tobytes() if self.whole is not None else self.rr.read(offset, length)
+        if self.counter is not None:
+            self.counter(len(b))
+        return b
 
 
 def after_saves(fn: _F) -> _F:

@@ -17,6 +17,7 @@ def _state(n_small: int = 40, big: int = 0, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     st: dict[str, Any] = {f"b{i}": torch.randn(96, generator=g).to(torch.bfloat16) for i in range(n_small)}
     st["w"] = torch.randn(96, 288, generator=g).to(torch.bfloat16)  # 55 KB, like a GPT-2 c_attn of the CPU model
+    st["mlp"] = torch.randn(96, 384, generator=g).to(torch.bfloat16)  # 74 KB, its MLP weights (the largest)
     if big:
         st["big"] = torch.randn(big // 2, generator=g).to(torch.bfloat16)
     return st
@@ -82,8 +83,7 @@ def test_a_large_storage_is_still_decoded_by_the_pool(tmp_path: Any, started_thr
 def test_a_small_save_codes_on_the_calling_thread(tmp_path: Any, started_threads: list[str]) -> None:
     """A whole save of a small state (the largest storage 74 KB, a 96-wide GPT-2's MLP weight)
     hands no chunk to the CPU path's pool: no pool thread is started."""
-    g = torch.Generator().manual_seed(1)
-    state = {**_state(), "mlp": torch.randn(96, 384, generator=g).to(torch.bfloat16)}
+    state = _state()
     assert state["mlp"].untyped_storage().nbytes() <= engine.INLINE_ENCODE_BYTES
     with CheckpointStore(tmp_path / "s", delta=False) as st:
         st.save(state, step=1, extra={})
