@@ -104,12 +104,14 @@ SEGMENT_ELEMS = 1 << 20
 
 #: storages of at most this many bytes are coded on the calling thread: handing their few small
 #: chunks to the pool and waiting for them costs more than coding them (a training state's many
-#: biases and norms: 0.25 -> 0.1 ms per tensor, benchmarks/bench_tensor_cost.py)
-INLINE_ENCODE_BYTES = 64 << 10
-#: storages of at most this many bytes are decoded on the calling thread, for the same reason (a
-#: warm DCP load of 400 bf16 storages of 8 KiB on 2 cores: 0.042 -> 0.029 s,
-#: ``benchmarks/bench_dcp_warm.py --small 400``)
-INLINE_DECODE_BYTES = 64 << 10
+#: biases and norms: 0.25 -> 0.1 ms per tensor, benchmarks/bench_tensor_cost.py; the 74 KB MLP
+#: weights of the CPU framework run's GPT-2: a whole save of its state 24 -> 20 ms of CPU)
+INLINE_ENCODE_BYTES = 128 << 10
+#: storages of at most this many bytes are decoded on the calling thread (decoding is faster than
+#: coding, so the pool pays later): a small training state's load then starts no pool thread and
+#: waits for none (a CPU resume in benchmarks/frameworks.py --device cpu; a warm DCP load of 400
+#: bf16 storages of 8 KiB, benchmarks/bench_dcp_warm.py --small 400)
+INLINE_DECODE_BYTES = 256 << 10
 def encode_storage_cpu(
     job: StorageJob,
     writer: ContainerWriter,

@@ -313,10 +313,17 @@ def warn_fallback(adapter: str, engine: str, framework: str, seen: set[str] | No
 def caller_instance(cls: type) -> Any:
     """The ``self`` of the nearest calling frame that is an instance of ``cls``, or None (for
     callbacks a framework hands no reference to its owner)."""
+    # from the caller's frame up: reading this frame's own f_locals would store this frame in
+    # its own locals snapshot, a reference cycle keeping every frame above it (a training loop's
+    # locals: batches, the model's state) alive until the cyclic GC
     frame = inspect.currentframe()
-    while frame is not None and not isinstance(frame.f_locals.get("self"), cls):
-        frame = frame.f_back
-    return None if frame is None else frame.f_locals["self"]
+    try:
+        frame = frame.f_back if frame is not None else None
+        while frame is not None and not isinstance(frame.f_locals.get("self"), cls):
+            frame = frame.f_back
+        return None if frame is None else frame.f_locals["self"]
+    finally:
+        del frame
 
 
 # ------------------------------------------------------------------------ states of live objects

@@ -12,7 +12,7 @@ import datetime as _dt
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Mapping, Union
+from typing import IO, Any, Callable, Iterable, Mapping, Union
 
 import torch
 
@@ -44,6 +44,7 @@ __all__ = [
     "encode",
     "open_reader",
     "target_device",
+    "target_devices",
     "decode_storages",
     "build_tensors",
 ]
@@ -242,6 +243,13 @@ def target_device(orig: str, map_location: MapLocation) -> torch.device:
     return dev
 
 
+def target_devices(storages: Iterable[Mapping[str, Any]], map_location: MapLocation) -> dict[str, torch.device]:
+    """:func:`target_device` of each distinct ``device`` the manifest entries ``storages`` name
+    (``map_location`` asked once per device, not once per storage: a training state's hundreds
+    of storages name one or two)."""
+    return {orig: target_device(orig, map_location) for orig in dict.fromkeys(s["device"] for s in storages)}
+
+
 def decode_storages(
     reader: ContainerReader,
     map_location: MapLocation,
@@ -259,8 +267,9 @@ def decode_storages(
     targets: list[torch.device] = []
     on_gpu: dict[torch.device, list[int]] = defaultdict(list)
     gpu = None
+    devices = target_devices(m["storages"], map_location)
     for i, s in enumerate(m["storages"]):
-        dev = target_device(s["device"], map_location)
+        dev = devices[s["device"]]
         targets.append(dev)
         codecs = {c[0] for c in s["chunks"]}
         needs_gpu = any(not get_codec(c).cpu_decodable for c in codecs)

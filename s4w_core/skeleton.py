@@ -126,7 +126,13 @@ def encode_tree(
         finally:
             active.discard(oid)
 
-    return enc(obj, "", 0)
+    try:
+        return enc(obj, "", 0)
+    finally:
+        # ``enc`` reaches itself through its closure cell: a reference cycle holding
+        # ``add_tensor`` (a collector with every storage job and tensor of the state) until the
+        # cyclic GC ran. Rebinding the cell breaks it, as decode_tree does.
+        enc = None  # type: ignore[assignment]
 
 
 def _join(path: str, key: Any) -> str:

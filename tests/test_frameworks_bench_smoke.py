@@ -42,6 +42,7 @@ def test_frameworks_smoke(tmp_path):
         assert r["disk_bytes"] > 0 and r["wchar"] > 0
         assert r["resume"]["bit_identical"], (fw, run, r["resume"])
         assert r["resume"]["tensors"] > 10
+        assert len(r["resume_each_s"]) == 3 and r["resume_s"] == sorted(r["resume_each_s"])[1]  # the median of 3
     for fw in ("lightning", "hf", "accelerate", "dcp"):
         s4w = runs[(fw, "s4w-cold")]
         assert s4w["fsync_calls"] > 0  # the store commits durably; the table reports it

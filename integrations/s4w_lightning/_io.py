@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -69,6 +69,18 @@ def _hint(name: str) -> str:
     )
 
 
+def _saved_dropper(saved: dict[str, SavedStep], lock: threading.RLock) -> Callable[[str, int], None]:
+    """``on_delete`` of the plugin's pointers: forget the step last written to a store once the
+    store deletes it (no later name may point to it)."""
+
+    def drop(url: str, step: int) -> None:
+        with lock:
+            if url in saved and saved[url].step == step:
+                del saved[url]
+
+    return drop
+
+
 class _S4CheckpointIOImpl:
     def __init__(
         self,
@@ -90,11 +102,15 @@ class _S4CheckpointIOImpl:
         self.map_location, self.rebase_on_delete = map_location, rebase_on_delete
         self.store_options = dict(store_options or {})
         self.files = Files(self.store_options)
-        self.pointers = PointerFiles(self.files, self.store_at, store_url=self.store_url, dirname=STORE_DIRNAME,
-                                     rebase_on_delete=rebase_on_delete, hint=_hint, on_delete=self._drop_saved)  # fmt: skip
         self._stores = Stores(**{"profile": profile, "keyframe_every": keyframe_every, **self.store_options})
         self._saved: dict[str, SavedStep] = {}  # per store: the step last written, for its second names
         self._lock = threading.RLock()
+        # the pointers' callbacks reach the stores and the saved steps, not this plugin: a bound
+        # method of it would make a reference cycle (plugin -> pointers -> plugin) that kept a
+        # dropped plugin's stores and their host copy of the newest step alive until the cyclic GC
+        self.pointers = PointerFiles(self.files, self._stores.open, store_url=self.store_url, dirname=STORE_DIRNAME,
+                                     rebase_on_delete=rebase_on_delete, hint=_hint,
+                                     on_delete=_saved_dropper(self._saved, self._lock))  # fmt: skip
         self._queue = SerialQueue(async_save, "s4w-lightning")  # saves and removes, in call order
         self.last_info: Any = None  #: the :class:`~s4w_core.store.StepInfo` of the last save that wrote data
 
@@ -105,11 +121,6 @@ class _S4CheckpointIOImpl:
 
     def store_at(self, url: str) -> CheckpointStore:
         return self._stores.open(url)
-
-    def _drop_saved(self, url: str, step: int) -> None:
-        with self._lock:
-            if url in self._saved and self._saved[url].step == step:
-                del self._saved[url]
 
     def wait(self) -> None:
         """Block until every queued save/remove is done; re-raise the first error."""

@@ -144,6 +144,10 @@ def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
 #: get it back while another thread runs Python -- per 512 KiB chunk that made an upload beside a
 #: busy thread 8x slower (``benchmarks/bench_s3_fetch.py --write``)
 _WRITE_BLOCK = 16 << 20
+#: the block starts this large and doubles as it fills, up to :data:`_WRITE_BLOCK`: a small
+#: container (a training state of a few MB) never allocates and touches 16 MiB (every save then
+#: left the block's pages resident: +16 MiB of peak RSS per saving thread)
+_FIRST_BLOCK = 256 << 10
 
 
 class ContainerWriter:
@@ -155,7 +159,7 @@ class ContainerWriter:
 
     def __init__(self, fp: IO[bytes]) -> None:
         self._fp = fp
-        self._buf: memoryview | None = None  # one block, allocated at the first small write
+        self._buf: memoryview | None = None  # one block, allocated at the first small write, grown as it fills
         self._fill = 0
         #: header flags; ``None`` while the header is still in the first block (not yet written)
         self._flags: int | None = None
@@ -171,10 +175,21 @@ class ContainerWriter:
         if n >= _WRITE_BLOCK:
             self._fp.write(view)
             return
-        if self._buf is None:
-            self._buf = memoryview(bytearray(_WRITE_BLOCK))
+        if self._buf is None or self._fill + n > len(self._buf):
+            self._grow(self._fill + n)
+        assert self._buf is not None
         self._buf[self._fill : self._fill + n] = view  # a copy holding the GIL: ``data`` may be reused at once
         self._fill += n
+
+    def _grow(self, need: int) -> None:
+        """A block of at least ``need`` (<= :data:`_WRITE_BLOCK`) bytes, holding what was gathered."""
+        size = _FIRST_BLOCK if self._buf is None else 2 * len(self._buf)
+        while size < need:
+            size *= 2
+        buf = memoryview(bytearray(min(size, _WRITE_BLOCK)))
+        if self._buf is not None and self._fill:
+            buf[: self._fill] = self._buf[: self._fill]
+        self._buf = buf
 
     def _commit_header(self, flags: int) -> None:
         """Fix the header's flags (before the header leaves the first block)."""

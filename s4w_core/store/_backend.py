@@ -59,6 +59,10 @@ class Backend(abc.ABC):
     """An object store rooted at one URL (a local directory, an S3 prefix, memory)."""
 
     url: str
+    #: whether reading several small objects at once (commit records) pays a thread pool: True for
+    #: a remote store, where each read waits for a round trip; a local or memory read costs less
+    #: than starting a thread
+    concurrent_reads: bool = False
 
     @abc.abstractmethod
     def writer(self, key: str) -> contextlib.AbstractContextManager[IO[bytes]]:

@@ -227,6 +227,8 @@ class _NoUpload:
 
 
 class S3Backend(Backend):
+    concurrent_reads = True  # each read is a round trip: the commit records are fetched in parallel
+
     def __init__(
         self,
         url: str,

@@ -82,7 +82,8 @@ class BaseCache(StoreCore):
         or the store's pinned buffers are all in use; :meth:`_base_copies` then makes the copies
         after the load)."""
         try:
-            devs = [pipeline.target_device(s["device"], map_location) for s in manifest["storages"]]
+            by_orig = pipeline.target_devices(manifest["storages"], map_location)
+            devs = [by_orig[s["device"]] for s in manifest["storages"]]
             sizes = {i: int(s["nbytes"]) for i, (s, d) in enumerate(zip(manifest["storages"], devs)) if d.type == "cuda"}
             total = sum(int(s["nbytes"]) for s in manifest["storages"])
             gpus = {torch.device("cuda", devs[i].index if devs[i].index is not None else torch.cuda.current_device()) for i in sizes}

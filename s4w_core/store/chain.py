@@ -101,7 +101,7 @@ def chain_device(manifest: Mapping[str, Any], map_location: pipeline.MapLocation
     """Where a chain's bases are decoded: the GPU when the step is coded with GPU-only codecs or
     loads onto a GPU (and one is usable), else None (the CPU path)."""
     gpu_codecs = any(not get_codec(c[0]).cpu_decodable for s in manifest["storages"] for c in s["chunks"])
-    to_gpu = any(pipeline.target_device(s["device"], map_location).type == "cuda" for s in manifest["storages"])
+    to_gpu = any(d.type == "cuda" for d in pipeline.target_devices(manifest["storages"], map_location).values())
     if (gpu_codecs or to_gpu) and pipeline.gpu_backend() is not None:
         return torch.device("cuda", torch.cuda.current_device())
     return None

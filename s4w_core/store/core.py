@@ -40,7 +40,7 @@ from s4w_core.store.records import (
 
 log = logging.getLogger("s4w_core.store")
 
-__all__ = ["StoreCore", "StoreReader", "Progress", "after_saves"]
+__all__ = ["StoreCore", "StoreReader", "Progress", "after_saves", "WHOLE_READ_BYTES"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -57,18 +57,22 @@ def delete_quietly(objects: builtins.list[tuple[Backend, str]]) -> None:
 class StoreReader(ContainerReader):
     """A container reader over one data object of a store (a backend's :class:`RangeReader`),
     which closes the range reader with it; ``counter``, when set, is told the bytes each read
-    returns (a progress bar)."""
+    returns (a progress bar).  ``whole``: the object's bytes, read at once (chunks are then read
+    as views of them)."""
 
-    def __init__(self, rr: RangeReader) -> None:
+    def __init__(self, rr: RangeReader, whole: bytes | None = None) -> None:
         self.range_reader = rr
-        self.counter: Callable[[int], None] | None = None
-        super().__init__(self._counted, rr.size, rr.name, readinto=rr.readinto)
+        view = None if whole is None else memoryview(whole)
+        self._reads = _CountedRead(rr, view)
+        super().__init__(self._reads, rr.size, rr.name, readinto=rr.readinto, view=view)
 
-    def _counted(self, offset: int, length: int) -> bytes:
-        b = self.range_reader.read(offset, length)
-        if self.counter is not None:
-            self.counter(len(b))
-        return b
+    @property
+    def counter(self) -> Callable[[int], None] | None:
+        return self._reads.counter
+
+    @counter.setter
+    def counter(self, fn: Callable[[int], None] | None) -> None:
+        self._reads.counter = fn
 
     def close(self) -> None:
         super().close()
@@ -95,6 +99,30 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
 
+
+
+#: a data object of at most this many bytes that a load reads whole from a local (or memory)
+#: store is read in one call, and its chunks are then views of it: a small training state's
+#: hundreds of chunks cost one read instead of one each (the CPU resume of issue #23)
+WHOLE_READ_BYTES = 16 << 20
+
+
+class _CountedRead:
+    """The reads of a :class:`StoreReader`: from the object's bytes in memory or by range, each
+    told to ``counter`` when one is set.  An object of its own, not a bound method of the reader:
+    that would be a reference cycle (reader -> its read function -> reader), which kept every
+    reader and its parsed manifest (thousands of objects for a training state) alive until the
+    cyclic GC ran, and made a load's garbage trigger collections of the caller's whole heap."""
+
+    def __init__(self, rr: RangeReader, whole: memoryview | None) -> None:
+        self.rr, self.whole = rr, whole
+        self.counter: Callable[[int], None] | None = None
+
+    def __call__(self, offset: int, length: int) -> bytes:
+        b = self.whole[offset : offset + length].tobytes() if self.whole is not None else self.rr.read(offset, length)
+        if self.counter is not None:
+            self.counter(len(b))
+        return b
 
 
 def after_saves(fn: _F) -> _F:
@@ -143,8 +171,8 @@ class StoreCore:
                 return key, parse_record(backend.get(key), key, backend.url)
 
             if todo:
-                if len(todo) == 1:
-                    got = [fetch(todo[0].key)]
+                if len(todo) == 1 or not backend.concurrent_reads:  # a local read costs less than a thread
+                    got = [fetch(o.key) for o in todo]
                 else:
                     with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
                         got = list(pool.map(fetch, [o.key for o in todo]))
@@ -332,10 +360,11 @@ class StoreCore:
     # ------------------------------------------------------------------ reading
     def _open(self, key: str, *, whole: bool, expect: int | None = None, what: str = "") -> ContainerReader:
         rr: RangeReader | None = None
+        src = self.backend
         if self.tiers is not None:  # the fast tier's copy when it has one
-            fast = self.tiers.fast
             try:
-                rr = fast.fetch(key) if whole else fast.open_range(key)
+                rr = self.tiers.fast.fetch(key) if whole else self.tiers.fast.open_range(key)
+                src = self.tiers.fast
             except CheckpointNotFoundError:
                 rr = None
         if rr is None:
@@ -346,7 +375,8 @@ class StoreCore:
                     f"{rr.name}{what}: data object is {rr.size} bytes but its commit record says {expect}: "
                     "truncated or replaced"
                 )
-            reader = StoreReader(rr)
+            data = rr.read(0, rr.size) if whole and not src.concurrent_reads and rr.size <= WHOLE_READ_BYTES else None
+            reader = StoreReader(rr, data)
             pipeline.open_reader(reader)  # validates the manifest
         except BaseException:
             rr.close()

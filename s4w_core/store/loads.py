@@ -90,7 +90,10 @@ class Loads(BaseCache):
             with timer.stage("list"):
                 recs = self._read_records()
                 rec = self._record(step, recs)
-            remember = rec.step == max(visible(recs)) and self._caching()  # the next save re-encodes it
+            remember = (  # the next save re-encodes it: kept when it fits base_cache_bytes
+                rec.step == max(visible(recs)) and self._caching()
+                and (self.base_cache_bytes is None or rec.raw_bytes <= self.base_cache_bytes)
+            )
             own = None  # a step read from its copy is remembered under its own container's manifest
             if remember and from_copy and rec.copy is not None:
                 own = _background(self._own_manifest_of, rec)
