@@ -100,8 +100,6 @@ __all__ = [
 #: elements per segment written by the CPU path (1 MiB per plane chunk).
 SEGMENT_ELEMS = 1 << 20
 
-
-
 #: storages of at most this many bytes are coded on the calling thread: handing their few small
 #: chunks to the pool and waiting for them costs more than coding them (a training state's many
 #: biases and norms: 0.25 -> 0.1 ms per tensor, benchmarks/bench_tensor_cost.py; the 74 KB MLP
@@ -112,6 +110,8 @@ INLINE_ENCODE_BYTES = 128 << 10
 #: waits for none (a CPU resume in benchmarks/frameworks.py --device cpu; a warm DCP load of 400
 #: bf16 storages of 8 KiB, benchmarks/bench_dcp_warm.py --small 400)
 INLINE_DECODE_BYTES = 256 << 10
+
+
 def encode_storage_cpu(
     job: StorageJob,
     writer: ContainerWriter,
