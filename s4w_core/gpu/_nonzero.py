@@ -39,7 +39,7 @@ from s4w_core.workers import segments
 
 __all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "code_parts_device", "decode_nonzero_device",
            "decode_on_device", "fetch_chunks_device", "encode_nonzero_device", "nonzero_choices_device",
-           "nonzero_pays_device"]
+           "nonzero_pays_device", "plane_bytes", "residual_words"]
 
 #: storages of fewer elements keep their plane transform (the choice costs a read-back)
 NZ_MIN_ELEMS = 1 << 16
@@ -53,7 +53,7 @@ def _round(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def _residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
+def residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The elements to code as int16/int32 words (the residual under ``op`` where there is a base)."""
     if raw.numel() == 0:
         return torch.empty(0, dtype=_ITYPE[dtype.itemsize], device=raw.device)
@@ -61,7 +61,7 @@ def _residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None
     return r.view(_ITYPE[dtype.itemsize])
 
 
-def _plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
+def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
     """The ``planes-rotl1`` planes of ``words`` (plane 0 first), one uint8 tensor each."""
     bits = 8 * w
     r = (words << 1) | ((words >> (bits - 1)) & 1)
@@ -104,7 +104,7 @@ def nonzero_choices_device(
         ranges = choice.delta_sample_ranges(n)
         r = _sample_on(raw, ranges, w, dev)
         b = None if base is None or op is None else _sample_on(base, ranges, w, dev)
-        samples.append((i, _residual_words(r, b, op, dtype), w))
+        samples.append((i, residual_words(r, b, op, dtype), w))
     if not samples:
         return out
     # the zero count first, for every sample at once (one read-back): the entropy estimates (about
@@ -117,7 +117,7 @@ def nonzero_choices_device(
         if zeros < choice.NZ_MIN_ZERO_FRAC * words.numel():
             continue
         bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
-        costs = _bits_each(_plane_bytes(words, w) + [bitmap] + [planes[j] for j in range(w)])
+        costs = _bits_each(plane_bytes(words, w) + [bitmap] + [planes[j] for j in range(w)])
         plain, nz = costs[:w].sum(), costs[w:].sum()
         nonzero = (words != 0).sum().to(torch.float64)
         stats.append(torch.stack([words.numel() - nonzero, plain, nz]))
@@ -153,7 +153,7 @@ def encode_nonzero_device(
     coded (``algorithm`` with ``opts``, written as ``codec_id``) only where that is smaller."""
     w = dtype.itemsize
     n = raw.numel() // w
-    words = _residual_words(raw, None if base is None else base.to(dev), op, dtype)
+    words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
     parts: list[torch.Tensor] = []
     nnz: list[int] = []
     for s0, s1 in segments(n, seg):

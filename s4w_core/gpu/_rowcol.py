@@ -21,31 +21,17 @@ from typing import Any
 
 import torch
 
-from s4w_core import choice, delta
+from s4w_core import choice
 from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1
-from s4w_core.gpu._nonzero import code_parts_device
+from s4w_core.gpu._nonzero import code_parts_device, plane_bytes, residual_words
 from s4w_core.planes import rowcol
 from s4w_core.workers import segments
 
-__all__ = ["RC_TRANSFORM", "encode_rowcol_device", "plane_bytes", "residual_words",
-           "rowcol_choices_device", "rowcol_estimates_device"]
+__all__ = ["RC_TRANSFORM", "encode_rowcol_device", "rowcol_choices_device", "rowcol_estimates_device"]
 
 #: the row/column transform the GPU writer writes
 RC_TRANSFORM = next(k for k, v in RC_TRANSFORMS.items() if v == ROTL1)
 _ITYPE = {2: torch.int16, 4: torch.int32}
-
-
-def residual_words(raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype) -> torch.Tensor:
-    """The elements to code as int16/int32 words (the residual under ``op`` where there is a base)."""
-    r = raw if base is None or op is None else delta.forward(op, raw, base, dtype)
-    return r.view(_ITYPE[dtype.itemsize])
-
-
-def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
-    """The ``planes-rotl1`` planes of the int16/int32 ``words`` (plane 0 first), uint8 each."""
-    bits = 8 * w
-    r = (words << 1) | ((words >> (bits - 1)) & 1)
-    return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
 
 
 def rowcol_choices_device(
