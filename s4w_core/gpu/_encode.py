@@ -57,7 +57,7 @@ from s4w_core.gpu._coder import (
     encode_tensors_device,
 )
 from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_device, nonzero_choices_device
-from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_device, rowcol_choices_device
+from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_many, rowcol_choices_device
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 
@@ -342,6 +342,22 @@ def encode_storages(
         # its later pieces (in later batches) take the same
         chosen_layout: dict[int, str] = {}
 
+        rc_group: list[tuple[int, dict[str, Any], tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int]]] = []
+        rc_bytes = [0]
+
+        def flush_rowcol() -> None:
+            if not rc_group:
+                return
+            keys, chunks, keep = encode_rowcol_many(
+                [item for _ji, _e, item in rc_group], prof.segment_elems, prof.algorithm, prof.codec_id,
+                dict(prof.opts), dev,
+            )
+            for (ji, entry, _item), key, (ids, views) in zip(rc_group, keys, chunks):
+                entry["rowcol"] = key
+                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+            rc_group.clear()
+            rc_bytes[0] = 0
+
         def run(b: Batch) -> None:
             for ji, tr in _run_batch(b, prof, dev, io).items():
                 if ji not in chosen_layout:
@@ -402,16 +418,17 @@ def encode_storages(
                 io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
                 continue
             if rc_pick.get(jidx):
-                # the row/column variant (docs/FORMAT.md 4.5d): coded here, on its own, by the profile's coder
+                # the row/column variant (docs/FORMAT.md 4.5d): coded by the profile's coder with the
+                # other row/column storages of its group, one nvCOMP call and read-back per group;
+                # the sink writes chunks in manifest order, so later storages' chunks wait for it
                 assert job.cols is not None
                 entry["transform"] = RC_TRANSFORM
-                key, ids, views, keep = encode_rowcol_device(
-                    raw, base, op, job.dtype, seg, job.cols, prof.algorithm, prof.codec_id, dict(prof.opts), dev
-                )
-                entry["rowcol"] = key
-                ji = sink.add_job(entry, len(ids))
+                ji = sink.add_job(entry, -(-n // seg) * w)
                 entries.append(entry)
-                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+                rc_group.append((ji, entry, (raw, base, op, job.dtype, job.cols)))
+                rc_bytes[0] += nbytes
+                if rc_bytes[0] >= budget:
+                    flush_rowcol()
                 continue
             nseg = -(-n // seg)
             ji = sink.add_job(entry, nseg * w)
@@ -437,6 +454,7 @@ def encode_storages(
                 s += take
         if batch.pieces:
             run(batch)
+        flush_rowcol()
         if fold_items:
             fold64_batched(fold_items, acc)
         sums = acc.cpu().tolist() if fold_slots else []

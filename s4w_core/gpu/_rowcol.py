@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from s4w_core import choice
@@ -27,7 +28,7 @@ from s4w_core.gpu._nonzero import code_parts_device, plane_bytes, residual_words
 from s4w_core.planes import rowcol
 from s4w_core.workers import segments
 
-__all__ = ["RC_TRANSFORM", "encode_rowcol_device", "rowcol_choices_device", "rowcol_estimates_device"]
+__all__ = ["RC_TRANSFORM", "encode_rowcol_device", "encode_rowcol_many", "rowcol_choices_device", "rowcol_estimates_device"]
 
 #: the row/column transform the GPU writer writes
 RC_TRANSFORM = next(k for k, v in RC_TRANSFORMS.items() if v == ROTL1)
@@ -146,17 +147,48 @@ def encode_rowcol_device(
     opts: dict[str, Any],
     dev: torch.device,
 ) -> tuple[dict[str, Any], list[str], list[memoryview], torch.Tensor]:
-    """Code the storage bytes ``raw`` (on ``dev``) with :data:`RC_TRANSFORM`, rows of ``cols``
-    elements, in segments of ``seg`` elements: returns the entry's ``rowcol`` value, then per chunk
-    in manifest order its codec id and its bytes (views into the returned pinned host buffer, which
-    must outlive them). A chunk is coded (``algorithm`` with ``opts``, written as ``codec_id``)
-    only where that is smaller."""
-    w = dtype.itemsize
-    n = raw.numel() // w
-    words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
-    planes = plane_bytes(words, w)  # the whole storage at once: a few kernels, not a few per segment
-    row, col = rowcol.offsets_torch(planes[0], cols)
-    planes[0] = planes[0] - rowcol.tile_torch(row, col, 0, n)  # uint8: modulo 256
-    parts = [planes[j][s0:s1] for s0, s1 in segments(n, seg) for j in range(w)]
-    ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)
-    return rowcol.key(cols, row, col), ids, views, host
+    """:func:`encode_rowcol_many` for one storage: its ``rowcol`` value, its chunks' codec ids and
+    bytes (views into the returned pinned host buffer, which must outlive them)."""
+    keys, chunks, host = encode_rowcol_many([(raw, base, op, dtype, cols)], seg, algorithm, codec_id, opts, dev)
+    ids, views = chunks[0]
+    return keys[0], ids, views, host
+
+
+def encode_rowcol_many(
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int]],
+    seg: int,
+    algorithm: str,
+    codec_id: str,
+    opts: dict[str, Any],
+    dev: torch.device,
+) -> tuple[list[dict[str, Any]], list[tuple[list[str], list[memoryview]]], torch.Tensor]:
+    """Code storages ``(raw bytes on dev, base, delta op, dtype, row length)`` with
+    :data:`RC_TRANSFORM` in segments of ``seg`` elements, all their chunks in one nvCOMP call and
+    one read-back (a storage at a time, a training state's few hundred moment matrices cost a
+    call and a synchronization each): per storage its entry's ``rowcol`` value and per chunk, in
+    manifest order, its codec id and bytes (views into the returned pinned host buffer, which must
+    outlive them). A chunk is coded (``algorithm`` with ``opts``, written as ``codec_id``) only
+    where that is smaller."""
+    parts: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
+    offsets: list[torch.Tensor] = []
+    for raw, base, op, dtype, cols in items:
+        w = dtype.itemsize
+        n = raw.numel() // w
+        words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
+        planes = plane_bytes(words, w)  # the whole storage at once: a few kernels, not a few per segment
+        row, col = rowcol.offsets_torch(planes[0], cols)
+        planes[0] = planes[0] - rowcol.tile_torch(row, col, 0, n)  # uint8: modulo 256
+        mine = [planes[j][s0:s1] for s0, s1 in segments(n, seg) for j in range(w)]
+        spans.append((len(parts), len(mine)))
+        parts += mine
+        offsets += [row.reshape(-1), col.reshape(-1)]
+    ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)  # synchronizes once
+    flat = torch.cat(offsets).cpu().numpy() if offsets else np.zeros(0, dtype=np.uint8)
+    keys: list[dict[str, Any]] = []
+    at = 0
+    for (_raw, _base, _op, _dtype, cols), k in zip(items, range(0, len(offsets), 2)):
+        nr, nc = offsets[k].numel(), offsets[k + 1].numel()
+        keys.append(rowcol.key(cols, flat[at : at + nr], flat[at + nr : at + nr + nc]))
+        at += nr + nc
+    return keys, [(ids[a : a + m], views[a : a + m]) for a, m in spans], host

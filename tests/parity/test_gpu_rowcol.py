@@ -128,6 +128,32 @@ def pipeline_rowcol() -> None:
                 assert np.array_equal(got, want.astype(np.uint8)), (dtype, op, c)
 
 
+@_check
+def pipeline_rowcol_groups() -> None:
+    """Several row/column storages among plane, integer and small ones: the GPU writer codes them in
+    groups (one nvCOMP call each, several groups under a small batch budget) while the other
+    storages' chunks go on; the container keeps manifest order and every storage decodes."""
+    import s4w_core
+    from s4w_core.gpu import _rowcol
+    from tests.parity._interpret_checks import _decode_all_gpu_sim, assert_same, simulated_gpu
+
+    obj: dict[str, Any] = {}
+    for i in range(5):
+        obj[f"m{i}/v"] = rc_like(torch.bfloat16 if i % 2 else torch.float32, 300 + 17 * i, 256, 40 + i)
+        obj[f"m{i}/w"] = torch.randn(200, 150, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        obj[f"m{i}/step"] = torch.tensor(float(i))
+        obj[f"m{i}/idx"] = torch.arange(70_000, dtype=torch.int64) * (i + 1)
+    for budget in (1 << 20, 64 << 20):  # several rc groups, and one
+        buf = io.BytesIO()
+        with simulated_gpu(batch_bytes=budget):
+            s4w_core.save(obj, buf, profile="fast")
+            back, m = _decode_all_gpu_sim(buf.getvalue())
+        assert_same(obj, back, f"groups of rc storages, budget {budget}")
+        by = {s["path"]: s for s in m["storages"]}
+        assert all(by[f"m{i}/v"]["transform"] == _rowcol.RC_TRANSFORM for i in range(5)), budget
+        assert [s["path"] for s in m["storages"]] == list(obj), "storages out of manifest order"
+
+
 def bits_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -202,6 +228,29 @@ def test_rowcol_on_gpu(profile: str, dtype: torch.dtype, monkeypatch: pytest.Mon
     s4w_core.save(cpu_obj, buf, profile="portable")
     assert s4w_core.api.open_reader(buf.getvalue()).manifest["storages"][0]["transform"].startswith("rc-")
     assert_same(obj, s4w_core.load(buf.getvalue(), map_location="cuda"))
+
+
+@pytest.mark.gpu
+def test_rowcol_groups_on_gpu() -> None:
+    """Many row/column storages among others, on CUDA: grouped coding, manifest order, bit-exact."""
+    if not _gpu_available():
+        pytest.skip("needs a CUDA GPU (run on the device: see docs/DEVELOPING.md)")
+    import s4w_core
+    from s4w_core.gpu._rowcol import RC_TRANSFORM
+    from tests.parity._interpret_checks import assert_same
+
+    obj: dict[str, Any] = {}
+    for i in range(40):
+        obj[f"m{i}/v"] = rc_like(torch.bfloat16, 1024, 512 + 8 * i, i).cuda()
+        obj[f"m{i}/w"] = torch.randn(512, 512, device="cuda").to(torch.bfloat16)
+        obj[f"m{i}/step"] = torch.tensor(float(i))
+    buf = io.BytesIO()
+    s4w_core.save(obj, buf, profile="fast")
+    data = buf.getvalue()
+    st = s4w_core.api.open_reader(data).manifest["storages"]
+    assert [s["path"] for s in st] == list(obj)
+    assert all(s["transform"] == RC_TRANSFORM for s in st if s["path"].endswith("/v"))
+    assert_same(obj, s4w_core.load(data, map_location="cuda"))
 
 
 def main(names: list[str]) -> int:
