@@ -9,7 +9,8 @@ row/column variant is used where it saves :data:`~s4w_core.choice.RC_MIN_GAIN` w
 ``R + C`` bytes counted. Every candidate's estimate is computed on the device and read back once
 for all of them. A chosen storage is split on the device, its offsets taken by two reductions over
 plane 0 (:func:`~s4w_core.planes.rowcol.offsets_torch`), plane 0 stored less them, and its chunks
-coded in one nvCOMP call, each kept coded only if smaller.
+coded with those of the other row/column storages of its group (a batch budget of them) in one nvCOMP
+call and one read-back (:func:`encode_rowcol_many`), each kept coded only if smaller.
 
 Reader: ``rc-`` storages are decoded in the GPU reader's batches like ``planes-rotl1`` /
 ``planes`` (gpu/_decode.py): the offsets are added to each segment's plane 0 before the merge.
