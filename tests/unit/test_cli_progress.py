@@ -28,6 +28,7 @@ def store(tmp_path: Path) -> str:
     for s in (10, 20, 30):
         w = w + 1e-3
         st.save({"w": w.clone()}, s)
+    st.close()  # the re-encoding behind the last save finishes before the CLI reads the store
     return url
 
 
