@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ from s4w_core.format.manifest import PLAIN, PLANE_TRANSFORMS, RC_PLAIN, RC_ROTL1
 from s4w_core.planes import PLANE_DTYPES, plane_width, split_planes
 
 __all__ = [
+    "row_length_of",
     "row_lengths",
     "BaseLookup",
     "BaseResolver",
@@ -87,14 +88,25 @@ def check_views(m: dict[str, Any], name: str) -> None:
 
 def row_length(t: torch.Tensor, nbytes: int) -> int | None:
     """The row length ``C`` a writer may use for the row/column transform of the storage of ``t``
-    (``nbytes`` bytes): ``prod(shape[1:])`` where ``t`` has at least 2 dimensions, at least 2 rows
-    and 2 columns, is contiguous, starts at the storage's start and covers all of it; else None."""
-    if t.dim() < 2 or not t.numel() or not t.is_contiguous() or t.storage_offset():
+    (``nbytes`` bytes): see :func:`row_length_of`."""
+    return row_length_of(tuple(t.shape), t.stride(), int(t.storage_offset()), t.element_size(), nbytes)
+
+
+def row_length_of(shape: Sequence[int], stride: Sequence[int], offset: int, itemsize: int, nbytes: int) -> int | None:
+    """``prod(shape[1:])`` for a view of at least 2 dimensions, 2 rows and 2 columns that is
+    contiguous (strides of size-1 dimensions aside, as torch counts them), starts at its storage's
+    start and covers all of its ``nbytes``; else None."""
+    if len(shape) < 2 or len(stride) != len(shape) or offset:
         return None
-    if t.numel() * t.element_size() != nbytes:
+    expect = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expect:
+            return None
+        expect *= size
+    if not expect or expect * itemsize != nbytes:
         return None
-    cols = t.numel() // t.shape[0]
-    return cols if cols >= 2 and t.shape[0] >= 2 else None
+    cols = expect // shape[0]
+    return cols if cols >= 2 and shape[0] >= 2 else None
 
 
 def row_lengths(tensors: list[dict[str, Any]], nbytes: list[int]) -> list[int | None]:
@@ -108,19 +120,10 @@ def row_lengths(tensors: list[dict[str, Any]], nbytes: list[int]) -> list[int | 
         if type(i) is not int or not 0 <= i < len(nbytes) or i in seen:
             continue
         seen.add(i)
-        shape, stride = list(t.get("shape") or []), list(t.get("stride") or [])
         dt = DTYPES.get(str(t.get("dtype")))
-        if dt is None or len(shape) < 2 or len(stride) != len(shape) or t.get("offset"):
-            continue
-        want, acc = [], 1
-        for n in reversed(shape):
-            want.append(acc)
-            acc *= n
-        numel = acc
-        if not numel or list(reversed(want)) != stride or numel * dt.itemsize != nbytes[i]:
-            continue
-        cols = numel // shape[0]
-        out[i] = cols if cols >= 2 and shape[0] >= 2 else None
+        if dt is not None:
+            out[i] = row_length_of(list(t.get("shape") or []), list(t.get("stride") or []), int(t.get("offset") or 0),
+                                   dt.itemsize, nbytes[i])
     return out
 
 

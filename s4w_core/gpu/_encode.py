@@ -343,9 +343,10 @@ def encode_storages(
         chosen_layout: dict[int, str] = {}
 
         rc_group: list[tuple[int, dict[str, Any], tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int]]] = []
-        rc_bytes = [0]
+        rc_bytes = 0
 
         def flush_rowcol() -> None:
+            nonlocal rc_bytes
             if not rc_group:
                 return
             keys, chunks, keep = encode_rowcol_many(
@@ -356,7 +357,7 @@ def encode_storages(
                 entry["rowcol"] = key
                 io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
             rc_group.clear()
-            rc_bytes[0] = 0
+            rc_bytes = 0
 
         def run(b: Batch) -> None:
             for ji, tr in _run_batch(b, prof, dev, io).items():
@@ -426,8 +427,8 @@ def encode_storages(
                 ji = sink.add_job(entry, -(-n // seg) * w)
                 entries.append(entry)
                 rc_group.append((ji, entry, (raw, base, op, job.dtype, job.cols)))
-                rc_bytes[0] += nbytes
-                if rc_bytes[0] >= budget:
+                rc_bytes += nbytes
+                if rc_bytes >= budget:
                     flush_rowcol()
                 continue
             nseg = -(-n // seg)

@@ -29,7 +29,7 @@ from s4w_core.gpu._nonzero import code_parts_device, plane_bytes, residual_words
 from s4w_core.planes import rowcol
 from s4w_core.workers import segments
 
-__all__ = ["RC_TRANSFORM", "encode_rowcol_device", "encode_rowcol_many", "rowcol_choices_device", "rowcol_estimates_device"]
+__all__ = ["RC_TRANSFORM", "encode_rowcol_many", "rowcol_choices_device", "rowcol_estimates_device"]
 
 #: the row/column transform the GPU writer writes
 RC_TRANSFORM = next(k for k, v in RC_TRANSFORMS.items() if v == ROTL1)
@@ -136,25 +136,6 @@ def _estimate_group(
     return plain.tolist(), (plain - bits[:, 0] + bits[:, w]).tolist()
 
 
-def encode_rowcol_device(
-    raw: torch.Tensor,
-    base: torch.Tensor | None,
-    op: str | None,
-    dtype: torch.dtype,
-    seg: int,
-    cols: int,
-    algorithm: str,
-    codec_id: str,
-    opts: dict[str, Any],
-    dev: torch.device,
-) -> tuple[dict[str, Any], list[str], list[memoryview], torch.Tensor]:
-    """:func:`encode_rowcol_many` for one storage: its ``rowcol`` value, its chunks' codec ids and
-    bytes (views into the returned pinned host buffer, which must outlive them)."""
-    keys, chunks, host = encode_rowcol_many([(raw, base, op, dtype, cols)], seg, algorithm, codec_id, opts, dev)
-    ids, views = chunks[0]
-    return keys[0], ids, views, host
-
-
 def encode_rowcol_many(
     items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int]],
     seg: int,
@@ -172,7 +153,7 @@ def encode_rowcol_many(
     where that is smaller."""
     parts: list[torch.Tensor] = []
     spans: list[tuple[int, int]] = []
-    offsets: list[torch.Tensor] = []
+    offsets: list[tuple[torch.Tensor, torch.Tensor]] = []
     for raw, base, op, dtype, cols in items:
         w = dtype.itemsize
         n = raw.numel() // w
@@ -183,13 +164,14 @@ def encode_rowcol_many(
         mine = [planes[j][s0:s1] for s0, s1 in segments(n, seg) for j in range(w)]
         spans.append((len(parts), len(mine)))
         parts += mine
-        offsets += [row.reshape(-1), col.reshape(-1)]
+        offsets.append((row, col))
     ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)  # synchronizes once
-    flat = torch.cat(offsets).cpu().numpy() if offsets else np.zeros(0, dtype=np.uint8)
+    # every storage's offsets to the host in one copy
+    flat = torch.cat([t for pair in offsets for t in pair]).cpu().numpy() if offsets else np.zeros(0, np.uint8)
     keys: list[dict[str, Any]] = []
     at = 0
-    for (_raw, _base, _op, _dtype, cols), k in zip(items, range(0, len(offsets), 2)):
-        nr, nc = offsets[k].numel(), offsets[k + 1].numel()
+    for (_raw, _base, _op, _dtype, cols), (row, col) in zip(items, offsets):
+        nr, nc = row.numel(), col.numel()
         keys.append(rowcol.key(cols, flat[at : at + nr], flat[at + nr : at + nr + nc]))
         at += nr + nc
     return keys, [(ids[a : a + m], views[a : a + m]) for a, m in spans], host

@@ -113,8 +113,8 @@ def pipeline_rowcol() -> None:
             assert e["transform"] == "rc-planes-rotl1" and e["delta"]["op"] == op, (e["transform"], e["delta"])
             assert_same({"v": v}, back, f"{dtype} {op} CPU-written, GPU-read")
             with simulated_gpu():
-                key, ids, views, _keep = _rowcol.encode_rowcol_device(
-                    bits_of(v), bb, op, dtype, 1000, cols, "Deflate", "deflate", {}, torch.device("cpu")
+                (key,), ((ids, views),), _keep = _rowcol.encode_rowcol_many(
+                    [(bits_of(v), bb, op, dtype, cols)], 1000, "Deflate", "deflate", {}, torch.device("cpu")
                 )
             ref = engine.planes_of(bits_of(v), dtype, "planes-rotl1", bb, op).numpy()
             row = np.frombuffer(base64.b64decode(key["row"]), dtype=np.uint8)
