@@ -4,7 +4,7 @@ s4weights' run-level ``S4StorageWriter(root, step=N)`` (each rank's shards a del
 For each writer, a bf16 GPT (benchmarks/_train_gpt.py's model, AdamW with bf16 state) is trained
 from the same seed on the same batches; every ``--every`` steps ``dcp.async_save`` starts (the
 previous save is waited for first).  Measured per writer: time the loop was blocked per save,
-save wall (start to the future's result), loop wall, bytes per step, load wall of the newest step
+save wall (``async_save`` to the future's completion, by a done callback), loop wall, bytes per step, load wall of the newest step
 into a fresh FSDP model (2 ranks), resharding load 2->1 (rank 0 alone, unsharded model tensors),
 bit-exactness of the loaded state against the state saved, and of two more training steps
 against the run that never stopped.
@@ -137,9 +137,10 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
         _train_step(m, opt, _batch(data, step, rank, a, device))
         if step % a.every == 0:
             if fut is not None:
+                t_wait = time.perf_counter()
                 fut.result()
                 assert pending is not None
-                pending["save_wall_s"] = time.perf_counter() - pending.pop("_t0")
+                _close_save(pending, t_wait)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             state = _state(m, opt, step)
@@ -150,11 +151,13 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
             t0 = time.perf_counter()
             fut = dcp.async_save(state, storage_writer=writer(step), process_group=ckpt_pg)
             pending = {"step": step, "blocked_s": time.perf_counter() - t0, "_t0": t0}
+            fut.add_done_callback(lambda _f, p=pending: p.setdefault("_done", time.perf_counter()))
             saves.append(pending)
     if fut is not None:
+        t_wait = time.perf_counter()
         fut.result()
         assert pending is not None
-        pending["save_wall_s"] = time.perf_counter() - pending.pop("_t0")
+        _close_save(pending, t_wait)
     _sync(device)
     loop_wall = time.perf_counter() - t_loop - copy_s
     last = saves[-1]["step"]
@@ -243,26 +246,39 @@ def one_writer(kind: str, a: argparse.Namespace, rank: int, world: int, device: 
     }
 
 
+def _close_save(pending: dict[str, Any], t_wait: float) -> None:
+    """A save's wall time: from ``async_save`` to its future's completion (taken by a done
+    callback, not when the loop next waits for it: a save that finishes while the loop trains is
+    not charged the rest of the interval); ``waited_s``: how long the loop then waited for it."""
+    now = time.perf_counter()
+    t0 = pending.pop("_t0")
+    done = pending.pop("_done", now)  # the callback runs right after the result is set
+    pending["save_wall_s"] = done - t0
+    pending["waited_s"] = now - t_wait
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _table(res: dict[str, Any]) -> str:
-    rows = ["| writer | blocked per save (first / later, s) | save wall (s) | loop wall (s) | bytes per step | total | load newest, cold / warm (s) | reshard 2->1 load (s) | bit-exact load / resume / reshard |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| writer | blocked per save (first / later, s) | save wall (s) | loop waited for it (s) | loop wall (s) | bytes per step | total | load newest, cold / warm (s) | reshard 2->1 load (s) | bit-exact load / resume / reshard |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         b = [s["blocked_s"] for s in r["saves"]]
         w = [s.get("save_wall_s", 0.0) for s in r["saves"]]
+        waited = [s.get("waited_s", 0.0) for s in r["saves"]]
         later = sum(b[1:]) / max(1, len(b) - 1)
         steps = sorted(r["bytes_per_step"], key=int)
         bps = " / ".join(f"{r['bytes_per_step'][s] / 1e6:.1f}" for s in steps)
         rs = r["reshard_2_to_1"]
         rows.append(
-            f"| {r['writer']} | {b[0]:.3f} / {later:.3f} | {sum(w) / len(w):.2f} | {r['loop_wall_s']:.1f} | {bps} MB "
+            f"| {r['writer']} | {b[0]:.3f} / {later:.3f} | {sum(w) / len(w):.2f} | {sum(waited) / len(waited):.2f} | {r['loop_wall_s']:.1f} | {bps} MB "
             f"| {r['total_bytes'] / 1e6:.1f} MB | {r['load_s']:.2f} / {r.get('load_warm_s', float('nan')):.2f} | {rs.get('load_s', float('nan')):.2f} "
             f"| {r['loaded_bit_exact']} / {r['resume_bit_exact']} / {rs.get('bit_exact')} |"
         )
-    note = ("load newest: cold = every file of the run dropped from the page cache first (sync + "
+    note = ("save wall: from `async_save` to the future's completion (mean); loop waited: how long the next save "
+            "point (or the end) waited for it. load newest: cold = every file of the run dropped from the page cache first (sync + "
             "posix_fadvise DONTNEED), warm = the same load again. bytes per step: oldest first. FileSystemWriter: one folder per step. s4weights: the newest "
             "step whole, each older step a delta against the step after it (what it adds to the run).")
     return "\n".join(rows) + "\n\n" + note + "\n"

@@ -427,18 +427,20 @@ def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer)
     run_dir = spec["run_dir"]
     every = spec["every"]
 
-    class Gap(TrainerCallback):  # the save happens between on_step_end and the next step (or the end)
-        def __init__(self) -> None:
-            self.t: float | None = None
-            self.step = 0
+    # the save happens between on_step_end and the next step (or the end): S4Callback's in its own
+    # on_step_begin / on_train_end, the Trainer's after every callback's on_step_end. The gap opens
+    # in the first callback's on_step_end and closes in the last one's on_step_begin / on_train_end.
+    gap: dict[str, Any] = {"t": None, "step": 0}
 
+    class GapOpen(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.t, self.step = time.perf_counter(), state.global_step
+            gap["t"], gap["step"] = time.perf_counter(), state.global_step
 
+    class GapClose(TrainerCallback):
         def _close(self) -> None:
-            if self.t is not None and self.step % every == 0 and mode != "none":
-                timer.blocked.append(time.perf_counter() - self.t)
-            self.t = None
+            if gap["t"] is not None and gap["step"] % every == 0 and mode != "none":
+                timer.blocked.append(time.perf_counter() - gap["t"])
+            gap["t"] = None
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._close()
@@ -447,11 +449,12 @@ def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer)
             self._close()
 
     t0 = time.perf_counter()
-    callbacks: list[Any] = [Gap()]
+    callbacks: list[Any] = [GapOpen()]
     if mode == "s4w":
         from s4w_transformers import S4Callback
 
         callbacks.append(S4Callback(async_save=spec.get("async", False)))
+    callbacks.append(GapClose())
     args = TrainingArguments(
         output_dir=os.path.join(run_dir, "out"), max_steps=spec["steps"], per_device_train_batch_size=size["batch"],
         learning_rate=3e-4, weight_decay=0.1, save_strategy="no" if mode == "none" else "steps", save_steps=every,

@@ -27,7 +27,7 @@ import torch
 
 from s4w_core import config
 
-__all__ = ["PinnedPool", "HostFill", "pinned_slab", "pinned_buffers", "host_copies"]
+__all__ = ["PinnedPool", "HostFill", "pinned_slab", "pinned_buffers", "host_copies", "copy_parallel", "POOLED_HOST_COPY_BYTES"]
 
 log = logging.getLogger("s4w_core.hostmem")
 
@@ -302,24 +302,69 @@ class PinnedPool:
                 self._free.setdefault(b.numel(), []).append(b)
 
 
+#: host storages of at least this many bytes in all are copied into the pool's buffers by
+#: :func:`copy_parallel` (where CUDA is in use) instead of cloned one by one: a DCP rank's
+#: staged 2.3 GiB cloned on one thread (``torchrun`` sets ``OMP_NUM_THREADS=1``) took 1.5 s, most
+#: of it faulting in fresh pages
+POOLED_HOST_COPY_BYTES = 64 << 20
+#: bytes one :func:`copy_parallel` task copies
+_COPY_PIECE = 32 << 20
+
+
+def copy_parallel(dsts: list[torch.Tensor], srcs: list[torch.Tensor], threads: int = 8) -> None:
+    """``dst.copy_(src)`` for host tensors pairwise (1-D uint8, equal sizes), cut into pieces of
+    :data:`_COPY_PIECE` bytes copied on up to ``threads`` threads (torch releases the GIL in a
+    copy, and a copy runs on one thread where ``OMP_NUM_THREADS=1``)."""
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for d, s in zip(dsts, srcs):
+        n = s.numel()
+        if d.numel() != n:
+            raise ValueError(f"copy_parallel: {d.numel()} bytes to fill from {n}")
+        for a in range(0, n, _COPY_PIECE):
+            pieces.append((d[a : a + _COPY_PIECE], s[a : a + _COPY_PIECE]))
+    k = max(1, min(threads, os.cpu_count() or 1, len(pieces)))
+    if k == 1:
+        for d, s in pieces:
+            d.copy_(s)
+        return
+    with ThreadPoolExecutor(k, thread_name_prefix="s4w-copy") as ex:
+        for _ in ex.map(lambda ds: ds[0].copy_(ds[1]), pieces):
+            pass
+
+
 def host_copies(raws: list[torch.Tensor], pool: PinnedPool, *, ahead: bool = True) -> list[torch.Tensor]:
     """Host copies of ``raws`` (1-D uint8): CUDA ones into pinned buffers from ``pool`` with
-    ``non_blocking=True`` and one synchronize per device; CPU ones cloned.  ``ahead``: then start
-    allocating the pool's next generation (:meth:`PinnedPool.ahead`)."""
+    ``non_blocking=True`` and one synchronize per device; CPU ones of
+    :data:`POOLED_HOST_COPY_BYTES` or more in all into the pool's buffers too, by
+    :func:`copy_parallel`, where CUDA is in use (no context is created for them; buffers reused
+    from save to save are faulted in already); other CPU ones cloned.  ``ahead``: then start allocating the pool's next generation
+    (:meth:`PinnedPool.ahead`)."""
+    cpu_bytes = sum(r.numel() for r in raws if r.device.type == "cpu")
+    pooled_cpu = cpu_bytes >= POOLED_HOST_COPY_BYTES and torch.cuda.is_initialized()
+    mine = [r for r in raws if r.device.type == "cuda" or (pooled_cpu and r.device.type == "cpu")]
+    sizes = [r.numel() for r in mine]
     cuda = [r for r in raws if r.device.type == "cuda"]
-    sizes = [r.numel() for r in cuda]
     device = cuda[0].device if cuda else None
     bufs = iter(pool.take(sizes, device))
     out = []
     devices = set()
+    host_dst: list[torch.Tensor] = []
+    host_src: list[torch.Tensor] = []
     for r in raws:
         if r.device.type == "cuda":
             b = next(bufs)
             b.copy_(r, non_blocking=True)
             devices.add(r.device)
             out.append(b)
+        elif pooled_cpu and r.device.type == "cpu":
+            b = next(bufs)
+            host_dst.append(b)
+            host_src.append(r.detach().reshape(-1))
+            out.append(b)
         else:
             out.append(r.detach().clone())
+    if host_dst:
+        copy_parallel(host_dst, host_src)
     for d in devices:
         torch.cuda.synchronize(d)
     if ahead:

@@ -53,7 +53,7 @@ def rowcol_estimates_device(
     a sample of rows (module docstring), or None where it is no candidate (no row length, too
     small). Every storage's estimate is computed on the device, one read-back for all of them."""
     out: list[tuple[float, float] | None] = [None] * len(items)
-    by_width: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
+    cands: list[tuple[int, torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int, int]] = []
     for i, (raw, base, op, dtype, cols) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
@@ -61,17 +61,33 @@ def rowcol_estimates_device(
             continue
         rows = n // cols
         pick = choice.rowcol_sample_rows(rows, cols)
-        r = _rows(raw, rows, cols * w, pick).to(dev)
-        b = None
-        if base is not None and op is not None:
-            b = _rows(base, rows, cols * w, pick).to(dev)
-        by_width.setdefault(w, []).append((i, residual_words(r, b, op, dtype), cols, n))
+        r = _rows(raw, rows, cols * w, pick)
+        b = _rows(base, rows, cols * w, pick) if base is not None and op is not None else None
+        cands.append((i, r, b, op, dtype, cols, n))
+    # host samples (a DCP rank's staged shards, the store's host copies) moved in one copy, not one
+    # synchronizing copy per storage
+    host = [t for _i, r, b, *_ in cands for t in (r, b) if t is not None and t.device != dev]
+    moved = iter(_to_device(host, dev))
+    by_width: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
+    for i, r, b, op, dtype, cols, n in cands:
+        r = next(moved) if r.device != dev else r
+        if b is not None and b.device != dev:
+            b = next(moved)
+        by_width.setdefault(dtype.itemsize, []).append((i, residual_words(r, b, op, dtype), cols, n))
     for w, group in by_width.items():
         plain, rc = _estimate_group(group, w, dev)
         for (i, words, cols, n), pb, rb in zip(group, plain, rc):
             scale = n / words.numel() / 8.0  # sample bits -> storage bytes
             out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
     return out
+
+
+def _to_device(xs: list[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
+    """1-D uint8 host tensors ``xs`` on ``dev``: concatenated on the host and moved in one copy."""
+    if not xs:
+        return []
+    flat = torch.cat(xs).to(dev)
+    return list(torch.split(flat, [x.numel() for x in xs]))
 
 
 def _rows(raw: torch.Tensor, rows: int, row_bytes: int, pick: list[int]) -> torch.Tensor:

@@ -601,6 +601,51 @@ def test_gpu_saves_reuse_pinned_buffers(tmp_path: Path, delta: bool) -> None:
     st.close()
 
 
+@pytest.mark.parametrize("piece", [7, 64, 1 << 20])
+def test_copy_parallel_copies_every_byte(monkeypatch: pytest.MonkeyPatch, piece: int) -> None:
+    """Host copies cut into pieces on several threads: every byte lands where it belongs,
+    whatever the piece size against the tensors' sizes; a size mismatch is refused."""
+    monkeypatch.setattr(hostmem, "_COPY_PIECE", piece)
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 1, 63, 64, 65, 1000, 4099)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    hostmem.copy_parallel(dsts, srcs, threads=3)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    with pytest.raises(ValueError, match="3 bytes to fill from 4"):
+        hostmem.copy_parallel([torch.zeros(3, dtype=torch.uint8)], [torch.zeros(4, dtype=torch.uint8)])
+
+
+@pytest.mark.gpu
+def test_gpu_process_host_state_cache_reuses_pinned_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host state (a DCP rank's staged shards) saved in a process that uses CUDA: the store's
+    copy of the newest step goes to its pinned pool (copied on several threads), one generation
+    reused in turn, and every step loads bit for bit."""
+    if pipeline.gpu_backend() is None:
+        pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    torch.zeros(1, device="cuda")  # CUDA in use, as in a training process
+    monkeypatch.setattr(hostmem, "POOLED_HOST_COPY_BYTES", 1 << 20)
+    from s4w_core.store import cache as store_cache
+
+    monkeypatch.setattr(store_cache, "POOLED_HOST_COPY_BYTES", 1 << 20)
+    g = torch.Generator().manual_seed(0)
+    sd = {f"w{i}": (torch.randn(256, 1024, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)}
+    raw = sum(v.untyped_storage().nbytes() for v in sd.values())
+    st = CheckpointStore(str(tmp_path / "st"), profile="fast")
+    expected = []
+    for i in range(4):
+        st.save(sd, step=i)
+        expected.append({k: v.clone() for k, v in sd.items()})
+        assert st._cache is not None and st._cache.pooled  # noqa: SLF001
+        for v in sd.values():
+            v.view(torch.int16)[::7] += 1
+    st.wait()
+    pool = st._pinned_pool  # noqa: SLF001
+    assert (pool.live_bytes, pool.allocations) == (2 * raw, 2)
+    for i in range(4):
+        assert bits_equal(st.load(i, map_location="cpu"), expected[i])
+    st.close()
+
+
 def _nudge(sd: dict[str, torch.Tensor]) -> None:
     """Move a few values of every tensor (the rest unchanged): the step below becomes a delta that pays."""
     for v in sd.values():
