@@ -53,7 +53,7 @@ def main() -> int:
         print(f"object: {size / 1e9:.2f} GB of random bytes on SeaweedFS (weed mini), 127.0.0.1")
 
         def one_stream() -> None:
-            r = be._client.get_object(be.bucket, be._key("obj"))  # noqa: SLF001 - the default sequential reader
+            r = be.client.get_object(be.bucket, be.object_key("obj"))  # the default sequential reader
             buf = bytearray(size)
             view = memoryview(buf)
             got = 0
@@ -69,7 +69,9 @@ def main() -> int:
             # the range as part_size requests in parallel and yields them in order
             view = memoryview(bytearray(size)) if into is None else into
             pos = start
-            for chunk in be._client._get_object_stream(be.bucket, be._key("obj"), start, end):  # noqa: SLF001
+            stream = be.raw_stream()
+            assert stream is not None, "this s3torchconnector has no CRT GET stream"
+            for chunk in stream(be.bucket, be.object_key("obj"), start, end):
                 n = len(chunk)
                 view[pos - (0 if into is None else start) :][:n] = chunk
                 pos += n

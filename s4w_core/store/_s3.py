@@ -273,8 +273,17 @@ class S3Backend(Backend):
         self._check_lock = threading.Lock()
 
     # ------------------------------------------------------------------ helpers
-    def _key(self, key: str) -> str:
+    @property
+    def client(self) -> Any:
+        """The s3torchconnector ``S3Client`` this backend reads and writes with."""
+        return self._client
+
+    def object_key(self, key: str) -> str:
+        """The S3 key of the store's ``key`` (the store's prefix before it)."""
         return self.prefix + key
+
+    def _key(self, key: str) -> str:
+        return self.object_key(key)
 
     def _where(self) -> str:
         return f"bucket {self.bucket!r}" + (f" at {self.endpoint}" if self.endpoint else f" (region {self.region})")
@@ -488,7 +497,7 @@ class S3Backend(Backend):
 
         return RangeReader(read, size, name)
 
-    def _raw_stream(self) -> Callable[[str, str, int, int], Iterable[Any]] | None:
+    def raw_stream(self) -> Callable[[str, str, int, int], Iterable[Any]] | None:
         """The CRT client's ``(bucket, key, start, end) -> chunks`` GET stream that every
         s3torchconnector reader wraps (None where a release does not have it)."""
         return getattr(self._client, "_get_object_stream", None)
@@ -506,7 +515,7 @@ class S3Backend(Backend):
         name = f"s3://{self.bucket}/{self._key(key)}"
         part = max(1 << 20, config.get_int("S4W_S3_FETCH_PART"))
         threads = config.get_int("S4W_S3_FETCH_THREADS")
-        stream = self._raw_stream()
+        stream = self.raw_stream()
 
         def get(off: int, into: memoryview) -> int:
             got = 0

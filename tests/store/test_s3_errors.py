@@ -172,7 +172,7 @@ def test_fetch_downloads_in_parallel_parts_bit_exact(s3_url: str, monkeypatch: p
     streams, and through s3torchconnector's ranged reader where a client has no such stream)."""
     monkeypatch.setenv("S4W_S3_FETCH_PART", str(1 << 20))
     if not raw_stream:
-        monkeypatch.setattr(S3Backend, "_raw_stream", lambda self: None)
+        monkeypatch.setattr(S3Backend, "raw_stream", lambda self: None)
     g = torch.Generator().manual_seed(3)
     state = {"w": torch.randn(1_500_000, generator=g), "b": torch.arange(7)}
     st = CheckpointStore(s3_url, delta=False)
