@@ -16,7 +16,7 @@ try:
     import lightning as _framework  # noqa: F401
 except ImportError:
     try:
-        import pytorch_lightning as _framework  # noqa: F401
+        import pytorch_lightning as _framework  # type: ignore[no-redef]  # noqa: F401
     except ImportError as _e:
         raise ImportError(
             "s4w_lightning needs PyTorch Lightning, which is not installed: pip install 's4weights[lightning]'"

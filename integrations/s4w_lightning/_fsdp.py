@@ -29,7 +29,7 @@ from s4w_core.errors import CheckpointNotFoundError, ManifestError
 try:
     from lightning.pytorch.strategies import ModelParallelStrategy
 except ImportError:  # pragma: no cover - the standalone package
-    from pytorch_lightning.strategies import ModelParallelStrategy  # type: ignore[no-redef]
+    from pytorch_lightning.strategies import ModelParallelStrategy  # type: ignore[no-redef,assignment]
 
 __all__ = ["S4ModelParallelStrategy", "POINTER_NAME", "RUN_DIRNAME"]
 

@@ -284,7 +284,7 @@ def load_from_checkpoint(
     else:
         raise TypeError(f"{cls!r} is not a LightningModule or LightningDataModule subclass")
     checkpoint = load_checkpoint(checkpoint_path, map_location=map_location if map_location is not None else "cpu")
-    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kw)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kw)  # type: ignore[attr-defined]  # a LightningModule / DataModule (checked above)
     if issubclass(cls, pkg.LightningDataModule):
         return load_state(cls, checkpoint, **kw)
     model = load_state(cls, checkpoint, strict=strict, **kw)
