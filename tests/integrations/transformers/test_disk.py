@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from s4w_core.store import CheckpointStore  # noqa: E402
 from s4w_transformers import S4Callback  # noqa: E402
-from tests.integrations.transformers.test_transformers import _trainer  # noqa: E402
+from tests.integrations.transformers.test_transformers import make_trainer  # noqa: E402
 
 
 def _files(root):
@@ -43,12 +43,12 @@ def test_store_holds_what_the_trainers_rotation_keeps(tmp_path):
     """save_steps=3, save_total_limit=2, 9 steps: the Trainer keeps checkpoint-6 and checkpoint-9;
     the store ends (when train() returns) with steps 6 (a delta against 9) and 9 (whole), their two
     objects and two commit records, nothing else in output_dir."""
-    ref = _trainer(tmp_path / "ref", 9, save_total_limit=2)
+    ref = make_trainer(tmp_path / "ref", 9, save_total_limit=2)
     ref.train()
     kept = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path / "ref") if n.startswith("checkpoint-"))
     assert kept == [6, 9]
 
-    tr = _trainer(tmp_path / "out", 9, [S4Callback()], save_total_limit=2)
+    tr = make_trainer(tmp_path / "out", 9, [S4Callback()], save_total_limit=2)
     tr.train()
     st = CheckpointStore(str(tmp_path / "out" / ".s4w"))
     assert st.steps() == kept

@@ -16,7 +16,7 @@ import transformers  # noqa: E402
 
 from s4w_core.store import CheckpointStore  # noqa: E402
 from s4w_transformers import S4Callback  # noqa: E402
-from tests.integrations.transformers.test_transformers import StopAt, _model, _trainer  # noqa: E402
+from tests.integrations.transformers.test_transformers import StopAt, make_trainer, tiny_gpt2  # noqa: E402
 
 
 @pytest.fixture()
@@ -44,9 +44,9 @@ def test_dropped_trainer_is_freed_without_the_cyclic_gc(tmp_path, no_cyclic_gc, 
     ``del``, though the callback itself is still referenced."""
     cb = S4Callback()
     if how == "callbacks":
-        tr = _trainer(tmp_path / "out", 2, [cb], save_steps=1)
+        tr = make_trainer(tmp_path / "out", 2, [cb], save_steps=1)
     else:
-        tr = cb.attach(_trainer(tmp_path / "out", 2, save_steps=1))
+        tr = cb.attach(make_trainer(tmp_path / "out", 2, save_steps=1))
     tr.train()
     refs = _refs(tr)
     assert _dead(refs) == [False, False, False]
@@ -54,7 +54,7 @@ def test_dropped_trainer_is_freed_without_the_cyclic_gc(tmp_path, no_cyclic_gc, 
     assert _dead(refs) == [True, True, True]
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [1, 2]
     # only attached: freed too
-    tr = _trainer(tmp_path / "other", 2, [S4Callback()])
+    tr = make_trainer(tmp_path / "other", 2, [S4Callback()])
     refs = _refs(tr)
     del tr
     assert _dead(refs)[:2] == [True, True]
@@ -63,16 +63,16 @@ def test_dropped_trainer_is_freed_without_the_cyclic_gc(tmp_path, no_cyclic_gc, 
 def test_chained_train_and_resume(tmp_path, no_cyclic_gc):
     """``make_trainer().train()``: no reference but the call's keeps the Trainer alive, and it
     saves, then resumes bit-exactly from the store, as the uninterrupted run."""
-    ref = _trainer(tmp_path / "ref", 9, save_steps=100)
+    ref = make_trainer(tmp_path / "ref", 9, save_steps=100)
     ref.train()
-    out = _trainer(tmp_path / "out", 9, [StopAt(5), S4Callback()]).train()
+    out = make_trainer(tmp_path / "out", 9, [StopAt(5), S4Callback()]).train()
     assert out.global_step == 5
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5]
-    model = _model()
-    out = _trainer(tmp_path / "out", 9, [S4Callback()], model=model).train(resume_from_checkpoint=True)
+    model = tiny_gpt2()
+    out = make_trainer(tmp_path / "out", 9, [S4Callback()], model=model).train(resume_from_checkpoint=True)
     assert out.global_step == 9
     assert not diff(model.state_dict(), ref.model.state_dict())
-    out = S4Callback().attach(_trainer(tmp_path / "out2", 3)).train()  # the attach() form, chained
+    out = S4Callback().attach(make_trainer(tmp_path / "out2", 3)).train()  # the attach() form, chained
     assert out.global_step == 3 and CheckpointStore(str(tmp_path / "out2" / ".s4w")).steps() == [3]
 
 
@@ -83,11 +83,11 @@ class MyTrainer(transformers.Trainer):
 def test_trainer_class_kept_for_the_user(tmp_path):
     """The Trainer's class after binding: named as before, an instance of the user's class, one
     subclass per Trainer class (made once)."""
-    a, b = _trainer(tmp_path / "a", 3, [S4Callback()]), _trainer(tmp_path / "b", 3, [S4Callback()])
+    a, b = make_trainer(tmp_path / "a", 3, [S4Callback()]), make_trainer(tmp_path / "b", 3, [S4Callback()])
     assert type(a) is type(b) and type(a) is not transformers.Trainer
     assert type(a).__name__ == "Trainer" and isinstance(a, transformers.Trainer)
     args = a.args
-    mine = S4Callback().attach(MyTrainer(model=_model(), args=args))
+    mine = S4Callback().attach(MyTrainer(model=tiny_gpt2(), args=args))
     assert type(mine).__name__ == "MyTrainer" and isinstance(mine, MyTrainer) and type(mine) is not MyTrainer
     again = S4Callback().attach(mine)  # a second callback: the class stays, the new callback is used
     assert type(again) is type(mine)
