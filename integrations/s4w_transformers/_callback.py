@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +45,47 @@ _CHECKED = "transformers 5.24.0"  # the version whose Trainer._load_from_checkpo
 
 class UnsupportedSetupError(S4WError, ValueError):
     """A Trainer setting the callback cannot honour (``push_to_hub``)."""
+
+
+_CALLBACK_ATTR = "_s4w_callback"  # on a Trainer attach() bound: its S4Callback
+_HOOKED: dict[type, type] = {}  # a Trainer class -> its subclass with the store hooks
+
+
+def store_hooks(cls: type[Trainer]) -> type[Trainer]:
+    """The subclass of ``cls`` (made once per class; same name, module and docs) whose ``train`` and
+    ``_load_from_checkpoint`` go through the :class:`S4Callback` the instance holds, if any.
+
+    Methods of the class, not closures stored on the instance: a bound method keeps its Trainer
+    alive for the call (``make_trainer().train()``), and nothing makes a reference cycle."""
+    if getattr(cls, "s4w_store_hooks", False):
+        return cls
+    hooked = _HOOKED.get(cls)
+    if hooked is not None:
+        return hooked
+    own_train = cls.train
+
+    @functools.wraps(own_train)
+    def train(self: Trainer, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        cb = self.__dict__.get(_CALLBACK_ATTR)
+        if not isinstance(cb, S4Callback):
+            return own_train(self, resume_from_checkpoint, *args, **kwargs)
+        return cb._train(self, own_train, resume_from_checkpoint, args, kwargs)
+
+    ns: dict[str, Any] = {"train": train, "s4w_store_hooks": True, "__module__": cls.__module__,
+                          "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}  # fmt: skip
+    own_load = getattr(cls, "_load_from_checkpoint", None)
+    if own_load is not None:
+
+        @functools.wraps(own_load)
+        def load_from_checkpoint(self: Trainer, resume_from_checkpoint: str, model: Any = None) -> Any:
+            cb = self.__dict__.get(_CALLBACK_ATTR)
+            if not isinstance(cb, S4Callback):
+                return own_load(self, resume_from_checkpoint, model)
+            return cb._load(self, own_load, resume_from_checkpoint, model)
+
+        ns["_load_from_checkpoint"] = load_from_checkpoint
+    hooked = _HOOKED[cls] = type(cls.__name__, (cls,), ns)
+    return hooked
 
 
 class S4Callback(TrainerCallback):
@@ -81,7 +124,7 @@ class S4Callback(TrainerCallback):
         self.profile, self.async_save, self.overwrite = profile, async_save, overwrite
         self.store_options = dict(store_options or {})
         self._steps = AdapterSteps(WRITER, **{"profile": profile, **self.store_options})
-        self._trainer: Trainer | None = None
+        self._trainer: weakref.ref[Trainer] | None = None  # weak: the Trainer holds this callback
         self._pending: Pending | None = None
         self._held: dict[str, Any] = {}  # optimizer / scheduler states of the step being resumed
         self._fallback = self._sharded = self._firing = False
@@ -103,62 +146,65 @@ class S4Callback(TrainerCallback):
 
     def attach(self, trainer: Trainer) -> Trainer:
         """Bind this callback to ``trainer`` (added to its callbacks if it is not there yet) and make
-        ``trainer.train(resume_from_checkpoint=True)`` resume from the store; returns ``trainer``."""
-        if trainer is self._trainer:
+        ``trainer.train(resume_from_checkpoint=True)`` resume from the store; returns ``trainer``.
+
+        ``trainer``'s class becomes a subclass of it (one per Trainer class, same name) whose
+        ``train`` (and, under FSDP2, ``_load_from_checkpoint``) reads this callback from the
+        instance; the callback holds the Trainer weakly, so a dropped Trainer is freed at once."""
+        if trainer is self._bound_or_none():
             return trainer
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        self._trainer = trainer
-        train = trainer.train
-        if dcp_route(trainer):
-            self._wrap_fsdp_load(trainer)
-
-        @functools.wraps(train)
-        def train_from_store(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-            try:
-                resume = self._resolve_resume(trainer, resume_from_checkpoint)
-                if isinstance(resume, (str, os.PathLike)) and not dcp_route(trainer) and read_pointer(resume):
-                    raise StateMismatchError(f"{os.fspath(resume)} holds a step saved under FSDP2 (the model's shards "
-                                             "in the run), and this Trainer does not use FSDP2: resume with "
-                                             "fsdp_config={'fsdp_version': 2}")  # fmt: skip
-                return train(resume, *args, **kwargs)
-            finally:
-                self._held = {}
-                cleanup_restored()
-
-        trainer.train = train_from_store  # type: ignore[method-assign]
+        if dcp_route(trainer):  # FSDP2 resume loads the shards where the Trainer loads its checkpoint
+            private_attrs(trainer, ("_load_from_checkpoint",), "transformers", transformers.__version__, _CHECKED)
+        self._trainer = weakref.ref(trainer)
+        setattr(trainer, _CALLBACK_ATTR, self)
+        trainer.__class__ = store_hooks(type(trainer))
         return trainer
+
+    def _train(self, trainer: Trainer, train: Callable[..., Any], resume: Any, args: Any, kwargs: Any) -> Any:
+        """``trainer.train(resume, *args, **kwargs)`` through ``train`` (the Trainer class's own), with
+        ``resume_from_checkpoint=True`` or the store's URL restored from the store."""
+        try:
+            resume = self._resolve_resume(trainer, resume)
+            if isinstance(resume, (str, os.PathLike)) and not dcp_route(trainer) and read_pointer(resume):
+                raise StateMismatchError(f"{os.fspath(resume)} holds a step saved under FSDP2 (the model's shards "
+                                         "in the run), and this Trainer does not use FSDP2: resume with "
+                                         "fsdp_config={'fsdp_version': 2}")  # fmt: skip
+            return train(trainer, resume, *args, **kwargs)
+        finally:
+            self._held = {}
+            cleanup_restored()
 
     def _bind(self) -> None:
         trainer = caller_instance(Trainer)  # the Trainer whose __init__ or train fires this event
         if trainer is not None:
             self.attach(trainer)
-        elif self._trainer is None:
+        elif self._bound_or_none() is None:
             raise UnsupportedSetupError(
                 "S4Callback found no transformers.Trainer firing its events: pass it in Trainer(callbacks=[...]) "
                 "or bind it with S4Callback().attach(trainer)"
             )
 
+    def _bound_or_none(self) -> Trainer | None:
+        return None if self._trainer is None else self._trainer()
+
     def _bound(self) -> Trainer:
-        """The Trainer bound at ``on_init_end`` / ``on_train_begin`` (either raises when there is none)."""
-        assert self._trainer is not None
-        return self._trainer
+        """The Trainer bound at ``on_init_end`` / ``on_train_begin`` (either raises when there is none;
+        the Trainer firing an event is alive)."""
+        trainer = self._bound_or_none()
+        assert trainer is not None
+        return trainer
 
-    def _wrap_fsdp_load(self, trainer: Trainer) -> None:
+    def _load(self, trainer: Trainer, load: Callable[..., Any], resume_from_checkpoint: str, model: Any) -> Any:
         """FSDP2: the Trainer loads a checkpoint's weights in ``_load_from_checkpoint`` (after
-        ``prepare``, on every rank); for a folder restored from a sharded step, the shards are loaded
-        from the run there instead."""
-        load = private_attrs(trainer, ("_load_from_checkpoint",), "transformers", transformers.__version__, _CHECKED)
-
-        @functools.wraps(load["load_from_checkpoint"])
-        def load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> Any:
-            pointer = read_pointer(resume_from_checkpoint)
-            if pointer is None:  # a folder with the model's files: the Trainer's own load
-                return load["load_from_checkpoint"](resume_from_checkpoint, model)
-            self._load_sharded(trainer, resume_from_checkpoint, pointer, model)
-            return None
-
-        trainer._load_from_checkpoint = load_from_checkpoint  # type: ignore[method-assign]
+        ``prepare``, on every rank; ``load`` is the Trainer class's own); for a folder restored from a
+        sharded step, the shards are loaded from the run there instead."""
+        pointer = read_pointer(resume_from_checkpoint) if dcp_route(trainer) else None
+        if pointer is None:  # a folder with the model's files: the Trainer's own load
+            return load(trainer, resume_from_checkpoint, model)
+        self._load_sharded(trainer, resume_from_checkpoint, pointer, model)
+        return None
 
     def _load_sharded(self, trainer: Trainer, folder: str, pointer: dict[str, Any], model: Any) -> None:
         """Every rank: the model's and optimizer's shards of a restored FSDP2 step from the run, and the
@@ -206,8 +252,8 @@ class S4Callback(TrainerCallback):
                 "S4Callback stores checkpoints in a store, not in folders the Trainer could push: set "
                 "push_to_hub=False (push the final model with trainer.push_to_hub() after training)"
             )
-        engine = sharded_engine(self._trainer)
-        self._fallback, self._sharded = engine is not None, dcp_route(self._trainer)
+        engine = sharded_engine(self._bound())
+        self._fallback, self._sharded = engine is not None, dcp_route(self._bound())
         if engine is not None:
             warn_fallback("S4Callback", engine, "the Trainer")
         elif state.is_world_process_zero and state.global_step == 0 and not self.overwrite:
@@ -293,7 +339,8 @@ class S4Callback(TrainerCallback):
         if p is None:
             return
         rngs = [p.rng] if args.save_only_model else frameworks.gather_object(p.rng)
-        sharded, st = None, self.store(args)
+        sharded: dict[str, Any] | None = None
+        st = self.store(args)
         if state.is_world_process_zero:
             self._steps.finish()
         if self._sharded:  # FSDP2: every rank its shards of the model and optimizer, as step p.step of the run

@@ -105,7 +105,7 @@ def step_tree(
 
 def step_extra(args: Any, p: Pending, tree: dict[str, Any]) -> dict[str, Any]:
     """The step's ``extra`` (what :func:`~s4w_transformers.restore_checkpoint` and a resume check)."""
-    extra = {"format": FORMAT, "global_step": p.step, "save_only_model": bool(args.save_only_model),
+    extra: dict[str, Any] = {"format": FORMAT, "global_step": p.step, "save_only_model": bool(args.save_only_model),
              "world_size": int(args.world_size or 1)}  # fmt: skip
     if "sharded" in tree:  # the run's root: DCP's load plan checks the shards
         extra["sharded"] = tree["sharded"]["root"]

@@ -47,7 +47,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _model(n_embd=32):
+def tiny_gpt2(n_embd=32):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         vocab_size=64,
@@ -96,7 +96,7 @@ class Scores:
         return {"score": [1.0, 3.0, 2.0, 0.0][min(self.n - 1, 3)]}
 
 
-def _trainer(out, steps, callbacks=(), model=None, **kw):
+def make_trainer(out, steps, callbacks=(), model=None, **kw):
     args = transformers.TrainingArguments(
         output_dir=str(out),
         max_steps=steps,
@@ -116,7 +116,7 @@ def _trainer(out, steps, callbacks=(), model=None, **kw):
     if args.eval_strategy != "no":
         extra = {"eval_dataset": Tokens(16, seed=1), "compute_metrics": Scores()}
     return transformers.Trainer(
-        model=model or _model(), args=args, train_dataset=Tokens(), callbacks=list(callbacks), **extra
+        model=model or tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=list(callbacks), **extra
     )
 
 
@@ -138,7 +138,7 @@ def no_payload_writes(monkeypatch):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tr = _trainer(tmp_path_factory.mktemp("ref"), 9, save_steps=100)
+    tr = make_trainer(tmp_path_factory.mktemp("ref"), 9, save_steps=100)
     tr.train()
     return _state(tr)
 
@@ -158,13 +158,13 @@ def test_saves_from_memory_like_the_trainer(tmp_path, no_payload_writes):
     without the callback: same on_save events, same kept steps, same trainer state, same best model,
     and no payload file written at any moment."""
     probe_ref = Probe()
-    ref = _trainer(tmp_path / "ref", 9, [probe_ref], **BEST)
+    ref = make_trainer(tmp_path / "ref", 9, [probe_ref], **BEST)
     ref.train()
     ref_folders = sorted(n for n in os.listdir(tmp_path / "ref") if n.startswith("checkpoint-"))
     no_payload_writes.clear()
 
     probe, cb = Probe(), S4Callback()
-    tr = _trainer(tmp_path / "out", 9, [probe, cb], **BEST)
+    tr = make_trainer(tmp_path / "out", 9, [probe, cb], **BEST)
     tr.train()
     assert no_payload_writes == [], no_payload_writes
     assert probe.saves == probe_ref.saves == [3, 6, 9]
@@ -201,10 +201,10 @@ def _same_rng(a, b):
 def test_resume_true_is_bit_exact_and_cleans_up(tmp_path, reference, monkeypatch, async_save, no_payload_writes):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.makedirs(tmp_path / "tmp")
-    _trainer(tmp_path / "out", 9, [StopAt(5), S4Callback(async_save=async_save)]).train()
+    make_trainer(tmp_path / "out", 9, [StopAt(5), S4Callback(async_save=async_save)]).train()
     assert no_payload_writes == []
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5]
-    tr = _trainer(tmp_path / "out", 9, [S4Callback(async_save=async_save)])
+    tr = make_trainer(tmp_path / "out", 9, [S4Callback(async_save=async_save)])
     tr.train(resume_from_checkpoint=True)  # from the store's newest step (5), mid-epoch
     # optimizer and scheduler went from the store into the Trainer's objects, not through files
     assert sorted(os.path.basename(f) for f in no_payload_writes) == ["model.safetensors", "rng_state.pth"]
@@ -220,15 +220,15 @@ def test_attach_binds_without_looking_up_the_stack(tmp_path, reference, monkeypa
     fires on_save for the others, writes no folder and resumes with resume_from_checkpoint=True."""
     monkeypatch.setattr(s4w_transformers._callback, "caller_instance", lambda cls: None)
     with pytest.raises(UnsupportedSetupError, match="attach"):
-        _trainer(tmp_path / "x", 3, [S4Callback()])  # the list form, with no Trainer to be found
+        make_trainer(tmp_path / "x", 3, [S4Callback()])  # the list form, with no Trainer to be found
     probe, cb = Probe(), S4Callback()
-    tr = _trainer(tmp_path / "out", 9, [probe, StopAt(6)])
+    tr = make_trainer(tmp_path / "out", 9, [probe, StopAt(6)])
     assert cb.attach(tr) is tr and cb.attach(tr) is tr  # twice: bound once
     assert sum(c is cb for c in tr.callback_handler.callbacks) == 1
     tr.train()
     assert probe.saves == [3, 6] and probe.folders == []
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 6]
-    resumed = S4Callback().attach(_trainer(tmp_path / "out", 9))
+    resumed = S4Callback().attach(make_trainer(tmp_path / "out", 9))
     resumed.train(resume_from_checkpoint=True)
     assert not diff(_state(resumed), reference)
 
@@ -236,8 +236,8 @@ def test_attach_binds_without_looking_up_the_stack(tmp_path, reference, monkeypa
 def test_one_callback_for_two_trainers(tmp_path, reference):
     """A callback handed to a second Trainer saves that Trainer's model, not the first one's."""
     cb = S4Callback()
-    _trainer(tmp_path / "a", 3, [cb], model=_model(n_embd=64)).train()
-    tr = _trainer(tmp_path / "b", 9, [StopAt(6), cb])
+    make_trainer(tmp_path / "a", 3, [cb], model=tiny_gpt2(n_embd=64)).train()
+    tr = make_trainer(tmp_path / "b", 9, [StopAt(6), cb])
     tr.train()
     st = CheckpointStore(str(tmp_path / "b" / ".s4w"))
     assert not diff(st.load(6)["model"], tr.model.state_dict())
@@ -246,8 +246,8 @@ def test_one_callback_for_two_trainers(tmp_path, reference):
 def test_restore_checkpoint_route(tmp_path, reference, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.makedirs(tmp_path / "tmp")
-    _trainer(tmp_path / "out", 9, [StopAt(6), S4Callback()]).train()
-    tr = _trainer(tmp_path / "resumed", 9, save_steps=100)  # a Trainer without the callback
+    make_trainer(tmp_path / "out", 9, [StopAt(6), S4Callback()]).train()
+    tr = make_trainer(tmp_path / "resumed", 9, save_steps=100)  # a Trainer without the callback
     path = restore_checkpoint(tmp_path / "out" / ".s4w", step=3)
     assert sorted(os.listdir(path)) == sorted(
         ["config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json"]
@@ -260,7 +260,7 @@ def test_restore_checkpoint_route(tmp_path, reference, monkeypatch):
 
 
 def test_save_only_model_and_epoch_strategy(tmp_path, no_payload_writes):
-    _trainer(tmp_path / "out", 12, [S4Callback()], save_strategy="epoch", save_only_model=True).train()
+    make_trainer(tmp_path / "out", 12, [S4Callback()], save_strategy="epoch", save_only_model=True).train()
     st = CheckpointStore(str(tmp_path / "out" / ".s4w"))
     assert st.steps() == [8, 12]  # 8 steps per epoch; training ends mid-epoch 2 and saves at its end
     assert sorted(st.load(8)) == ["config", "model", "trainer_state"]
@@ -271,10 +271,10 @@ def test_save_strategy_best(tmp_path, no_payload_writes):
     """save_strategy="best": the Trainer saves when the metric improves (scores 1, 3, 2: steps 3, 6)."""
     kw = dict(eval_strategy="steps", eval_steps=3, save_strategy="best", metric_for_best_model="score")
     probe_ref = Probe()
-    _trainer(tmp_path / "ref", 9, [probe_ref], greater_is_better=True, **kw).train()
+    make_trainer(tmp_path / "ref", 9, [probe_ref], greater_is_better=True, **kw).train()
     no_payload_writes.clear()
     probe = Probe()
-    tr = _trainer(tmp_path / "out", 9, [probe, S4Callback()], greater_is_better=True, **kw)
+    tr = make_trainer(tmp_path / "out", 9, [probe, S4Callback()], greater_is_better=True, **kw)
     tr.train()
     assert probe.saves == probe_ref.saves == [3, 6] and probe.folders == []
     assert sorted(os.listdir(tmp_path / "ref")) == ["checkpoint-3", "checkpoint-6"]
@@ -285,7 +285,7 @@ def test_save_strategy_best(tmp_path, no_payload_writes):
 
 def test_callback_listed_after_it_is_warned_and_stored(tmp_path):
     with pytest.warns(UserWarning, match="list S4Callback last"):
-        _trainer(tmp_path / "out", 9, [S4Callback(), StopAt(5)]).train()
+        make_trainer(tmp_path / "out", 9, [S4Callback(), StopAt(5)]).train()
     assert "checkpoint-5" in os.listdir(tmp_path / "out")  # the Trainer's own save, as asked after us
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 5]
 
@@ -299,7 +299,7 @@ def test_async_save_failure_surfaces(tmp_path):
     bad = FaultyBackend(inner, lambda verb, key: verb == "writer" and "step_000000000006" in key)
     cb = S4Callback(str(tmp_path / "store"), async_save=True, store_options={"_backend": bad})
     with pytest.raises(Crash, match="injected crash"):
-        _trainer(tmp_path / "out", 9, [StopAt(6), cb]).train()
+        make_trainer(tmp_path / "out", 9, [StopAt(6), cb]).train()
     assert CheckpointStore(str(tmp_path / "store")).steps() == [3]
 
 
@@ -308,7 +308,7 @@ def test_sharded_engine_falls_back_to_packing_the_folder(tmp_path, reference, mo
     a packed copy of each in the store, and restore_checkpoint gives the folder back."""
     monkeypatch.setattr(s4w_transformers._callback, "sharded_engine", lambda tr: "FSDP")
     with pytest.warns(UserWarning, match="FSDP saves through its own sharded writer"):
-        _trainer(tmp_path / "out", 9, [StopAt(6), S4Callback()]).train()
+        make_trainer(tmp_path / "out", 9, [StopAt(6), S4Callback()]).train()
     assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")) == [
         "checkpoint-3",
         "checkpoint-6",
@@ -316,23 +316,23 @@ def test_sharded_engine_falls_back_to_packing_the_folder(tmp_path, reference, mo
     assert CheckpointStore(str(tmp_path / "out" / ".s4w")).steps() == [3, 6]
     path = restore_checkpoint(tmp_path / "out" / ".s4w", step=3, dest=tmp_path / "r3")
     assert "model.safetensors" in os.listdir(path) and "optimizer.pt" in os.listdir(path)
-    tr = _trainer(tmp_path / "resumed", 9, save_steps=100)
+    tr = make_trainer(tmp_path / "resumed", 9, save_steps=100)
     tr.train(resume_from_checkpoint=path)
     assert not diff(_state(tr), reference)
 
 
 def test_bad_input(tmp_path):
-    _trainer(tmp_path / "out", 3, [S4Callback()]).train()
+    make_trainer(tmp_path / "out", 3, [S4Callback()]).train()
     store = tmp_path / "out" / ".s4w"
     with pytest.raises(s4w_core.CheckpointNotFoundError, match="no committed step 7"):
         restore_checkpoint(store, step=7)
     with pytest.raises(StateMismatchError, match=r"step 3: key 'transformer.wte.weight' is \(64, 32\)"):
-        restore_checkpoint(store, dest=tmp_path / "d", model=_model(n_embd=64))
+        restore_checkpoint(store, dest=tmp_path / "d", model=tiny_gpt2(n_embd=64))
     assert not (tmp_path / "d").exists()
     # a new run from step 0 into the same store: refused, nothing overwritten
     before = CheckpointStore(str(store)).info(3).object
     with pytest.raises(s4w_core.ConflictError, match="already holds steps"):
-        _trainer(tmp_path / "out", 3, [S4Callback()]).train()
+        make_trainer(tmp_path / "out", 3, [S4Callback()]).train()
     assert CheckpointStore(str(store)).info(3).object == before
     # a store another writer filled
     other = CheckpointStore(str(tmp_path / "other"))
@@ -341,9 +341,9 @@ def test_bad_input(tmp_path):
         restore_checkpoint(tmp_path / "other")
     # resume=True with an empty store names it
     with pytest.raises(s4w_core.CheckpointNotFoundError, match="no committed step in the store"):
-        _trainer(tmp_path / "empty", 3, [S4Callback()]).train(resume_from_checkpoint=True)
+        make_trainer(tmp_path / "empty", 3, [S4Callback()]).train(resume_from_checkpoint=True)
     # push_to_hub: refused clearly (there is no folder to push)
-    tr = _trainer(tmp_path / "hub", 3, [S4Callback()])
+    tr = make_trainer(tmp_path / "hub", 3, [S4Callback()])
     tr.args.push_to_hub = True
     with pytest.raises(UnsupportedSetupError, match="push_to_hub"):
         tr.train()
@@ -359,9 +359,9 @@ def test_missing_extra_fails_with_install_hint():
 
 @pytest.mark.s3
 def test_s3_store_resume_bit_exact(tmp_path, s3_url, reference):
-    _trainer(tmp_path / "out", 9, [StopAt(6), S4Callback(store=s3_url)]).train()
+    make_trainer(tmp_path / "out", 9, [StopAt(6), S4Callback(store=s3_url)]).train()
     assert CheckpointStore(s3_url).steps() == [3, 6]
     assert os.listdir(tmp_path / "out") == []
-    tr = _trainer(tmp_path / "resumed", 9, save_steps=100)
+    tr = make_trainer(tmp_path / "resumed", 9, save_steps=100)
     tr.train(resume_from_checkpoint=restore_checkpoint(s3_url, dest=tmp_path / "r"))
     assert not diff(_state(tr), reference)
