@@ -37,7 +37,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over s4w_core (config in pyproject.toml)."""
+    """mypy over s4w_core and the adapters (config in pyproject.toml)."""
     _install_dev(session)
     session.run("mypy", *session.posargs)
 
