@@ -31,6 +31,7 @@ Ops (recorded as ``storage["delta"]["op"]`` in the manifest; docs/FORMAT.md):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from s4w_core.format.manifest import PLANE_TRANSFORMS
@@ -57,8 +58,24 @@ def _signed_ord(v: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 # Implementation note: the arithmetic runs in the W-bit signed dtype itself (int16 / int32) and
-# relies on two's-complement wrap-around of + and -, which torch's CPU and CUDA kernels do;
-# that is ~10x faster than widening to int32/int64 and gives the same bits.
+# relies on two's-complement wrap-around of + and -, which torch's CPU and CUDA kernels do (and
+# numpy's, for arrays); that is ~10x faster than widening to int32/int64 and gives the same bits.
+# Host tensors of up to _NUMPY_BYTES run through numpy: the same operations, at ~1 us a call
+# instead of torch's ~8 (a small model's storages, and the choosers' samples, are mostly small).
+
+#: host tensors of at most this many bytes are computed with numpy (the same bits)
+_NUMPY_BYTES = 1 << 18
+_NP_INT = {16: np.int16, 32: np.int32}
+
+
+def _host_small(*ts: torch.Tensor) -> bool:
+    return all(
+        t.device.type == "cpu" and t.numel() <= _NUMPY_BYTES and t.is_contiguous() and not t.requires_grad for t in ts
+    )
+
+
+def _signed_ord_np(v: np.ndarray, bits: int) -> np.ndarray:
+    return v ^ ((v >> (bits - 1)) & ((1 << (bits - 1)) - 1))
 
 
 def forward(op: str, raw_u8: torch.Tensor, base_u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,6 +84,10 @@ def forward(op: str, raw_u8: torch.Tensor, base_u8: torch.Tensor, dtype: torch.d
         return raw_u8 ^ base_u8
     if op == "sub":
         bits = _SUB_DTYPES[dtype]
+        if _host_small(raw_u8, base_u8):
+            nt = _NP_INT[bits]
+            dn = _signed_ord_np(raw_u8.numpy().view(nt), bits) - _signed_ord_np(base_u8.numpy().view(nt), bits)
+            return torch.from_numpy(((dn << 1) ^ (dn >> (bits - 1))).view(np.uint8))
         it = torch.int16 if bits == 16 else torch.int32
         d = _signed_ord(raw_u8.view(it), bits) - _signed_ord(base_u8.view(it), bits)
         return ((d << 1) ^ (d >> (bits - 1))).view(torch.uint8)
@@ -79,6 +100,12 @@ def inverse(op: str, resid_u8: torch.Tensor, base_u8: torch.Tensor, dtype: torch
         return resid_u8 ^ base_u8
     if op == "sub":
         bits = _SUB_DTYPES[dtype]
+        if _host_small(resid_u8, base_u8):
+            nt = _NP_INT[bits]
+            zn = resid_u8.numpy().view(nt)
+            sn = ((zn >> 1) & ((1 << (bits - 1)) - 1)) ^ -(zn & 1)
+            on = _signed_ord_np(base_u8.numpy().view(nt), bits) + sn
+            return torch.from_numpy(_signed_ord_np(on, bits).view(np.uint8))
         it = torch.int16 if bits == 16 else torch.int32
         z = resid_u8.view(it)
         s = ((z >> 1) & ((1 << (bits - 1)) - 1)) ^ -(z & 1)
