@@ -229,6 +229,11 @@ def _spawned(rank: int, world: int, backend: str, root: str, init_file: str) -> 
     res = run(rank, world, backend, root, f"file://{init_file}")
     if not res["ok"]:
         raise SystemExit(f"rank {rank}: DCP round trip not bit-exact: {res}")
+    # every check is done and written: leave without interpreter finalization, where gloo's threads
+    # can still abort the process (run_worker.py, mp_worker.py)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:
