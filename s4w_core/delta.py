@@ -70,7 +70,7 @@ _NP_INT = {16: np.int16, 32: np.int32}
 
 def _host_small(*ts: torch.Tensor) -> bool:
     return all(
-        t.device.type == "cpu" and t.numel() <= _NUMPY_BYTES and t.is_contiguous() and not t.requires_grad for t in ts
+        t.device.type == "cpu" and t.numel() <= _NUMPY_BYTES and t.is_contiguous() for t in ts
     )
 
 

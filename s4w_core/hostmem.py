@@ -27,7 +27,7 @@ import torch
 
 from s4w_core import config
 
-__all__ = ["PinnedPool", "HostFill", "pinned_slab", "pinned_buffers", "host_copies", "copy_parallel", "POOLED_HOST_COPY_BYTES"]
+__all__ = ["PinnedPool", "HostFill", "pinned_slab", "pinned_buffers", "host_copies", "copy_parallel", "pools_host_copies", "POOLED_HOST_COPY_BYTES"]
 
 log = logging.getLogger("s4w_core.hostmem")
 
@@ -332,15 +332,21 @@ def copy_parallel(dsts: list[torch.Tensor], srcs: list[torch.Tensor], threads: i
             pass
 
 
+def pools_host_copies(raws: list[torch.Tensor]) -> bool:
+    """Do :func:`host_copies` put the CPU ones of ``raws`` into the pool's buffers: at least
+    :data:`POOLED_HOST_COPY_BYTES` of them, in a process that uses CUDA already (no context is
+    created for them)."""
+    cpu_bytes = sum(r.numel() for r in raws if r.device.type == "cpu")
+    return cpu_bytes >= POOLED_HOST_COPY_BYTES and torch.cuda.is_initialized()
+
+
 def host_copies(raws: list[torch.Tensor], pool: PinnedPool, *, ahead: bool = True) -> list[torch.Tensor]:
     """Host copies of ``raws`` (1-D uint8): CUDA ones into pinned buffers from ``pool`` with
-    ``non_blocking=True`` and one synchronize per device; CPU ones of
-    :data:`POOLED_HOST_COPY_BYTES` or more in all into the pool's buffers too, by
-    :func:`copy_parallel`, where CUDA is in use (no context is created for them; buffers reused
-    from save to save are faulted in already); other CPU ones cloned.  ``ahead``: then start allocating the pool's next generation
+    ``non_blocking=True`` and one synchronize per device; CPU ones into the pool's buffers too
+    where :func:`pools_host_copies` (by :func:`copy_parallel`; buffers reused from save to save are
+    faulted in already), else cloned.  ``ahead``: then start allocating the pool's next generation
     (:meth:`PinnedPool.ahead`)."""
-    cpu_bytes = sum(r.numel() for r in raws if r.device.type == "cpu")
-    pooled_cpu = cpu_bytes >= POOLED_HOST_COPY_BYTES and torch.cuda.is_initialized()
+    pooled_cpu = pools_host_copies(raws)
     mine = [r for r in raws if r.device.type == "cuda" or (pooled_cpu and r.device.type == "cpu")]
     sizes = [r.numel() for r in mine]
     cuda = [r for r in raws if r.device.type == "cuda"]

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from s4w_core import pipeline
-from s4w_core.hostmem import POOLED_HOST_COPY_BYTES, HostFill, host_copies
+from s4w_core.hostmem import HostFill, host_copies, pools_host_copies
 from s4w_core.store.chain import CachedBase, source_of_manifest
 from s4w_core.store.core import StoreCore
 from s4w_core.store.records import StepInfo
@@ -115,12 +115,10 @@ class BaseCache(StoreCore):
         """:meth:`_make_cache` of a step's storages; CUDA ones go to the pinned pool's buffers
         (one synchronize, one reused generation: the previous cache was given back first), which
         are ~5x faster to fill than pageable copies and to stage for the next save; so do host
-        ones to be copied (``copy``) of :data:`~s4w_core.hostmem.POOLED_HOST_COPY_BYTES` or more
-        where CUDA is in use (no context is created for them), copied on several threads."""
-        total = sum(r.numel() for r in raws)
-        within = self.base_cache_bytes is None or total <= self.base_cache_bytes
-        cuda = any(r.device.type == "cuda" for r in raws)
-        if within and (cuda or (copy and total >= POOLED_HOST_COPY_BYTES and torch.cuda.is_initialized())):
+        ones to be copied (``copy``) where :func:`~s4w_core.hostmem.pools_host_copies`, copied on
+        several threads."""
+        within = self.base_cache_bytes is None or sum(r.numel() for r in raws) <= self.base_cache_bytes
+        if within and (any(r.device.type == "cuda" for r in raws) or (copy and pools_host_copies(raws))):
             hosts = host_copies(raws, self._pinned_pool, ahead=False)
             return self._make_cache(step, obj, manifest, hosts, copy=False, pooled=True, source=source)
         return self._make_cache(step, obj, manifest, raws, copy=copy, source=source)

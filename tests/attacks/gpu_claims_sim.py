@@ -9,7 +9,6 @@ the merge kernels). Run by tests/attacks/test_gpu_claims.py in a subprocess, bec
 from __future__ import annotations
 
 import io
-import os
 import struct
 import sys
 import zlib
@@ -208,13 +207,9 @@ def lying_zstd_chunk_in_a_gpu_only_storage() -> None:
 
 
 def main(names: list[str]) -> int:
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set")
-    os.environ["TRITON_INTERPRET"] = "1"  # before the checks import triton
-    for name in names or list(CHECKS):
-        CHECKS[name]()
-        print("ok", name, flush=True)
-    return 0
+    from tests.parity._interpret_checks import run_checks
+
+    return run_checks(CHECKS, names)
 
 
 if __name__ == "__main__":

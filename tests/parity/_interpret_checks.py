@@ -1088,14 +1088,20 @@ def pipeline_corrupt_chunk_refused_before_decoding() -> None:
     assert not calls, "a GPU decoder saw bytes before the checksum was verified"
 
 
-def main(names: list[str]) -> int:
+def run_checks(checks: dict[str, Callable[[], None]], names: list[str]) -> int:
+    """Run the ``checks`` named (all when none) under Triton's interpreter, printing ``ok NAME`` for
+    each: what the subprocess entry points of the interpreted parity modules do."""
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set")
     os.environ["TRITON_INTERPRET"] = "1"  # before the checks import triton
-    for name in names or list(CHECKS):
-        CHECKS[name]()
+    for name in names or list(checks):
+        checks[name]()
         print("ok", name, flush=True)
     return 0
+
+
+def main(names: list[str]) -> int:
+    return run_checks(CHECKS, names)
 
 
 if __name__ == "__main__":

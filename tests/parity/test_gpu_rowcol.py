@@ -254,13 +254,9 @@ def test_rowcol_groups_on_gpu() -> None:
 
 
 def main(names: list[str]) -> int:
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set")
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in names or list(CHECKS):
-        CHECKS[name]()
-        print("ok", name, flush=True)
-    return 0
+    from tests.parity._interpret_checks import run_checks
+
+    return run_checks(CHECKS, names)
 
 
 if __name__ == "__main__":

@@ -624,9 +624,6 @@ def test_gpu_process_host_state_cache_reuses_pinned_buffers(tmp_path: Path, monk
         pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
     torch.zeros(1, device="cuda")  # CUDA in use, as in a training process
     monkeypatch.setattr(hostmem, "POOLED_HOST_COPY_BYTES", 1 << 20)
-    from s4w_core.store import cache as store_cache
-
-    monkeypatch.setattr(store_cache, "POOLED_HOST_COPY_BYTES", 1 << 20)
     g = torch.Generator().manual_seed(0)
     sd = {f"w{i}": (torch.randn(256, 1024, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)}
     raw = sum(v.untyped_storage().nbytes() for v in sd.values())

@@ -155,7 +155,7 @@ def _spawned(rank: int, world: int, a: argparse.Namespace, init_file: str) -> No
         raise SystemExit(f"rank {rank}: not bit-exact: {res}")
     # every check is done and written, the process group destroyed: leave without interpreter
     # finalization, where gloo's threads can still abort the process ("terminate called without an
-    # active exception", seen in ~1 CI run in 4; pytorch/pytorch#190489), as mp_worker.py does. The
+    # active exception", seen in CI runs; pytorch/pytorch#190489), as mp_worker.py does. The
     # rank's stores are closed first (os._exit runs no finalizers).
     close_rank_stores()
     sys.stdout.flush()

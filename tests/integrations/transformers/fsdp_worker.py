@@ -32,6 +32,7 @@ import transformers.trainer  # noqa: E402
 from s4w_core.dcp.run import RunRoot, committed_steps, rank_store, rank_store_name, wait_rank_stores  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
 from s4w_transformers import S4Callback, StateMismatchError, restore_checkpoint  # noqa: E402
+from tests.integrations.transformers.test_transformers import StopAt  # noqa: E402
 
 GPU = os.environ.get("S4W_FSDP_WORKER_GPU") == "1"
 NATIVE_SAVES: list[str] = []  # calls of the Trainer's own FSDP writers (there must be none)
@@ -70,18 +71,6 @@ class FSDPOnCPU(transformers.Trainer):
             st.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
         PartialState().distributed_type = st.distributed_type = DistributedType.FSDP
         self.is_fsdp_enabled = True
-
-
-class StopAt(transformers.TrainerCallback):
-    """Interrupt the 8-step run after ``step`` steps (same LR schedule as the uninterrupted one)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-            control.should_save = True
 
 
 class Probe(transformers.TrainerCallback):
