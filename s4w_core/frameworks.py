@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.distributed
 
-from s4w_core import api, pointer
+from s4w_core import api, gpu, pointer
+from s4w_core import checksum as ck
 from s4w_core._fsutil import atomic_write
 from s4w_core.errors import CheckpointNotFoundError, FormatError, S4WError, StoreError, UnsupportedTypeError
 from s4w_core.store import CheckpointStore, open_backend
@@ -627,18 +628,36 @@ class SavedStep:
     """The tensors of the step last written to a store, to recognise a later save of the same
     step under another name (Lightning's top-k file, then ``last.ckpt``) and store only a pointer.
 
-    A tensor's version counter moves with every in-place write (optimizer steps included). Only
-    tensors written in place since they were made are kept: views of live parameters and
-    optimizer state, which cost nothing to hold. A fresh tensor (version 0), such as a clone an
-    asynchronous checkpointer hands over, is not held (that would keep a copy of the state alive
-    until the next save); a later name then stores it itself.
+    A tensor's version counter moves with every in-place write of autograd's ops. Tensors written
+    in place since they were made (views of live parameters, most optimizer state) are held, which
+    costs nothing, and are the same later while their version is. A tensor of version 0 may be a
+    fresh copy (an asynchronous checkpointer's clone: holding it would keep a copy of the state
+    alive until the next save) or state that kernels outside autograd's counting update in place
+    (CUDA's foreach/fused optimizers leave Adam's moments at version 0): it is not held but
+    fingerprinted -- xxh3 on the host, ``fold64`` on its GPU (one batched pass per device, without
+    synchronizing) -- and is the same later where its dtype, shape and fingerprint are.
     """
 
     def __init__(self, step: int, checkpoint: Any) -> None:
         self.step = step
-        self.tensors = {p: (t, v) for p, t in _tensors(checkpoint) if (v := _version(t)) > 0}
+        self.tensors: dict[_Path, tuple[torch.Tensor, int]] = {}
+        fresh: list[tuple[_Path, torch.Tensor]] = []
+        for p, t in _tensors(checkpoint):
+            v = _version(t)
+            if v > 0:
+                self.tensors[p] = (t, v)
+            elif _printable(t):
+                fresh.append((p, t))
+        prints = _fingerprints([t for _, t in fresh])
+        #: path -> (dtype, shape, fingerprint) of the version-0 tensors
+        self.prints: dict[_Path, tuple[torch.dtype, torch.Size, Any]] = {
+            p: (t.dtype, t.shape, f) for (p, t), f in zip(fresh, prints) if f is not None
+        }
 
     def same(self, path: _Path, t: torch.Tensor) -> bool:
+        return path in self._same_paths([(path, t)])
+
+    def _held_same(self, path: _Path, t: torch.Tensor) -> bool:
         rec = self.tensors.get(path)
         if rec is None:
             return False
@@ -651,15 +670,76 @@ class SavedStep:
             return _version(t) == version  # the same memory: unchanged unless written in place since
         return _bits_equal(t, old)  # another copy: compare the bits
 
-    def skeleton(self, obj: Any, path: _Path = ()) -> Any:
+    def _same_paths(self, items: list[tuple[_Path, torch.Tensor]]) -> set[_Path]:
+        """The paths of ``items`` whose tensor is the stored step's (fingerprints: one pass and one
+        synchronization per device)."""
+        same = {p for p, t in items if self._held_same(p, t)}
+        check = [
+            (p, t) for p, t in items
+            if p not in same and p in self.prints and _printable(t) and (t.dtype, t.shape) == self.prints[p][:2]
+        ]  # fmt: skip
+        now = _fingerprints([t for _, t in check])
+        same.update(p for (p, _t), ok in zip(check, _prints_equal(now, [self.prints[p][2] for p, _t in check])) if ok)
+        return same
+
+    def skeleton(self, obj: Any) -> Any:
         """``obj`` with each tensor the step holds bit for bit at the same place replaced by a
         :data:`s4w_core.pointer.REF_KEY` placeholder."""
+        return self._skeleton(obj, (), self._same_paths(list(_tensors(obj))))
+
+    def _skeleton(self, obj: Any, path: _Path, same: set[_Path]) -> Any:
         if isinstance(obj, torch.Tensor):
-            return {pointer.REF_KEY: True} if self.same(path, obj) else obj
+            return {pointer.REF_KEY: True} if path in same else obj
         if _plain_dict(obj):
             out = type(obj)()
-            out.update((k, self.skeleton(v, (*path, k))) for k, v in obj.items())
+            out.update((k, self._skeleton(v, (*path, k), same)) for k, v in obj.items())
             return out
         if type(obj) in (list, tuple):
-            return type(obj)(self.skeleton(v, (*path, i)) for i, v in enumerate(obj))
+            return type(obj)(self._skeleton(v, (*path, i), same) for i, v in enumerate(obj))
         return obj
+
+
+def _printable(t: torch.Tensor) -> bool:
+    """Whether :func:`_fingerprints` takes ``t``: a dense tensor on the host or on a CUDA device
+    the GPU backend runs on (elsewhere a version-0 tensor is stored again under the second name)."""
+    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        return False
+    if t.device.type == "cpu":
+        return True
+    return t.device.type == "cuda" and gpu.available()
+
+
+def _fingerprints(ts: list[torch.Tensor]) -> list[Any]:
+    """A fingerprint of each tensor's bytes (None where :func:`_printable` says no): the xxh3 of a
+    host tensor; for CUDA tensors ``(sums, k)``, element ``k`` of one
+    :func:`s4w_core.gpu.fold64_sums` per device, left there (see :func:`_prints_equal`)."""
+    out: list[Any] = [None] * len(ts)
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(ts):
+        if not _printable(t):
+            continue
+        if t.device.type == "cpu":
+            out[i] = ck.tensor_checksum(t.detach().reshape(-1).contiguous().view(torch.uint8))
+        else:
+            by_dev.setdefault(t.device, []).append(i)
+    for idx in by_dev.values():
+        sums = gpu.fold64_sums([ts[i] for i in idx])
+        for k, i in enumerate(idx):
+            out[i] = (sums, k)
+    return out
+
+
+def _prints_equal(now: list[Any], old: list[Any]) -> list[bool]:
+    """Pairwise equality of :func:`_fingerprints` results; device ones compared on their device,
+    one read-back per device."""
+    eq = [isinstance(a, str) and a == b for a, b in zip(now, old)]
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, (a, b) in enumerate(zip(now, old)):
+        if isinstance(a, tuple) and isinstance(b, tuple) and a[0].device == b[0].device:
+            by_dev.setdefault(a[0].device, []).append(i)
+    for idx in by_dev.values():
+        x = torch.stack([now[i][0][now[i][1]] for i in idx])
+        y = torch.stack([old[i][0][old[i][1]] for i in idx])
+        for i, ok in zip(idx, (x == y).tolist()):
+            eq[i] = bool(ok)
+    return eq

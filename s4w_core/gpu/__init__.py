@@ -46,6 +46,7 @@ __all__ = [
     "encode_storages",
     "decode_storage",
     "decode_storages",
+    "fold64_sums",
     "release",
     "warm_up",
     "wait_warm_up",
@@ -164,6 +165,22 @@ def decode_storages(
 
     wait_warm_up()
     return _decode.decode_storages(reader, entries, device, resolve_base, pool, on_batch)
+
+
+def fold64_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The ``fold64`` word sums (:mod:`s4w_core.checksum`) of the bytes of each tensor of one CUDA
+    device, as an int64 tensor on that device, in two kernel launches and without synchronizing:
+    a fingerprint of a state to compare with a later one (equal sums: the same bytes, but for a
+    ~2**-64 chance). Non-contiguous tensors are summed over a contiguous copy."""
+    import torch
+
+    from s4w_core.gpu.kernels import fold64_batched
+
+    dev = tensors[0].device
+    acc = torch.zeros(len(tensors), dtype=torch.int64, device=dev)
+    flat = [(t.detach().reshape(-1).view(torch.uint8), i) for i, t in enumerate(tensors)]
+    fold64_batched(flat, acc)
+    return acc
 
 
 def release() -> None:

@@ -182,12 +182,61 @@ def test_saved_step_recognises_the_same_tensors():
     saved = frameworks.SavedStep(5, ck)
     sk = saved.skeleton({"state_dict": {"p": p}, "fresh": torch.ones(2), "cb": {"k": 2}})
     assert sk["state_dict"]["p"] == {pointer.REF_KEY: True}
-    assert isinstance(sk["fresh"], torch.Tensor)  # version 0: not held, stored again
+    assert sk["fresh"] == {pointer.REF_KEY: True}  # version 0: not held, the same fingerprint
+    assert "fresh" not in {p[0] for p in saved.tensors}
     assert sk["cb"] == {"k": 2}
     assert saved.same(("state_dict", "p"), p.detach().clone())  # another copy with the same bits
     with torch.no_grad():
         p.add_(1)  # changed since: no longer the stored step's
     assert saved.skeleton({"state_dict": {"p": p}})["state_dict"]["p"] is p
+    changed = torch.tensor([1.0, 1.0 + 2**-20])  # version 0 and other bits: stored again
+    assert saved.skeleton({"fresh": changed})["fresh"] is changed
+    assert not saved.same(("fresh",), torch.ones(3))  # another shape
+    assert not saved.same(("fresh",), torch.ones(2, dtype=torch.float64))  # another dtype
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _leaves(v)]
+    return [obj]
+
+
+def _foreach_adam_state(device):
+    """A model and the state of a foreach AdamW after two steps (CUDA: its moments keep version 0)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 8).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+    for _ in range(2):
+        m(torch.randn(4, 16, device=device)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return m, opt
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_saved_step_recognises_optimizer_state_of_version_0(device):
+    """A second name of the same step is all placeholders, also for state that in-place kernels
+    outside autograd's version counting update (CUDA foreach AdamW's moments); a step later it
+    is none of them."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m, opt = _foreach_adam_state(device)
+
+    def checkpoint():
+        return {"state_dict": m.state_dict(), "optimizer_states": [opt.state_dict()]}
+
+    saved = frameworks.SavedStep(2, checkpoint())
+    sk = saved.skeleton(checkpoint())
+    leaves = [t for t in _leaves(sk) if isinstance(t, torch.Tensor)]
+    assert not leaves, f"tensors stored again under the second name: {len(leaves)}"
+    m(torch.randn(4, 16, device=device)).square().mean().backward()
+    opt.step()
+    sk = saved.skeleton(checkpoint())
+    moments = sk["optimizer_states"][0]["state"][0]
+    assert isinstance(moments["exp_avg"], torch.Tensor) and isinstance(moments["exp_avg_sq"], torch.Tensor)
+    assert isinstance(sk["state_dict"]["weight"], torch.Tensor)
 
 
 def test_pointer_files_delete_a_step_once_no_file_names_it(tmp_path):
