@@ -346,9 +346,12 @@ def load(
     *,
     expected_store: str | None = None,
     opener: Callable[[str], CheckpointStore] | None = None,
+    remember: bool = True,
     **store_options: Any,
 ) -> Any:
     """The checkpoint a pointer file stands for: its step, with the pointer's payload merged in.
+    ``remember``: as for :meth:`CheckpointStore.load` (``False``: no host copy kept as the next
+    save's delta base).
 
     Raises:
         PointerError: not a pointer file, a malformed one, or one naming another store.
@@ -358,7 +361,7 @@ def load(
     if ptr is None:
         raise PointerError(f"{os.fspath(path)} is not an s4weights pointer file")  # type: ignore[arg-type]
     st = open_store(ptr, expected_store=expected_store, opener=opener, **store_options)
-    state = st.load(ptr.step, map_location)
+    state = st.load(ptr.step, map_location, remember=remember)
     if ptr.payload is None:
         return state
     return merge(api.load(ptr.payload, map_location=map_location), state)

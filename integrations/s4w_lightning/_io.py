@@ -181,7 +181,9 @@ class _S4CheckpointIOImpl:
         """Load what :meth:`save_checkpoint` wrote at ``path`` (or a plain ``torch.save`` checkpoint).
 
         ``map_location``: as for ``torch.load``; default ``"auto"`` (the saved device where it exists
-        here, else CPU).
+        here, else CPU). The step is read once (``CheckpointStore.load(remember=False)``): a resume
+        does not wait for a host copy of it to be made as the next save's delta base; the next save
+        re-encodes it from its object, as the HF and Accelerate adapters' resumes do.
         """
         self.wait()
         path = norm_path(path)
@@ -190,7 +192,9 @@ class _S4CheckpointIOImpl:
         data = self.files.read(path)
         if pointer.is_pointer(data):
             ptr = pointer.parse(data, path)
-            return unpack_objects(pointer.load(ptr, loc, expected_store=self.store_url, opener=self.store_at))
+            return unpack_objects(
+                pointer.load(ptr, loc, expected_store=self.store_url, opener=self.store_at, remember=False)
+            )
         try:
             obj = s4w_core.load(data, map_location=loc)
         except s4w_core.BadMagicError:  # a checkpoint written by Lightning's own TorchCheckpointIO
@@ -205,7 +209,7 @@ class _S4CheckpointIOImpl:
         if isinstance(obj, dict) and isinstance(obj.get(_LEGACY_POINTER), dict):  # written before pointer files
             old = obj[_LEGACY_POINTER]
             ptr = pointer.Pointer(path, str(old.get("store")), int(old.get("step", -1)))
-            obj = pointer.load(ptr, loc, expected_store=self.store_url, opener=self.store_at)
+            obj = pointer.load(ptr, loc, expected_store=self.store_url, opener=self.store_at, remember=False)
         return unpack_objects(obj)
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -56,6 +56,7 @@ class Loads(BaseCache):
         *,
         threads: int | None = None,
         from_copy: bool = True,
+        remember: bool = True,
     ) -> Any:
         """Load ``step`` (default: the latest committed) bit for bit.
 
@@ -66,6 +67,10 @@ class Loads(BaseCache):
             from_copy: read the step's keyframe copy when it has one (one object); ``False``
                 reads its chain (to measure or check it).  A copy that is missing or corrupt is
                 skipped for the chain (a corrupt one with a warning).
+            remember: keep the newest step's bytes in host memory as the next save's delta base
+                (within ``base_cache_bytes``, docs/STORE.md "Host memory"); ``False`` reads it once:
+                no host copy is made on the load's path, and the next save's re-encoding decodes
+                the step from its object instead (a resume: the framework adapters load so).
         Returns:
             The object saved at ``step``; every tensor holds exactly the bits saved.
         Raises:
@@ -91,7 +96,7 @@ class Loads(BaseCache):
                 recs = self._read_records()
                 rec = self._record(step, recs)
             remember = (  # the next save re-encodes it: kept when it fits base_cache_bytes
-                rec.step == max(visible(recs)) and self._caching()
+                remember and rec.step == max(visible(recs)) and self._caching()
                 and (self.base_cache_bytes is None or rec.raw_bytes <= self.base_cache_bytes)
             )
             own = None  # a step read from its copy is remembered under its own container's manifest
