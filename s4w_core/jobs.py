@@ -219,20 +219,26 @@ def plane_rot(transform: str) -> bool:
     raise ValueError(f"{transform!r} is not a byte-plane transform (one of {PLANE_TRANSFORMS})")
 
 
+#: storages of fewer bytes (scalars) keep their bytes as they are by default (``bytes``: one
+#: chunk): a plane split gains nothing there and multiplies chunks (each fp32 optimizer step
+#: counter made four one-byte chunks, each checksummed and listed in the manifest)
+PLANES_MIN_BYTES = 8
+
+
 def transform_for(dtype: torch.dtype, nbytes: int, *, transform: str | None = None) -> tuple[str, int]:
     """The transform and plane width to store ``nbytes`` bytes of ``dtype`` with.
 
     ``transform=None``: the default choice, ``planes-rotl1`` for the plane dtypes (when ``nbytes``
-    is a whole number of elements), else ``bytes``. A transform named here is checked instead:
+    is a whole number of elements, at least :data:`PLANES_MIN_BYTES`), else ``bytes``. A transform named here is checked instead:
     a byte-plane transform (:data:`PLANE_TRANSFORMS`) needs a plane dtype and whole elements,
     ``bytes`` applies to anything; otherwise ValueError.
 
     Example:
-        >>> transform_for(torch.bfloat16, 6), transform_for(torch.float32, 8, transform="planes")
-        (('planes-rotl1', 2), ('planes', 4))
+        >>> transform_for(torch.bfloat16, 8), transform_for(torch.float32, 4), transform_for(torch.float32, 8, transform="planes")
+        (('planes-rotl1', 2), ('bytes', 1), ('planes', 4))
     """
     if transform is None:
-        if dtype in PLANE_DTYPES:
+        if dtype in PLANE_DTYPES and nbytes >= PLANES_MIN_BYTES:
             w = plane_width(dtype)
             if nbytes % w == 0:
                 return "planes-rotl1", w

@@ -202,6 +202,19 @@ def test_format_md_worked_examples() -> None:
     ]
 
 
+def test_scalars_are_stored_as_one_chunk() -> None:
+    """A storage under ``PLANES_MIN_BYTES`` (an optimizer's fp32 step counter) is written as its
+    bytes, one chunk, not one chunk per plane; it loads back bit for bit."""
+    state = {"step": torch.tensor(7.0), "half": torch.tensor(1.5, dtype=torch.bfloat16), "w": torch.ones(2, dtype=torch.float32)}
+    buf = io.BytesIO()
+    s4w_core.save(state, buf, profile="portable")
+    by = {s["path"]: s for s in ContainerReader.from_bytes(buf.getvalue()).manifest["storages"]}
+    assert [(by[p]["transform"], len(by[p]["chunks"])) for p in ("step", "half")] == [("bytes", 1)] * 2
+    assert by["w"]["transform"] == "planes-rotl1" and len(by["w"]["chunks"]) == 4  # 8 bytes: planes
+    back = s4w_core.load(buf.getvalue())
+    assert all(torch.equal(back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)) and back[k].dtype == v.dtype for k, v in state.items())
+
+
 def test_plane_transform_names() -> None:
     assert engine.PLANE_TRANSFORMS == ("planes-rotl1", "planes")
     assert engine.plane_rot("planes-rotl1") is True and engine.plane_rot("planes") is False
