@@ -355,10 +355,16 @@ def _jobs(state: Any) -> list[engine.StorageJob]:
 # ----------------------------------------------------------------------------- reporting
 def test_one_event_per_save_when_durable(tmp_path: Path) -> None:
     events: list[obs.OpEvent] = []
-    obs.subscribe(events.append)
+    url = str(tmp_path / "s")
+    fb = FaultyBackend(open_backend(url), lambda verb, key: verb == "put" and "step_000000000002" in key)
+
+
+    def mine(e: obs.OpEvent) -> None:  # this store's events only: another test's background work may report here
+        if e.url == fb.url:
+            events.append(e)
+
+    obs.subscribe(mine)
     try:
-        url = str(tmp_path / "s")
-        fb = FaultyBackend(open_backend(url), lambda verb, key: verb == "put" and "step_000000000002" in key)
         st = CheckpointStore(url, profile="portable", _backend=fb)
         run = make_run(3)
         st.save(run[0], 0)
@@ -378,7 +384,7 @@ def test_one_event_per_save_when_durable(tmp_path: Path) -> None:
         last = [e for e in events if e.op == "save"][-1]
         assert (last.step, last.ok) == (2, False) and "Crash" in (last.error or "")
     finally:
-        obs.unsubscribe(events.append)
+        obs.unsubscribe(mine)
 
 
 def run_bytes(state: Any) -> int:
