@@ -648,10 +648,9 @@ class SavedStep:
                 self.tensors[p] = (t, v)
             elif _printable(t):
                 fresh.append((p, t))
-        prints = _fingerprints([t for _, t in fresh])
         #: path -> (dtype, shape, fingerprint) of the version-0 tensors
         self.prints: dict[_Path, tuple[torch.dtype, torch.Size, Any]] = {
-            p: (t.dtype, t.shape, f) for (p, t), f in zip(fresh, prints) if f is not None
+            p: (t.dtype, t.shape, f) for (p, t), f in zip(fresh, _fingerprints([t for _, t in fresh]))
         }
 
     def same(self, path: _Path, t: torch.Tensor) -> bool:
@@ -710,14 +709,12 @@ def _printable(t: torch.Tensor) -> bool:
 
 
 def _fingerprints(ts: list[torch.Tensor]) -> list[Any]:
-    """A fingerprint of each tensor's bytes (None where :func:`_printable` says no): the xxh3 of a
-    host tensor; for CUDA tensors ``(sums, k)``, element ``k`` of one
-    :func:`s4w_core.gpu.fold64_sums` per device, left there (see :func:`_prints_equal`)."""
+    """A fingerprint of the bytes of each tensor (each :func:`_printable`): the xxh3 of a host
+    tensor; for CUDA tensors ``(sums, k)``, element ``k`` of one :func:`s4w_core.gpu.fold64_sums`
+    per device, left there (see :func:`_prints_equal`)."""
     out: list[Any] = [None] * len(ts)
     by_dev: dict[torch.device, list[int]] = {}
     for i, t in enumerate(ts):
-        if not _printable(t):
-            continue
         if t.device.type == "cpu":
             out[i] = ck.tensor_checksum(t.detach().reshape(-1).contiguous().view(torch.uint8))
         else:
