@@ -158,6 +158,15 @@ class AdapterSteps:
         for s in rotate([i.step for i in self.own(st, **match)], limit, best):
             st.delete(s)
 
+    def drop_rotated(self, st: CheckpointStore, step: int, limit: int | None, best: int | None = None, **match: Any) -> None:
+        """Before saving ``step``: the steps :meth:`retain` deletes once it is durable get no more
+        background work (:meth:`CheckpointStore.drop_pending`: the save does not wait for their
+        re-encoding)."""
+        if not limit:
+            return
+        for s in rotate(sorted({i.step for i in self.own(st, **match)} | {step}), limit, best):
+            st.drop_pending(s)
+
     def save(
         self,
         st: CheckpointStore,

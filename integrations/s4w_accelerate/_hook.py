@@ -116,6 +116,7 @@ def _save_state(self: Accelerator, output_dir: str | None = None, safe_serializa
         if self.scaler is not None:
             tree["scaler"] = self.scaler.state_dict()
         extra["models"] = [frameworks.fingerprint(w) for w in weights]
+        ACTIVE.steps.drop_rotated(st, step, limit, automatic=True)
         ACTIVE.steps.save(st, tree, step, extra, overwrite=not automatic, async_save=cfg.async_save and not dcp,
                           then=functools.partial(ACTIVE.steps.retain, st, limit, automatic=True))  # fmt: skip
     if dcp and limit:  # the run's steps follow the store's retention, each process its own shards

@@ -349,6 +349,7 @@ class S4Callback(TrainerCallback):
             sharded = {"root": root, "step": p.step, "optimizer": bool(optimizers)}
         if state.is_world_process_zero:
             tree = step_tree(self._bound(), args, state, kw, p, rngs, sharded)
+            self._steps.drop_rotated(st, p.step, args.save_total_limit, state.best_global_step)
             self._steps.save(st, tree, p.step, step_extra(args, p, tree), async_save=self.async_save and not sharded,
                              then=functools.partial(self._rotate, args, state))  # fmt: skip
         barrier()  # the other ranks wait for the save, as at the Trainer's own

@@ -113,7 +113,8 @@ def encode_storages(
 
     Args:
         jobs: storages to write, in manifest order (tensors may be on the CPU or any CUDA device).
-        writer: the container; chunks are appended in manifest order.
+        writer: the container; each batch's chunks are appended as one group (the file's chunk
+            order is not the manifest's; readers assume none).
         pool: CPU threads (used for storages that take the CPU path, e.g. small integer tensors).
         profile: ``"fast"`` (nvCOMP ANS, decodes only on a GPU) or ``"portable"`` (only codecs with
             a CPU decoder: nvCOMP Deflate on the GPU, zstd on the CPU for non-float storages).

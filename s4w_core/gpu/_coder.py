@@ -366,9 +366,12 @@ class EncodePlan:
         # the compaction copies 16-byte granules where every chunk and slot is 16-byte aligned
         self.words = dev.type == "cuda" and self.cap % 16 == 0 and not (src_off % 16).any()
         # the chunk table's host copy (pinned on a GPU): buffer addresses are added per run
-        self.host = _nvcomp.host_empty(8 * len(_COLS) * n).view(torch.int64) if dev.type == "cuda" else (
-            torch.empty(len(_COLS) * n, dtype=torch.int64))
-        h = self.host.numpy().reshape(len(_COLS), n)
+        # columns of an even length: each starts 16-byte aligned (Triton specializes the kernels
+        # that take them on pointer alignment; odd-length columns made it follow the chunk count)
+        ns = self.ns = n + (n & 1)
+        self.host = _nvcomp.host_empty(8 * len(_COLS) * ns).view(torch.int64) if dev.type == "cuda" else (
+            torch.zeros(len(_COLS) * ns, dtype=torch.int64))
+        h = self.host.numpy().reshape(len(_COLS), ns)[:, :n]
         first = (j_idx == 0) | ~rot[piece_of]
         limit = np.where(j_idx == 0, lengths, np.ceil(lengths * (1.0 - MIN_GAIN))).astype(np.int64)
         for name, col in (("gate", lengths), ("size", -1), ("status", 0), ("length", lengths), ("limit", limit),
@@ -418,7 +421,7 @@ class EncodePlan:
     def _upload_cols(self, out: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
         """The chunk table with ``out``'s and ``comp``'s addresses, on the device in one copy (a
         copy of the host table on the CPU, where the interpreter runs the kernels)."""
-        h = self.host.numpy().reshape(len(_COLS), self.n)
+        h = self.host.numpy().reshape(len(_COLS), self.ns)[:, : self.n]
         np.add(self.src_off, out.data_ptr(), out=h[_COLS.index("in_ptr")])
         np.add(self.comp_off, comp.data_ptr(), out=h[_COLS.index("out_ptr")])
         return self.host.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else self.host.clone()
@@ -441,11 +444,22 @@ class EncodePlan:
                 groups.append((int(width), int(code), tables.add(np.column_stack([r, np.cumsum(programs) - programs])),
                                tables.add(program_map(programs)), int(programs.sum()), aligned, idx,
                                bool((self.layout[idx] == LAYOUT_DECIDE).any())))
-        order = np.concatenate([g[6] for g in groups]) if groups else np.zeros(0, dtype=np.int64)
-        counts = [len(g[6]) for g in groups]
-        starts = np.cumsum([0, *counts])[:-1].tolist()
-        self.flag_slices = [(pos, cnt, g[7]) for pos, cnt, g in zip(starts, counts, groups)]
-        t_flags = tables.add(self.layout[order] if len(order) else np.zeros(1, dtype=np.int64))
+        # the flags of each launch from an even index: its slice starts 16-byte aligned (Triton
+        # specializes on pointer alignment: see Tables.add); a pad entry (-1 in the order) is read
+        # by no launch
+        parts: list[np.ndarray] = []
+        self.flag_slices = []
+        pos = 0
+        for g in groups:
+            if pos % 2:
+                parts.append(np.full(1, -1, dtype=np.int64))
+                pos += 1
+            self.flag_slices.append((pos, len(g[6]), g[7]))
+            parts.append(np.asarray(g[6], dtype=np.int64))
+            pos += len(g[6])
+        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        flags0 = np.where(order >= 0, self.layout[np.maximum(order, 0)], LAYOUT_ROTL1) if len(order) else order
+        t_flags = tables.add(flags0 if len(order) else np.zeros(1, dtype=np.int64))
         self.flag_order = order
         dev = tables.upload(self.dev)
         self.flags_init = dev[t_flags]
@@ -465,7 +479,8 @@ class EncodePlan:
         else:
             out, comp = self._buffers()
             table = self._upload_cols(out, comp)
-        cols = {name: table[i * n : (i + 1) * n] for i, name in enumerate(_COLS)}
+        ns = self.ns
+        cols = {name: table[i * ns : i * ns + n] for i, name in enumerate(_COLS)}
         cols["status"] = cols["status"].view(torch.int32)[:n]
         mark("tables", dev)
         # 1. planes of every piece (one launch per element width and delta op); the layout probe
@@ -548,7 +563,8 @@ class EncodePlan:
         if nf:
             if got.min() < LAYOUT_ROTL1 or got.max() > LAYOUT_PLAIN:
                 raise RuntimeError("GPU writer: the layout probe left a piece undecided")  # never expected
-            layout[self.flag_order[:nf]] = got
+            live = self.flag_order[:nf] >= 0
+            layout[self.flag_order[:nf][live]] = got[live]
         if (layout[self.rot] == LAYOUT_DECIDE).any():
             raise RuntimeError("GPU writer: a piece's layout was never chosen")  # never expected
         layout[~self.rot] = 0

@@ -246,10 +246,13 @@ class DecodePlan:
                 p.fold_groups.append(make_group(int(words), 0, g, [p.nbytes[g], g], fold64_programs(p.nbytes[g])))
         # the program maps (the largest tables: one int32 per program) go to pinned memory here, off
         # the decode's critical path, so that the decode sends them to the device without a host copy
+        # (each map from a 16-byte boundary: Triton specializes on pointer alignment, and an
+        # alignment that followed the sizes of the maps before it would compile data-dependent variants)
         maps = [g.pmap for g in p.merge_groups + p.fold_groups]
-        lens = np.array([len(m) for m in maps], dtype=np.int64)
+        lens = -(-np.array([len(m) for m in maps], dtype=np.int64) // 4) * 4
         p.map_at = (np.cumsum(lens) - lens).tolist()
-        p.maps_host = _nvcomp.host_empty(4 * max(int(lens.sum()), 1)).view(torch.int32)
-        if maps:
-            np.concatenate(maps, out=p.maps_host.numpy()[: int(lens.sum())])
+        p.maps_host = _nvcomp.host_empty(4 * max(int(lens.sum()), 4)).view(torch.int32)
+        host = p.maps_host.numpy()
+        for m, at in zip(maps, p.map_at):
+            host[at : at + len(m)] = m
         return p

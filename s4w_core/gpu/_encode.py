@@ -16,7 +16,8 @@ in :mod:`s4w_core.gpu._coder`; this module plans the batches, chooses delta ops 
    chunks and raw first planes are compacted after the planes, raw later planes stay where the
    split wrote them; the choice is read back;
 4. copy the chunks to pinned host memory (one copy per run of chunks that lie together) and append
-   them to the container in manifest order.
+   them to the container as one group (a local store file takes it by positional writes on a few
+   threads, straight from the pinned buffer: :meth:`ContainerWriter.add_chunks`).
 
 With nvCOMP's Python API (``S4W_NVCOMP_C=0``, an nvCOMP other than 6.x, the portable profile's
 Deflate) the chunks to code are read back between the probe and the coder.
@@ -78,53 +79,28 @@ class _RecordingWriter:
         return 0, len(data), ""
 
 
-class _OrderedSink:
-    """Appends chunks to the container strictly in manifest order as they become ready.
-
-    Thread-safe for one draining thread (the writer's I/O thread) and any number of threads adding
-    jobs and chunks; the container writes (checksums, file I/O) happen outside the lock."""
+class _ChunkSink:
+    """Writes each group of chunks handed to it (a batch's, a storage's) to the container, groups
+    in the order they come (that is the file's order: readers assume none, docs/FORMAT.md), and
+    puts each chunk's manifest entry at its index in its storage's list. One thread writes (the
+    writer's I/O thread) while others add jobs."""
 
     def __init__(self, writer: ContainerWriter) -> None:
         self.writer = writer
         self.entries: list[dict[str, Any]] = []
-        self.nchunks: list[int] = []
-        self.ready: dict[tuple[int, int], tuple[str, Any]] = {}
-        self.ji = 0
-        self.ci = 0
-        self.lock = threading.Lock()
 
     def add_job(self, entry: dict[str, Any], nchunks: int) -> int:
-        with self.lock:
-            self.entries.append(entry)
-            self.nchunks.append(nchunks)
-            return len(self.entries) - 1
+        entry["chunks"] = [None] * nchunks
+        self.entries.append(entry)
+        return len(self.entries) - 1
 
-    def put(self, ji: int, ci: int, codec_id: str, data: Any) -> None:
-        with self.lock:
-            self.ready[(ji, ci)] = (codec_id, data)
-
-    def drain(self) -> None:
-        while True:
-            with self.lock:
-                if self.ji >= len(self.entries):
-                    return
-                if self.ci == self.nchunks[self.ji]:
-                    self.ji += 1
-                    self.ci = 0
-                    continue
-                item = self.ready.pop((self.ji, self.ci), None)
-                if item is None:
-                    return
-                ji = self.ji
-            codec_id, data = item
-            off, length, h = self.writer.add_chunk(data)
-            with self.lock:
-                self.entries[ji]["chunks"].append([codec_id, off, length, h])
-                self.ci += 1
+    def write(self, items: list[tuple[int, int, str, Any]]) -> None:
+        placed = self.writer.add_chunks([data for _ji, _ci, _cid, data in items])
+        for (ji, ci, cid, _data), (off, length, h) in zip(items, placed):
+            self.entries[ji]["chunks"][ci] = [cid, off, length, h]
 
     def done(self) -> bool:
-        with self.lock:
-            return self.ji == len(self.entries) and not self.ready
+        return all(c is not None for e in self.entries for c in e["chunks"])
 
 
 class _Writer:
@@ -132,7 +108,7 @@ class _Writer:
     batch k+1 while the host checksums and writes batch k. At most ``depth`` batches wait (their
     pinned host buffers are the memory this holds); errors surface at the next submit or at finish."""
 
-    def __init__(self, sink: _OrderedSink, depth: int = 2) -> None:
+    def __init__(self, sink: _ChunkSink, depth: int = 2) -> None:
         self.sink = sink
         self.depth = depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s4w-write")
@@ -145,9 +121,7 @@ class _Writer:
             self.pending.popleft().result()
 
         def run(items: list[tuple[int, int, str, Any]] = items, keep: Any = keep) -> None:
-            for ji, ci, cid, data in items:
-                self.sink.put(ji, ci, cid, data)
-            self.sink.drain()
+            self.sink.write(items)
             del keep  # the pinned buffer the views point into lives until they are written
 
         self.pending.append(self.pool.submit(run))
@@ -158,7 +132,6 @@ class _Writer:
                 self.pending.popleft().result()
         finally:
             self.pool.shutdown(wait=True)
-        self.sink.drain()
 
     def close(self) -> None:
         """Stop without raising (after an error elsewhere: queued writes are dropped)."""
@@ -296,7 +269,7 @@ def encode_storages(
         raise ValueError(f"GPU writer has no profile {profile!r}")
     prof = PROFILES[profile]
     dev = _device_for(jobs)
-    sink = _OrderedSink(writer)
+    sink = _ChunkSink(writer)
     budget = _nvcomp.batch_bytes(dev)
     entries: list[dict[str, Any]] = []
     fold_slots: list[tuple[int, int]] = []  # (entry index, nbytes)
@@ -437,7 +410,6 @@ def encode_storages(
             if rc_pick.get(jidx):
                 # the row/column variant (docs/FORMAT.md 4.5d): coded by the profile's coder with the
                 # other row/column storages of its group, one nvCOMP call and read-back per group;
-                # the sink writes chunks in manifest order, so later storages' chunks wait for it
                 assert job.cols is not None
                 entry["transform"] = RC_TRANSFORM
                 ji = sink.add_job(entry, -(-n // seg) * w)

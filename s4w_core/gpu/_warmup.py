@@ -46,8 +46,9 @@ __all__ = ["DEFAULT_DTYPES", "marker_path", "run", "stage_key", "synthetic_state
 #: plane dtypes warmed when none are named: the two plane widths (bf16 and fp16 share the 2-byte kernels)
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 #: element counts per dtype: odd sizes and sizes of whole 16-byte words (the kernels' aligned and
-#: unaligned variants: a model's tensors are mostly the latter), one above a GPU segment
-_SIZES = (3, 1000, 4096, (1 << 16) + 5, 1 << 18, (1 << 20) + 7)
+#: unaligned variants: a model's tensors are mostly the latter), one above a GPU segment; the
+#: smallest is still split into planes (scalars under ``jobs.PLANES_MIN_BYTES`` are not)
+_SIZES = (5, 1000, 4096, (1 << 16) + 5, 1 << 18, (1 << 20) + 7)
 #: int64 element counts: 800 B (the writer's CPU path) and ~2 MiB (its GPU path)
 _INT_SIZES = (100, (1 << 18) + 3)
 

@@ -423,33 +423,42 @@ class Tables:
 
     def __init__(self) -> None:
         self._parts: list[np.ndarray] = []
+        self._lens: list[int] = []  # int64 words of each part before its padding
         self._int32: list[bool] = []
 
     def add(self, a: np.ndarray) -> int:
-        """Queue ``a`` (int64, or int32 for a program map); returns its index in :meth:`upload`'s list."""
+        """Queue ``a`` (int64, or int32 for a program map); returns its index in :meth:`upload`'s list.
+        Every part starts 16-byte aligned in the upload (parts are padded to whole 16-byte words):
+        Triton specializes a kernel on whether each pointer argument is 16-byte aligned, so an
+        alignment that followed the sizes of the tables before a part would compile variants that
+        depend on the data (which no warm-up can know)."""
         a = np.ascontiguousarray(a).reshape(-1)
         is32 = a.dtype == np.int32
         if is32:
             a = (np.concatenate([a, np.zeros(1, np.int32)]) if len(a) % 2 else a).view(np.int64)
         else:
             a = a.astype(np.int64, copy=False)
+        self._lens.append(len(a))
+        if len(a) % 2:
+            a = np.concatenate([a, np.zeros(1, np.int64)])
         self._parts.append(a)
         self._int32.append(is32)
         return len(self._parts) - 1
 
     def upload(self, device: torch.device) -> list[torch.Tensor]:
-        """Every queued array on ``device``, as views of one tensor (int32 views for maps)."""
+        """Every queued array on ``device``, as views of one tensor (int32 views for maps), each
+        16-byte aligned."""
         total = sum(len(a) for a in self._parts)
         if device.type == "cuda":
-            host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
+            host = torch.empty(max(total, 2), dtype=torch.int64, pin_memory=True)
             if total:
                 np.concatenate(self._parts, out=host.numpy()[:total])
             buf = host.to(device, non_blocking=True)
         else:  # the interpreter runs kernels on CPU tensors
-            buf = torch.from_numpy(np.concatenate(self._parts)) if total else torch.zeros(1, dtype=torch.int64)
+            buf = torch.from_numpy(np.concatenate(self._parts)) if total else torch.zeros(2, dtype=torch.int64)
         views, pos = [], 0
-        for a, is32 in zip(self._parts, self._int32):
-            v = buf[pos : pos + len(a)]
+        for a, n, is32 in zip(self._parts, self._lens, self._int32):
+            v = buf[pos : pos + n]
             views.append(v.view(torch.int32) if is32 else v)
             pos += len(a)
         return views

@@ -108,6 +108,17 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._observed = False
         self._cancel: threading.Event | None = None  # set: a tail job that the next save cancels
+        #: a tail job that only some saves cancel: called with the step a save is about to write,
+        #: True when that save makes the job's result useless (see :meth:`cancel_before`)
+        self._drop_before: Callable[[int], bool] | None = None
+
+    def cancel_before(self, drop_before: Callable[[int], bool]) -> threading.Event:
+        """Make this tail job cancellable by a save of a step ``s`` for which ``drop_before(s)``
+        is true (the re-encoding of a step that the save's retention deletes); returns the event
+        the job watches (set: stop at the next write)."""
+        self._cancel = threading.Event()
+        self._drop_before = drop_before
+        return self._cancel
 
     def done(self) -> bool:
         """True once the save is durable or has failed."""
@@ -187,6 +198,27 @@ class CancellableWriter:
     def flush(self) -> None:
         self._f.flush()
 
+    def positional(self) -> Any:
+        """The file's positional writes (``s4w_core._fsutil.PositionalWrites``), each reservation
+        refused with :class:`Cancelled` once ``cancel`` is set; None where it has none."""
+        inner = getattr(self._f, "positional", None)
+        pw = inner() if callable(inner) else None
+        return None if pw is None else _CancellablePositional(pw, self._cancel)
+
+
+class _CancellablePositional:
+    def __init__(self, pw: Any, cancel: threading.Event) -> None:
+        self._pw = pw
+        self._cancel = cancel
+
+    def reserve(self, n: int) -> int:
+        if self._cancel.is_set():
+            raise Cancelled
+        return int(self._pw.reserve(n))
+
+    def pwritev(self, bufs: Any, offset: int) -> None:
+        self._pw.pwritev(bufs, offset)
+
 
 def _run(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
     while True:
@@ -230,9 +262,10 @@ class Pipeline:
         _PIPELINES.add(self)
 
     # -- foreground
-    def begin(self) -> float:
-        """Before a save: wait for the one in flight (or raise SaveInProgressError), then raise a
-        failure not yet reported.  Returns the seconds waited."""
+    def begin(self, step: int | None = None) -> float:
+        """Before a save (of ``step``): wait for the one in flight (or raise SaveInProgressError),
+        and for the tail behind it unless the save cancels it, then raise a failure not yet
+        reported.  Returns the seconds waited."""
         h = self.inflight
         if h is not None and not h.done() and self.on_busy == "error":
             raise SaveInProgressError(
@@ -243,7 +276,7 @@ class Pipeline:
         busy = False
         while True:  # the save in flight may queue a tail before it ends: look again after it
             h = self.inflight
-            tail = self.cancel_tail()
+            tail = self.cancel_tail(step)
             if h is not None and not h.done():
                 busy = True
                 h.wait_done()
@@ -256,14 +289,25 @@ class Pipeline:
         self.raise_failed()
         return waited
 
-    def cancel_tail(self) -> SaveHandle | None:
-        """Ask the tail job to stop (it ends at its next write); returns it if it has not ended."""
+    def cancel_tail(self, step: int | None = None) -> SaveHandle | None:
+        """Ask the tail job to stop (it ends at its next write) if it is cancellable by the next
+        save, or by a save of ``step`` (:meth:`SaveHandle.cancel_before`); returns it if it has
+        not ended."""
         t = self.tail
         if t is None or t.done():
             return None
-        if t._cancel is not None:  # noqa: SLF001
+        if t._cancel is not None and (  # noqa: SLF001
+            t._drop_before is None or (step is not None and t._drop_before(step))  # noqa: SLF001
+        ):
             t._cancel.set()  # noqa: SLF001
         return t
+
+    def cancel_tail_of(self, what: str, step: int) -> None:
+        """Stop the tail job if it is the ``what`` of ``step`` and cancellable (a delete of the
+        step it re-encodes: its result would be dropped)."""
+        t = self.tail
+        if t is not None and not t.done() and t.what == what and t.step == step and t._cancel is not None:  # noqa: SLF001
+            t._cancel.set()  # noqa: SLF001
 
     def settle(self) -> None:
         """Wait for the save in flight and the tail behind it, without raising a failure (that

@@ -158,6 +158,8 @@ class StoreCore:
     _rec_lock: threading.RLock
     _pipe: _async.Pipeline
     _pinned_pool: PinnedPool
+    #: steps a caller deletes soon (``drop_pending``): not re-encoded
+    _dropped: set[int]
 
     # ------------------------------------------------------------------ commit records
     # ------------------------------------------------------------------ listing

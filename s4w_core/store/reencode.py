@@ -9,6 +9,7 @@ import builtins
 import functools
 import io
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -19,7 +20,7 @@ from s4w_core import engine, obs, pipeline
 from s4w_core.errors import S4WError, StoreError
 from s4w_core.jobs import row_lengths
 from s4w_core.store import _tiered
-from s4w_core.store._async import SaveHandle
+from s4w_core.store._async import CancellableWriter, Cancelled, SaveHandle
 from s4w_core.store._backend import Backend
 from s4w_core.store.chain import BaseProvider, CachedBase, source_of_manifest
 from s4w_core.store.loads import Loads
@@ -48,6 +49,8 @@ class Reencode:
     old: CachedBase | None
     new: StepInfo
     cache: CachedBase | None
+    #: the visible steps once ``new`` is committed (whether a later save's retention deletes ``prev``)
+    shown: tuple[int, ...] = ()
 
 
 class _Stale(Exception):
@@ -61,12 +64,27 @@ class Reencoder(Loads):
     # ------------------------------------------------------------------ re-encoding (reverse deltas)
     def _schedule_reencode(self, todo: builtins.list[Reencode]) -> None:
         """Start the re-encoding ``_save`` asked for, on the worker, behind what is queued.  The
-        next save waits for it (it is not cancelled: a step left whole would stay whole)."""
+        next save waits for it (a step left whole would stay whole), unless that save's
+        retention (``keep_last``) deletes the step: then the save cancels it, and so does a
+        delete of the step -- its result would be dropped, and a save would wait for it."""
         if not todo:
             return
         job = todo[0]
         handle = SaveHandle(job.prev.step, "reencode", self.backend.url, what="re-encoding")
-        self._pipe.defer(handle, functools.partial(self._reencode, handle, job))
+        cancel = handle.cancel_before(functools.partial(self._dropped_by, job))
+        self._pipe.defer(handle, functools.partial(self._reencode, handle, job, cancel))
+
+    def _dropped_by(self, job: Reencode, step: int) -> bool:
+        """Does a save of ``step`` delete ``job.prev`` by retention (``keep_last``), judged by the
+        steps visible when ``job`` was planned?  (Wrong only when steps were deleted or pinned
+        since; then the step stays whole: it loads the same, it only takes more room.)"""
+        if job.prev.step in self._dropped:
+            return True
+        keep = self.keep_last
+        if keep is None or job.prev.step in self.pinned:
+            return False
+        steps = sorted(set(job.shown) | {step})
+        return job.prev.step not in steps[-keep:]
 
     def _drop_copies(self) -> None:
         """Remove the keyframe copies a store of the first layout kept for its newest step (the
@@ -103,14 +121,15 @@ class Reencoder(Loads):
             run, above = run + 1, s
         return prev if run + 1 < self.keyframe_every else None
 
-    def _reencode(self, handle: SaveHandle, job: Reencode) -> None:
+    def _reencode(self, handle: SaveHandle, job: Reencode, cancel: threading.Event | None = None) -> None:
         """Turn the whole step ``job.prev`` into a delta against the newer whole step
         ``job.new``: encode it against ``job.new``'s bytes (the host copy kept as the cache),
         write a new data object, check that it stands for the step (same storages, same bytes),
         rewrite the step's commit record to point at it (the commit point), then remove the old
         whole object.  A crash leaves the step whole (and an unreferenced object for ``gc()``)
         or re-encoded (and the old object unreferenced); it loads bit-exactly either way.  Runs
-        on the worker after the save; a failure is logged, never raised (the step stays whole)."""
+        on the worker after the save; a failure is logged, never raised (the step stays whole).
+        ``cancel``: set, the job stops at its next write and leaves the step whole (``cancelled``)."""
         prev, new, cache = job.prev, job.new, job.cache
         backend = self._home(prev.step)
         t0 = time.perf_counter()
@@ -119,6 +138,8 @@ class Reencoder(Loads):
         outcome = "written"
         error: str | None = None
         try:
+            if (cancel is not None and cancel.is_set()) or prev.step in self._dropped:
+                raise Cancelled
             with self._lock:
                 recs = self._read_records()
                 if not self._still(backend, recs, prev, new):
@@ -148,7 +169,8 @@ class Reencoder(Loads):
             else:
                 key = data_key(prev.step)
                 with backend.writer(key) as f:
-                    m, size, prof = self._encode_into(state, f, provider, prev.step, prev.extra)
+                    out = f if cancel is None else CancellableWriter(f, cancel)
+                    m, size, prof = self._encode_into(state, out, provider, prev.step, prev.extra)
             handle.stages["encode"] = time.perf_counter() - t
             del state
             t = time.perf_counter()
@@ -167,6 +189,8 @@ class Reencoder(Loads):
                 handle.stages["write"] = time.perf_counter() - t
             t = time.perf_counter()
             with self._lock:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled
                 recs = self._read_records()
                 if not self._still(backend, recs, prev, new):
                     raise _Stale  # deleted, replaced or overtaken meanwhile
@@ -180,13 +204,18 @@ class Reencoder(Loads):
             handle.stages["commit"] = time.perf_counter() - t
         except _Stale:
             outcome = "skipped"
+        except Cancelled:
+            outcome = "cancelled"
         except BaseException as e:  # noqa: BLE001 - logged; the step itself is intact
-            # only the text: the exception's frames would keep this store alive (a cycle)
-            error, outcome = f"{type(e).__name__}: {e}", "failed"
-            log.warning(
-                "s4weights: re-encoding step %d of %s as a delta against step %d failed (%s); it stays whole",
-                prev.step, backend.url, new.step, error,
-            )
+            if cancel is not None and cancel.is_set() and isinstance(e, S4WError):
+                outcome = "cancelled"  # a backend that wrapped the stop in its own error
+            else:
+                # only the text: the exception's frames would keep this store alive (a cycle)
+                error, outcome = f"{type(e).__name__}: {e}", "failed"
+                log.warning(
+                    "s4weights: re-encoding step %d of %s as a delta against step %d failed (%s); it stays whole",
+                    prev.step, backend.url, new.step, error,
+                )
         finally:
             self._unpool(job.old)
             if key is not None:

@@ -49,6 +49,18 @@ class Retention(Reencoder):
             self.delete(s)
         return doomed
 
+    def drop_pending(self, step: int) -> None:
+        """Stop background work on ``step`` that deleting it would discard: the re-encoding of
+        ``step`` as a delta against the step above, when it is in flight (it stops at its next
+        write; the step stays whole), or not started yet (it will not run).  For a caller that
+        deletes ``step`` once its next save is durable (a framework's rotation): that save then
+        does not wait for the re-encoding.  Nothing is deleted; deleting or saving ``step`` again
+        ends this.  (Saves cancel it themselves where the store's own ``keep_last``
+        deletes the step.)"""
+        step = check_step(step)
+        self._dropped.add(step)
+        self._pipe.cancel_tail_of("re-encoding", step)
+
     def delete(self, step: int, *, rebase: bool = False) -> None:
         """Delete ``step``: it disappears from listings at once.  Deleting a step below the newest
         writes nothing but its commit record: when a kept step is a delta against it (the step
@@ -68,6 +80,8 @@ class Retention(Reencoder):
             CheckpointNotFoundError: no such step.
         """
         step = check_step(step)
+        self._pipe.cancel_tail_of("re-encoding", step)  # its result would be dropped: stop it
+        self._dropped.discard(step)
         if rebase:  # re-coding steps: let a save in flight and the re-encoding behind it land
             self._pipe.settle()
         with self._lock:

@@ -64,6 +64,36 @@ class CountingWriter:
         self._p.update(n)
         return n
 
+    def positional(self) -> _CountedPositional | None:
+        """The backend file's positional writes (see :class:`s4w_core._fsutil.PositionalWrites`),
+        counted and with errors named as :meth:`write` names them; None where it has none."""
+        inner = getattr(self._f, "positional", None)
+        pw = inner() if callable(inner) else None
+        return None if pw is None else _CountedPositional(pw, self)
+
+
+class _CountedPositional:
+    def __init__(self, pw: Any, counter: CountingWriter) -> None:
+        self._pw = pw
+        self._c = counter
+
+    def reserve(self, n: int) -> int:
+        try:
+            start = int(self._pw.reserve(n))
+        except OSError as e:
+            raise StoreError(f"cannot write {self._c._where}: {e}") from e
+        self._c.n += n
+        self._c._p.update(n)
+        return start
+
+    def pwritev(self, bufs: Any, offset: int) -> None:
+        try:
+            self._pw.pwritev(bufs, offset)
+        except OSError as e:
+            if isinstance(e, S4WError):
+                raise
+            raise StoreError(f"cannot write {self._c._where}: {e}") from e
+
 
 
 class Writes(Retention):
@@ -251,7 +281,7 @@ class Writes(Retention):
             return handle
 
     def _begin(self, handle: SaveHandle) -> None:
-        waited = self._pipe.begin()
+        waited = self._pipe.begin(handle.step)
         if waited:
             handle.waited_s = waited
             handle.stages["wait"] = waited
@@ -385,6 +415,7 @@ class Writes(Retention):
                 raise ConflictError(
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
+            self._dropped.discard(step)  # saved again: it is the caller's to keep
             before: set[str] = set()
             if step in recs:  # replaced (or saved again after a delete that left it hidden): the step
                 # below it must not stay a delta against its old bytes
@@ -548,7 +579,8 @@ class Writes(Retention):
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
         cache = self._cache
         if prev is not None and reencode_out is not None:
-            reencode_out.append(Reencode(prev, old, info, cache if cache is not None and cache.step == step else None))
+            shown = tuple(sorted(set(visible(recs)) | {step}))
+            reencode_out.append(Reencode(prev, old, info, cache if cache is not None and cache.step == step else None, shown))
         else:
             self._unpool(old)
         return info

@@ -535,3 +535,76 @@ def test_checksums_of_other_algorithms_are_checked_on_the_bytes() -> None:
     same_algo = {"storages": [{**entry, "checksum": ck.compute_checksum("fold64", other)}], "tree": 0, "tensors": []}
     assert "other bytes" in str(same_storages(same_algo, own, [raw], ["cpu"]))
     assert "tree" in str(same_storages({**copy, "tree": 1}, own, [raw], ["cpu"]))
+
+
+def test_a_save_whose_retention_deletes_the_step_being_reencoded_cancels_it(store_url: str) -> None:
+    """keep_last=2: the save of step 2 deletes step 0, so the re-encoding of step 0 (behind the
+    save of step 1) is cancelled, not waited for and committed; nothing of it is left behind."""
+    run = make_run(3)
+    gated = _Gated(open_backend(store_url), "data/step_000000000000.")
+    st = CheckpointStore(store_url, profile="portable", keep_last=2, _backend=gated)
+    with _events() as ev:
+        st.save(run[0], 0)
+        st.save(run[1], 1)
+        assert gated.entered.wait(30), "the re-encoding of step 0 started"
+        saver = threading.Thread(target=st.save, args=(run[2], 2))
+        saver.start()
+        saver.join(1.0)  # in its begin: the re-encoding is cancelled (it is waited for only to stop)
+        gated.gate.set()  # the write in progress ends; the re-encoding stops before it commits
+        saver.join(60)
+        st.wait()
+    re = [(e.step, e.extra["outcome"]) for e in ev if e.op == "reencode" and e.url == st.backend.url]
+    assert re == [(0, "cancelled"), (1, "written")]
+    assert st.steps() == [1, 2] and [r.kind for r in st.list()] == ["delta", "keyframe"]
+    assert _data(st) == _live(st), "the cancelled re-encoding left no object"
+    for i in (1, 2):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+def test_drop_pending_keeps_a_step_whole_until_its_delete(store_url: str) -> None:
+    """A step the caller says it deletes soon is not re-encoded (the save above it does not wait
+    for that); it loads whole until deleted, and after the delete the next re-encodings run."""
+    run = make_run(4)
+    st = CheckpointStore(store_url, profile="portable")
+    with _events() as ev:
+        st.save(run[0], 0)
+        st.drop_pending(0)
+        st.save(run[1], 1)
+        st.wait()
+        assert [r.kind for r in st.list()] == ["keyframe", "keyframe"]
+        assert bits_equal(st.load(0), run[0])
+        st.delete(0)
+        st.save(run[2], 2)
+        st.save(run[3], 3)
+        st.wait()
+    re = [(e.step, e.extra["outcome"]) for e in ev if e.op == "reencode" and e.url == st.backend.url]
+    assert re == [(0, "cancelled"), (1, "written"), (2, "written")]
+    assert [(r.step, r.kind) for r in st.list()] == [(1, "delta"), (2, "delta"), (3, "keyframe")]
+    assert _data(st) == _live(st)
+    for i in (1, 2, 3):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+def test_an_adapters_rotation_cancels_the_reencoding_of_the_step_it_deletes(store_url: str) -> None:
+    """HF's save_total_limit / Accelerate's total_limit mirrored by AdapterSteps: before the save
+    that rotates a step out, that step's re-encoding in flight is stopped (the save would wait
+    for it, and the delete after the save drop it)."""
+    from s4w_core.framework_steps import AdapterSteps
+
+    run = make_run(3)
+    gated = _Gated(open_backend(store_url), "data/step_000000000010.")
+    steps = AdapterSteps("test", profile="portable", _backend=gated)
+    st = steps.store(store_url)
+    with _events() as ev:
+        for i, s in enumerate((10, 20)):
+            steps.save(st, run[i], s, {}, then=lambda: steps.retain(st, 2))
+        assert gated.entered.wait(30), "the re-encoding of step 10 started"
+        steps.drop_rotated(st, 30, 2)
+        gated.gate.set()
+        steps.save(st, run[2], 30, {}, then=lambda: steps.retain(st, 2))
+        steps.finish()
+        st.wait()
+    re = [(e.step, e.extra["outcome"]) for e in ev if e.op == "reencode" and e.url == st.backend.url]
+    assert re == [(10, "cancelled"), (20, "written")]
+    assert st.steps() == [20, 30] and _data(st) == _live(st)
+    assert bits_equal(CheckpointStore(store_url).load(20), run[1])
