@@ -412,7 +412,8 @@ class EncodePlan:
             self.cols_run = torch.empty_like(self.cols_init)
             if self.flags_init is not None:
                 self.flags_run = torch.empty_like(self.flags_init)
-        self.back = _nvcomp.host_empty(32 * n + 8 * k).view(torch.int64) if dev.type == "cuda" else None
+        # the read-back: 4 words per chunk, then the split's flags (a piece each, a pad per launch at most)
+        self.back = _nvcomp.host_empty(32 * n + 16 * (k + 1)).view(torch.int64) if dev.type == "cuda" else None
 
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.empty(self.out_bytes, dtype=torch.uint8, device=self.dev),
