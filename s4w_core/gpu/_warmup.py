@@ -140,6 +140,8 @@ def _sequence(s0: dict[str, torch.Tensor], s1: dict[str, torch.Tensor] | None, k
             for a, b in ((s0, s1), (w0, w1)):
                 h0 = {k: v.cpu().pin_memory() for k, v in a.items()}
                 _encode(_jobs({k: v.cpu().pin_memory() for k, v in b.items()}, h0, str(device)), pool)
+            if isinstance(key, int):  # the split's variants these states did not happen to need
+                _plane_kernels.compile_split_variants(key, device)
         on_stage(("delta", key))
     _decode(r0, plain, None, device, pool)
     if s1 is not None:

@@ -55,6 +55,7 @@ __all__ = [
     "program_map",
     "Tables",
     "launch_items",
+    "compile_split_variants",
     "SPLIT",
     "MERGE",
     "MERGE_CHUNKS",
@@ -476,6 +477,24 @@ def launch_items(kernel: Any, w: int, op: int, table: torch.Tensor, prog_map: to
                             ALIGNED=aligned and _wide(), BLOCK=block, num_warps=warps)
     else:
         kernel[(programs,)](table, prog_map, arg, W=w, OP=op, ALIGNED=aligned and _wide(), BLOCK=block, num_warps=warps)
+
+
+def compile_split_variants(w: int, device: torch.device) -> None:
+    """Compile, without launching, every variant of the split that the GPU writer's batches launch
+    for element width ``w`` (:func:`launch_items` with flags): each delta op, with and without the
+    aligned path. Which of them a save needs follows its data (the delta op the writer chooses per
+    storage, whether a launch's storages are whole 16-byte words); the warm-up compiles them all so
+    that no save compiles one. The pointer arguments are 16-byte aligned, as every launch's are
+    (:class:`Tables`)."""
+    block, warps = block_config(_split_kernel)
+    table = torch.zeros(2 * _ROW, dtype=torch.int64, device=device)
+    pmap = torch.zeros(4, dtype=torch.int32, device=device)
+    out = torch.zeros(64, dtype=torch.uint8, device=device)
+    flags = torch.zeros(2, dtype=torch.int64, device=device)
+    for op in sorted(set(OPS.values())):
+        for aligned in sorted({_wide(), False}):
+            _split_kernel.warmup(table, pmap, out, flags, W=w, OP=op, FLAGS=True, ALIGNED=aligned, BLOCK=block,
+                                 num_warps=warps, grid=(1,))
 
 
 def _launch_by_op(kernel: Any, w: int, arg: torch.Tensor, rows: np.ndarray, ops: np.ndarray, aligned: Any) -> None:
