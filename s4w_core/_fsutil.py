@@ -8,14 +8,12 @@ import os
 import re
 import secrets
 import tempfile
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Iterator, Sequence
 
 from s4w_core import config
 from s4w_core.errors import S4WError, StoreError, UnsafePathError
 
-__all__ = ["name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "PositionalWrites", "NOFOLLOW_AT"]
+__all__ = ["name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
 
 #: bytes written between two writeback starts (``S4W_WRITEBACK_BYTES``; 0 turns it off)
 WRITEBACK_BYTES = config.get_int("S4W_WRITEBACK_BYTES")
@@ -54,124 +52,8 @@ class EarlyWriteback:
             self._started = self._pos
         return n
 
-    def positional(self) -> PositionalWrites | None:
-        """Positional writes into this file (:class:`PositionalWrites`), or None where it has no
-        descriptor or the OS no ``pwritev``."""
-        if not hasattr(os, "pwritev"):
-            return None
-        try:
-            fd = self._f.fileno()
-        except (AttributeError, OSError, ValueError):
-            return None
-        return PositionalWrites(self, fd)
-
-    def skip(self, n: int) -> int:
-        """Move the stream ``n`` bytes on without writing them (a :class:`PositionalWrites`
-        reservation); returns the file offset where they start."""
-        self._f.flush()
-        start = self._f.tell()
-        self._f.seek(n, os.SEEK_CUR)
-        self._pos += n
-        return int(start)
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
-
-
-#: threads that write one reservation's buffers (each thread one ``pwritev``: the GIL is given up
-#: once per call, not once per chunk)
-PWRITE_THREADS = 4
-#: a reservation smaller than this is written by the calling thread alone
-_PWRITE_SPLIT = 4 << 20
-_pwrite_pool: ThreadPoolExecutor | None = None
-_pwrite_lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _pwrite_pool
-    with _pwrite_lock:
-        if _pwrite_pool is None:
-            _pwrite_pool = ThreadPoolExecutor(PWRITE_THREADS, thread_name_prefix="s4w-pwrite")
-        return _pwrite_pool
-
-
-class PositionalWrites:
-    """Writes into a region of a file that its sequential stream skipped (:meth:`reserve`), from
-    the caller's buffers (no copy into a write block) and on several threads: a writer that
-    knows its chunks' lengths ahead (the GPU writer's batches, in pinned host memory) reserves
-    their bytes and writes them with :meth:`pwritev`.  ``owner`` is the file object whose
-    ``skip(n)`` moves its stream on (it flushes what it buffered first); ``fd`` its descriptor.
-    Durability is the owner's: its closing fsync covers these bytes too."""
-
-    def __init__(self, owner: Any, fd: int) -> None:
-        self._owner = owner
-        self._fd = fd
-
-    def reserve(self, n: int) -> int:
-        """Skip ``n`` bytes of the stream; returns the file offset where they start."""
-        return int(self._owner.skip(n))
-
-    def pwritev(self, bufs: Sequence[Any], offset: int) -> None:
-        """Write ``bufs`` back to back at file ``offset`` (all of them: short writes continue),
-        split over :data:`PWRITE_THREADS` threads when they are large; OSError on failure."""
-        views = [memoryview(b).cast("B") for b in bufs]
-        total = sum(v.nbytes for v in views)
-        if total < _PWRITE_SPLIT:
-            _pwritev_all(self._fd, views, offset)
-            return
-        # contiguous groups of about total / threads bytes (whole buffers), one call each
-        groups: list[tuple[list[memoryview], int]] = []
-        per = -(-total // PWRITE_THREADS)
-        cur: list[memoryview] = []
-        size = 0
-        start = offset
-        for v in views:
-            cur.append(v)
-            size += v.nbytes
-            if size >= per:
-                groups.append((cur, start))
-                start += size
-                cur, size = [], 0
-        if cur:
-            groups.append((cur, start))
-        futs = [_pool().submit(_pwritev_all, self._fd, g, o) for g, o in groups[1:]]
-        err: BaseException | None = None
-        try:
-            _pwritev_all(self._fd, groups[0][0], groups[0][1])
-        except BaseException as e:  # noqa: BLE001 - the others are waited for first
-            err = e
-        for f in futs:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
-        if err is not None:
-            raise err
-
-
-def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """``os.pwritev`` until every byte of ``views`` is written at ``offset`` (at most
-    ``IOV_MAX`` buffers per call; a short write continues where it stopped)."""
-    iov_max = getattr(os, "IOV_MAX", None) or 1024
-    views = [v for v in views if v.nbytes]
-    i, skip = 0, 0  # the next buffer, and bytes of it already written
-    while i < len(views):
-        batch = views[i : i + iov_max]
-        if skip:
-            batch = [batch[0][skip:]] + batch[1:]
-        n = os.pwritev(fd, batch, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, f"pwritev wrote {n} bytes")
-        offset += n
-        while n and i < len(views):
-            left = views[i].nbytes - skip
-            if n >= left:
-                n -= left
-                i, skip = i + 1, 0
-            else:
-                skip += n
-                n = 0
-
 
 
 #: characters no name from a file or a caller may hold: NUL and the other C0 controls, DEL and the

@@ -8,8 +8,7 @@
 
 All integers little-endian.  The manifest comes last so a writer can stream chunks out (to a
 file, a pipe or a multipart S3 upload) as they are encoded, without knowing sizes in advance and
-without seeking back. (A local file may take a large group of chunks by positional writes into a
-region its stream skips, :meth:`ContainerWriter.add_chunks`; the bytes are the same.)
+without seeking back.
 
 Header flags: bit 0 (:data:`FLAG_MANIFEST_ZSTD`) says the stored manifest is one zstd frame
 (declaring its content size) of the JSON text; ``manifest_length`` and the trailer checksum are
@@ -151,11 +150,6 @@ _WRITE_BLOCK = 16 << 20
 _FIRST_BLOCK = 256 << 10
 
 
-#: a group of chunks this large goes to a file object's positional writes (:meth:`ContainerWriter.add_chunks`)
-POSITIONAL_MIN = 1 << 20
-_UNSET = object()
-
-
 class ContainerWriter:
     """Streams a container to a binary file object: ``add_chunk`` in order, then ``finish``.
 
@@ -172,7 +166,6 @@ class ContainerWriter:
         self._write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
         self._pos = HEADER_SIZE
         self.data_bytes = 0
-        self._pw: Any = _UNSET  # the file object's positional writes: looked up at the first large group
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -214,35 +207,8 @@ class ContainerWriter:
             self._fp.write(self._buf[:n])
 
     def add_chunks(self, chunks: Sequence[Any]) -> list[tuple[int, int, str]]:
-        """Append ``chunks`` back to back, in this order; returns :meth:`add_chunk`'s tuple for each.
-
-        A file object with positional writes (``fp.positional()``, see
-        :class:`s4w_core._fsutil.PositionalWrites`: the store's local files) gets a group of at
-        least :data:`POSITIONAL_MIN` bytes written straight from ``chunks`` (no copy into the
-        write block) by a few threads, in a region its stream skips; other file objects, and
-        smaller groups, take :meth:`add_chunk` per chunk. The bytes are the same either way."""
-        views = [memoryview(c).cast("B") for c in chunks]
-        total = sum(v.nbytes for v in views)
-        pw = self._positional() if total >= POSITIONAL_MIN else None
-        if pw is None:
-            return [self.add_chunk(v) for v in views]
-        self._flush()  # what was gathered (the header, at first) goes out: the stream is at ``self._pos``
-        start = pw.reserve(total)
-        out: list[tuple[int, int, str]] = []
-        rel = 0
-        for v in views:
-            out.append((self._pos + rel, v.nbytes, xxh3_hex_holding_gil(v)))
-            rel += v.nbytes
-        pw.pwritev(views, start)
-        self._pos += total
-        self.data_bytes += total
-        return out
-
-    def _positional(self) -> Any:
-        if self._pw is _UNSET:
-            fn = getattr(self._fp, "positional", None)
-            self._pw = fn() if callable(fn) else None
-        return self._pw
+        """Append ``chunks`` back to back, in this order; returns :meth:`add_chunk`'s tuple for each."""
+        return [self.add_chunk(c) for c in chunks]
 
     def add_chunk(self, data: bytes | bytearray | memoryview) -> tuple[int, int, str]:
         """Append one chunk; returns ``(offset, length, xxh3-64 hex)`` for the manifest."""

@@ -16,8 +16,7 @@ in :mod:`s4w_core.gpu._coder`; this module plans the batches, chooses delta ops 
    chunks and raw first planes are compacted after the planes, raw later planes stay where the
    split wrote them; the choice is read back;
 4. copy the chunks to pinned host memory (one copy per run of chunks that lie together) and append
-   them to the container as one group (a local store file takes it by positional writes on a few
-   threads, straight from the pinned buffer: :meth:`ContainerWriter.add_chunks`).
+   them to the container as one group.
 
 With nvCOMP's Python API (``S4W_NVCOMP_C=0``, an nvCOMP other than 6.x, the portable profile's
 Deflate) the chunks to code are read back between the probe and the coder.
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 

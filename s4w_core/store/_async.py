@@ -198,27 +198,6 @@ class CancellableWriter:
     def flush(self) -> None:
         self._f.flush()
 
-    def positional(self) -> Any:
-        """The file's positional writes (``s4w_core._fsutil.PositionalWrites``), each reservation
-        refused with :class:`Cancelled` once ``cancel`` is set; None where it has none."""
-        inner = getattr(self._f, "positional", None)
-        pw = inner() if callable(inner) else None
-        return None if pw is None else _CancellablePositional(pw, self._cancel)
-
-
-class _CancellablePositional:
-    def __init__(self, pw: Any, cancel: threading.Event) -> None:
-        self._pw = pw
-        self._cancel = cancel
-
-    def reserve(self, n: int) -> int:
-        if self._cancel.is_set():
-            raise Cancelled
-        return int(self._pw.reserve(n))
-
-    def pwritev(self, bufs: Any, offset: int) -> None:
-        self._pw.pwritev(bufs, offset)
-
 
 def _run(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
     while True:

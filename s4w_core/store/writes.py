@@ -64,37 +64,6 @@ class CountingWriter:
         self._p.update(n)
         return n
 
-    def positional(self) -> _CountedPositional | None:
-        """The backend file's positional writes (see :class:`s4w_core._fsutil.PositionalWrites`),
-        counted and with errors named as :meth:`write` names them; None where it has none."""
-        inner = getattr(self._f, "positional", None)
-        pw = inner() if callable(inner) else None
-        return None if pw is None else _CountedPositional(pw, self)
-
-
-class _CountedPositional:
-    def __init__(self, pw: Any, counter: CountingWriter) -> None:
-        self._pw = pw
-        self._c = counter
-
-    def reserve(self, n: int) -> int:
-        try:
-            start = int(self._pw.reserve(n))
-        except OSError as e:
-            raise StoreError(f"cannot write {self._c._where}: {e}") from e
-        self._c.n += n
-        self._c._p.update(n)
-        return start
-
-    def pwritev(self, bufs: Any, offset: int) -> None:
-        try:
-            self._pw.pwritev(bufs, offset)
-        except OSError as e:
-            if isinstance(e, S4WError):
-                raise
-            raise StoreError(f"cannot write {self._c._where}: {e}") from e
-
-
 
 class Writes(Retention):
     """Blocking and non-blocking saves."""

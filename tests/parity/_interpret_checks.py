@@ -588,35 +588,6 @@ def pipeline_fast_roundtrip() -> None:
 
 
 @check
-def pipeline_positional_file_same_bytes() -> None:
-    """Saved to a local file, the GPU writer's batches go out by positional writes on several
-    threads (ContainerWriter.add_chunks); the file is byte for byte what a stream gets."""
-    import tempfile
-
-    import s4w_core
-    from s4w_core.format.container import ContainerReader
-
-    g = torch.Generator().manual_seed(3)
-    obj = {f"w{i}": torch.randn(1_500_000 + 17 * i, generator=g).to(torch.bfloat16) for i in range(4)}
-    obj["small"] = torch.randn(100, generator=g)
-    buf = io.BytesIO()
-    with tempfile.TemporaryDirectory() as d, simulated_gpu(batch_bytes=8 << 20):
-        s4w_core.save(obj, buf, profile="fast")
-        path = os.path.join(d, "c.s4w")
-        s4w_core.save(obj, path, profile="fast")
-        with open(path, "rb") as f:
-            data = f.read()
-        back, m = _decode_all_gpu_sim(data)
-    ref = ContainerReader.from_bytes(buf.getvalue())
-    end = ref.data_end
-    assert data[:end] == buf.getvalue()[:end], "the positional writes changed the chunks"
-    got = ContainerReader.from_bytes(data).manifest
-    assert {**got, "created": None} == {**ref.manifest, "created": None}
-    assert_same(obj, back)
-    assert max(c[2] for s in m["storages"] for c in s["chunks"]) < (4 << 20) < len(data), "groups split over threads"
-
-
-@check
 def pipeline_portable_cross_decode_on_cpu_path() -> None:
     import s4w_core
 
