@@ -206,10 +206,6 @@ class ContainerWriter:
             n, self._fill = self._fill, 0
             self._fp.write(self._buf[:n])
 
-    def add_chunks(self, chunks: Sequence[Any]) -> list[tuple[int, int, str]]:
-        """Append ``chunks`` back to back, in this order; returns :meth:`add_chunk`'s tuple for each."""
-        return [self.add_chunk(c) for c in chunks]
-
     def add_chunk(self, data: bytes | bytearray | memoryview) -> tuple[int, int, str]:
         """Append one chunk; returns ``(offset, length, xxh3-64 hex)`` for the manifest."""
         off = self._pos

@@ -459,8 +459,8 @@ class EncodePlan:
             parts.append(np.asarray(g[6], dtype=np.int64))
             pos += len(g[6])
         order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        flags0 = np.where(order >= 0, self.layout[np.maximum(order, 0)], LAYOUT_ROTL1) if len(order) else order
-        t_flags = tables.add(flags0 if len(order) else np.zeros(1, dtype=np.int64))
+        flags0 = np.where(order >= 0, self.layout[np.maximum(order, 0)], LAYOUT_ROTL1) if len(order) else np.zeros(1, dtype=np.int64)
+        t_flags = tables.add(flags0)
         self.flag_order = order
         dev = tables.upload(self.dev)
         self.flags_init = dev[t_flags]

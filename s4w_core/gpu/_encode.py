@@ -93,9 +93,8 @@ class _ChunkSink:
         return len(self.entries) - 1
 
     def write(self, items: list[tuple[int, int, str, Any]]) -> None:
-        placed = self.writer.add_chunks([data for _ji, _ci, _cid, data in items])
-        for (ji, ci, cid, _data), (off, length, h) in zip(items, placed):
-            self.entries[ji]["chunks"][ci] = [cid, off, length, h]
+        for ji, ci, cid, data in items:
+            self.entries[ji]["chunks"][ci] = [cid, *self.writer.add_chunk(data)]
 
     def done(self) -> bool:
         return all(c is not None for e in self.entries for c in e["chunks"])

@@ -50,7 +50,7 @@ class Reencode:
     new: StepInfo
     cache: CachedBase | None
     #: the visible steps once ``new`` is committed (whether a later save's retention deletes ``prev``)
-    shown: tuple[int, ...] = ()
+    shown: frozenset[int] = frozenset()
 
 
 class _Stale(Exception):
@@ -78,12 +78,10 @@ class Reencoder(Loads):
         """Does a save of ``step`` delete ``job.prev`` by retention (``keep_last``), judged by the
         steps visible when ``job`` was planned?  (Wrong only when steps were deleted or pinned
         since; then the step stays whole: it loads the same, it only takes more room.)"""
-        if job.prev.step in self._dropped:
-            return True
         keep = self.keep_last
         if keep is None or job.prev.step in self.pinned:
             return False
-        steps = sorted(set(job.shown) | {step})
+        steps = sorted(job.shown | {step})
         return job.prev.step not in steps[-keep:]
 
     def _drop_copies(self) -> None:

@@ -548,7 +548,7 @@ class Writes(Retention):
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
         cache = self._cache
         if prev is not None and reencode_out is not None:
-            shown = tuple(sorted(set(visible(recs)) | {step}))
+            shown = frozenset(visible(recs)) | {step}
             reencode_out.append(Reencode(prev, old, info, cache if cache is not None and cache.step == step else None, shown))
         else:
             self._unpool(old)

@@ -54,4 +54,3 @@ def test_atomic_write_uses_it_and_is_durable(tmp_path: Path, monkeypatch: pytest
         f.write(data)
     assert dest.read_bytes() == data
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]  # no temporary left
-
