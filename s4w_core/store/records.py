@@ -41,6 +41,7 @@ __all__ = [
     "count_ops",
     "visible",
     "needed_hidden",
+    "deltas_into",
 ]
 
 STORE_FORMAT = "s4weights-store"
@@ -310,3 +311,19 @@ def needed_hidden(recs: Mapping[int, StepInfo]) -> set[int]:
             base = r.base_step if r.reverse else None
     return needed
 
+
+def deltas_into(recs: Mapping[int, StepInfo], step: int) -> int:
+    """The most reverse deltas of ``recs`` (hidden ones too) that a chain crosses before it
+    reaches ``step``: 0 when no delta is against it.  A chain need not run through adjacent
+    steps (a delta re-coded past an overwritten or deleted step skips it)."""
+    most = 0
+    for r in recs.values():
+        n, seen = 0, {r.step}
+        while r.reverse and r.base_step is not None and r.base_step in recs and r.base_step not in seen:
+            n += 1
+            if r.base_step == step:
+                most = max(most, n)
+                break
+            seen.add(r.base_step)
+            r = recs[r.base_step]
+    return most

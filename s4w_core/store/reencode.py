@@ -24,7 +24,7 @@ from s4w_core.store._async import CancellableWriter, Cancelled, SaveHandle
 from s4w_core.store._backend import Backend
 from s4w_core.store.chain import BaseProvider, CachedBase, source_of_manifest
 from s4w_core.store.loads import Loads
-from s4w_core.store.records import StepInfo, data_key, new_record, replace_record, visible
+from s4w_core.store.records import StepInfo, data_key, deltas_into, new_record, replace_record, visible
 from s4w_core.store.reencode_check import same_storages
 
 log = logging.getLogger("s4w_core.store")
@@ -111,13 +111,7 @@ class Reencoder(Loads):
         prev = recs[below[0]]
         if prev.kind != "keyframe" or prev.pinned:
             return None
-        run, above = 0, prev.step
-        for s in sorted((s for s in recs if s < prev.step), reverse=True):  # hidden steps count too
-            r = recs[s]
-            if not (r.reverse and r.base_step == above):
-                break
-            run, above = run + 1, s
-        return prev if run + 1 < self.keyframe_every else None
+        return prev if deltas_into(recs, prev.step) + 1 < self.keyframe_every else None
 
     def _reencode(self, handle: SaveHandle, job: Reencode, cancel: threading.Event | None = None) -> None:
         """Turn the whole step ``job.prev`` into a delta against the newer whole step
@@ -307,12 +301,7 @@ class Reencoder(Loads):
             above = [s for s in recs if s > step]
             base = recs[min(above)] if above and not d.pinned else None
             if base is not None:
-                below, s = 0, d.step  # the deltas below ``d`` whose chains pass through it
-                for r in sorted((r for r in recs.values() if r.step < d.step), key=lambda r: -r.step):
-                    if not (r.reverse and r.base_step == s):
-                        break
-                    below, s = below + 1, r.step
-                if below + base.depth + 1 >= self.keyframe_every:
+                if deltas_into(recs, d.step) + base.depth + 1 >= self.keyframe_every:
                     base = None
             state, _, _ = self._decoded(d, recs)
             self._recode(d, state, base, recs)

@@ -404,6 +404,7 @@ class Writes(Retention):
             )
             t = time.perf_counter()
             if step in recs:
+                self._collect_hidden()  # deleted steps only the replaced bytes' chain reached
                 self.reclaim(before | set(recs[step].live_objects))
             if all(s <= step for s in recs) and any(r.copy is not None for r in recs.values()):
                 self._drop_copies()  # a first-layout store: the newest step is whole now

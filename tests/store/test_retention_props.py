@@ -9,7 +9,7 @@ import tempfile
 import uuid
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from s4w_core.errors import CheckpointNotFoundError
@@ -164,8 +164,16 @@ def _run(url: str, ops: list, keyframe_every: int) -> None:
                 raise AssertionError(f"deleted step {s} still loads")
 
 
+_SAVE = ("save", 1, False)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, keyframe_every=st.integers(1, 4))
+# an overwrite re-codes the delta below against the step above the replaced one; that step's
+# own re-encoding then lengthens the chain through it (depth 2 with keyframe_every=2)
+@example(ops=[_SAVE, _SAVE, _SAVE, ("overwrite", 1, False), _SAVE], keyframe_every=2)
+# overwriting the only step whose chain reached a deleted step lets that step go
+@example(ops=[_SAVE, _SAVE, _SAVE, ("delete", 1, False), ("overwrite", 0, False)], keyframe_every=2)
 def test_random_sequences_memory(ops: list, keyframe_every: int) -> None:
     name = f"prop-{uuid.uuid4().hex[:10]}"
     try:
