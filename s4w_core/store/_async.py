@@ -268,6 +268,14 @@ class Pipeline:
         self.raise_failed()
         return waited
 
+    def land(self, step: int) -> None:
+        """Wait for the save in flight if it is a save of ``step`` (raising its failure): a call
+        that names a step just handed to :meth:`submit` finds it committed."""
+        h = self.inflight
+        if h is not None and h.step == step and h.what == "save" and not h.done():
+            h.wait_done()
+            self.raise_failed()
+
     def cancel_tail(self, step: int | None = None) -> SaveHandle | None:
         """Ask the tail job to stop (it ends at its next write) if it is cancellable by the next
         save, or by a save of ``step`` (:meth:`SaveHandle.cancel_before`); returns it if it has

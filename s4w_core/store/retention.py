@@ -29,8 +29,10 @@ class Retention(Reencoder):
 
     # ------------------------------------------------------------------ pins, retention, deletion
     def pin(self, step: int) -> None:
-        """Exempt ``step`` from retention (persisted as a marker object)."""
-        self._record(check_step(step), self._read_records())
+        """Exempt ``step`` from retention (persisted as a marker object); a step whose
+        non-blocking save is in flight is pinned once it is committed."""
+        self._pipe.land(check_step(step))
+        self._record(step, self._read_records())
         self.backend.put(pin_key(step), b"")
 
     def unpin(self, step: int) -> None:
@@ -80,6 +82,7 @@ class Retention(Reencoder):
             CheckpointNotFoundError: no such step.
         """
         step = check_step(step)
+        self._pipe.land(step)  # a step whose non-blocking save is in flight: deleted once committed
         self._pipe.cancel_tail_of("re-encoding", step)  # its result would be dropped: stop it
         self._dropped.discard(step)
         if rebase:  # re-coding steps: let a save in flight and the re-encoding behind it land

@@ -1,0 +1,158 @@
+"""Property tests (hypothesis): random sequences of non-blocking saves, saves under the store's
+own ``keep_last``, a framework's rotation (``drop_pending`` before a save, the delete after it),
+loads that keep the newest step's bytes, overwrites, deletes and pins, with the background work
+(saves, re-encodings, their cancellation) left running between operations, never lose or change
+a kept step and never leave data no kept step needs."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from s4w_core.store import CheckpointStore, SaveHandle
+from s4w_core.store._memory import MemoryBackend
+from s4w_core.store.records import DATA, needed_hidden
+
+from .test_retention_props import _equal, _state
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("save"), st.integers(1, 3)),  # a blocking save, step gap
+        st.tuples(st.just("save_async"), st.integers(1, 3)),  # a non-blocking save, step gap
+        st.tuples(st.just("keep"), st.integers(0, 3)),  # the store's keep_last (0: None)
+        st.tuples(st.just("rotate"), st.integers(1, 3)),  # a save, then delete all but the newest k (+ pinned)
+        st.tuples(st.just("delete"), st.integers(0, 50)),  # which (mod len)
+        st.tuples(st.just("drop"), st.integers(0, 50)),  # drop_pending of a step, not deleted
+        st.tuples(st.just("pin"), st.integers(0, 50)),  # pin / unpin (toggle)
+        st.tuples(st.just("overwrite"), st.integers(0, 50)),
+        st.tuples(st.just("load"), st.integers(0, 50)),  # a load (the newest: remembered)
+        st.tuples(st.just("reopen"), st.integers(0, 1)),  # a new store object (1: load the newest first)
+        st.tuples(st.just("wait"), st.just(0)),
+    ),
+    min_size=1,
+    max_size=24,
+)
+
+
+def _retain(expected: dict[int, dict], pinned: set[int], keep: int) -> None:
+    """The model of ``keep_last``: the newest ``keep`` steps and the pinned ones stay."""
+    stay = set(sorted(expected)[-keep:]) | pinned
+    for s in [s for s in expected if s not in stay]:
+        del expected[s]
+
+
+def _check(store: CheckpointStore, expected: dict[int, dict]) -> None:
+    store.wait()
+    assert store.steps() == sorted(expected)
+    fresh = CheckpointStore(store.url, base_cache_bytes=0, _backend=store.backend)
+    for s, state in expected.items():
+        assert _equal(fresh.load(s), state), f"step {s}"
+    every = store._read_records()  # noqa: SLF001 - the hidden records too
+    assert {s for s, r in every.items() if r.hidden} == needed_hidden(every)
+    live = {o for r in every.values() for o in r.live_objects}
+    data = {o.key for o in store.backend.list(DATA)}
+    assert data == live, f"unreclaimed: {sorted(data - live)}; missing: {sorted(live - data)}"
+    for r in every.values():
+        assert r.depth < store.keyframe_every
+        if r.kind == "delta":
+            assert r.reverse and r.base_step in every
+
+
+def _run(url: str, ops: list, keyframe_every: int) -> None:
+    def open_store() -> CheckpointStore:
+        return CheckpointStore(url, keyframe_every=keyframe_every, profile="portable")
+
+    store = open_store()
+    expected: dict[int, dict] = {}
+    pinned: set[int] = set()
+    keep: int | None = None
+    pending: SaveHandle | None = None  # the non-blocking save in flight
+    step = 0
+    try:
+        for i, (op, a) in enumerate(ops):
+            if pending is not None and (pending.done() or op in ("keep", "delete", "pin", "overwrite")):
+                # a save in flight applies its retention when it commits: these wait for it (a
+                # re-encoding behind it still runs), so that the model knows the order
+                pending.result()
+                pending = None
+            nth = sorted(expected)[a % len(expected)] if expected else None
+            if op in ("save", "save_async", "rotate"):
+                step += a if op != "rotate" else 1
+                state = _state(step)
+                doomed: list[int] = []
+                if op == "rotate":  # a framework: the steps its rotation deletes after this save
+                    doomed = [s for s in sorted(expected)[: max(0, len(expected) + 1 - a)] if s not in pinned]
+                    for s in doomed:
+                        store.drop_pending(s)
+                if op == "save_async":
+                    pending = store.save_async(state, step)
+                else:
+                    store.save(state, step)
+                expected[step] = state
+                if keep is not None:
+                    _retain(expected, pinned, keep)
+                for s in doomed:  # the framework deletes once the save is durable
+                    if s in expected:
+                        store.delete(s)
+                        del expected[s]
+            elif op == "keep":
+                keep = a or None
+                store.keep_last = keep
+            elif op == "delete" and nth is not None:
+                store.delete(nth)
+                del expected[nth]
+                pinned.discard(nth)
+            elif op == "drop" and nth is not None:
+                store.drop_pending(nth)
+            elif op == "pin" and nth is not None:
+                if nth in pinned:
+                    store.unpin(nth)
+                    pinned.discard(nth)
+                else:
+                    store.pin(nth)
+                    pinned.add(nth)
+            elif op == "overwrite" and nth is not None:
+                expected[nth] = _state(nth, version=i + 1)
+                store.save(expected[nth], nth, overwrite=True)
+                if keep is not None:
+                    _retain(expected, pinned, keep)
+            elif op == "load" and nth is not None:
+                assert _equal(store.load(nth), expected[nth]), f"step {nth}"
+            elif op == "reopen":
+                store.close()
+                pending = None
+                store = open_store()
+                store.keep_last = keep
+                if a and expected:
+                    assert _equal(store.load(), expected[max(expected)])
+            elif op == "wait":
+                store.wait()
+            if op not in ("save", "save_async", "drop"):  # leave the background work running into the next op
+                _check(store, expected)
+        _check(store, expected)
+    finally:
+        store.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, keyframe_every=st.integers(1, 4))
+def test_async_sequences_memory(ops: list, keyframe_every: int) -> None:
+    name = f"aprop-{uuid.uuid4().hex[:10]}"
+    try:
+        _run(f"memory://{name}", ops, keyframe_every)
+    finally:
+        MemoryBackend.drop(name)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, keyframe_every=st.integers(2, 4))
+def test_async_sequences_local(ops: list, keyframe_every: int) -> None:
+    d = tempfile.mkdtemp(prefix="s4w-aprop-")
+    try:
+        _run(d, ops, keyframe_every)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
