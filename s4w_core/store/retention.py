@@ -34,6 +34,7 @@ class Retention(Reencoder):
         self._pipe.land(check_step(step))
         self._record(step, self._read_records())
         self.backend.put(pin_key(step), b"")
+        self.pinned.add(step)  # (a save's keep_last then never cancels its re-encoding)
 
     def unpin(self, step: int) -> None:
         self.backend.delete(pin_key(check_step(step)))

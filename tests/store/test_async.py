@@ -186,6 +186,26 @@ def test_next_save_waits_for_the_previous_one(tmp_path: Path) -> None:
         assert bits_equal(st.load(i), run[i])
 
 
+def test_delete_and_pin_of_a_step_in_flight_wait_for_its_save(tmp_path: Path) -> None:
+    """``delete(step)`` / ``pin(step)`` right after ``save_async(state, step)``: the save is
+    waited for, so the step is deleted / pinned, not reported missing (and then committed)."""
+    url = str(tmp_path / "s")
+    gb = Gated(open_backend(url))
+    st = CheckpointStore(url, profile="portable", _backend=gb)
+    run = make_run(3)
+    st.save(run[0], 0)
+    for step, act in ((1, st.delete), (2, st.pin)):
+        gb.gate.clear()
+        h = st.save_async(run[step], step)
+        assert not h.done()
+        threading.Timer(0.2, gb.gate.set).start()
+        act(step)
+        assert h.done()
+        st.wait()  # (the re-encoding behind the save writes through the gate too)
+    assert st.steps() == [0, 2] and st.info(2).pinned
+    assert bits_equal(st.load(2), run[2]) and bits_equal(st.load(0), run[0])
+
+
 def test_on_busy_error_raises_and_runs_nothing(tmp_path: Path) -> None:
     url = str(tmp_path / "s")
     gb = Gated(open_backend(url))
