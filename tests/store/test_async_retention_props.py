@@ -48,23 +48,36 @@ def _retain(expected: dict[int, dict], pinned: set[int], keep: int) -> None:
 def _check(store: CheckpointStore, expected: dict[int, dict]) -> None:
     store.wait()
     assert store.steps() == sorted(expected)
-    fresh = CheckpointStore(store.url, base_cache_bytes=0, _backend=store.backend)
+    fresh = CheckpointStore(store.url, base_cache_bytes=0, _backend=store.backend)  # the (slow) store alone
     for s, state in expected.items():
         assert _equal(fresh.load(s), state), f"step {s}"
     every = store._read_records()  # noqa: SLF001 - the hidden records too
     assert {s for s, r in every.items() if r.hidden} == needed_hidden(every)
-    live = {o for r in every.values() for o in r.live_objects}
+    slow = every if store.tiers is None else store.tier_views()[1]
+    live = {o for r in slow.values() for o in r.live_objects}
     data = {o.key for o in store.backend.list(DATA)}
     assert data == live, f"unreclaimed: {sorted(data - live)}; missing: {sorted(live - data)}"
+    if store.tiers is not None:  # the fast tier: its newest steps, what their chains need, nothing else
+        fast = store.tier_views()[0]
+        assert set(fast) <= set(every)
+        fast_live = {o for r in fast.values() for o in r.live_objects}
+        fast_data = {o.key for o in store.tiers.fast.list(DATA)}
+        assert fast_data == fast_live, f"fast tier unreclaimed: {sorted(fast_data - fast_live)}; missing: {sorted(fast_live - fast_data)}"
+        for s, state in expected.items():
+            assert _equal(store.load(s), state), f"step {s} through the tiers"
     for r in every.values():
         assert r.depth < store.keyframe_every
         if r.kind == "delta":
             assert r.reverse and r.base_step in every
 
 
-def _run(url: str, ops: list, keyframe_every: int) -> None:
+def _run(url: str, ops: list, keyframe_every: int, fast: tuple[str, int] | None = None) -> None:
     def open_store() -> CheckpointStore:
-        return CheckpointStore(url, keyframe_every=keyframe_every, profile="portable")
+        if fast is None:
+            return CheckpointStore(url, keyframe_every=keyframe_every, profile="portable")
+        return CheckpointStore(
+            url, keyframe_every=keyframe_every, profile="portable", fast_tier=fast[0], fast_keep_last=fast[1]
+        )
 
     store = open_store()
     expected: dict[int, dict] = {}
@@ -156,3 +169,15 @@ def test_async_sequences_local(ops: list, keyframe_every: int) -> None:
         _run(d, ops, keyframe_every)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, keyframe_every=st.integers(1, 4), fast_keep_last=st.integers(1, 3))
+def test_async_sequences_tiered(ops: list, keyframe_every: int, fast_keep_last: int) -> None:
+    """A memory store with a fast tier (memory too): saves commit there and upload behind."""
+    name = uuid.uuid4().hex[:10]
+    try:
+        _run(f"memory://slow-{name}", ops, keyframe_every, (f"memory://fast-{name}", fast_keep_last))
+    finally:
+        MemoryBackend.drop(f"slow-{name}")
+        MemoryBackend.drop(f"fast-{name}")
