@@ -270,8 +270,11 @@ class Pipeline:
 
     def land(self, step: int) -> None:
         """Wait for the save in flight if it is a save of ``step`` (raising its failure): a call
-        that names a step just handed to :meth:`submit` finds it committed."""
+        that names a step just handed to :meth:`submit` finds it committed.  A no-op on the worker
+        thread (that save's own retention deleting the step it saved)."""
         h = self.inflight
+        if threading.current_thread() is self._thread:
+            return
         if h is not None and h.step == step and h.what == "save" and not h.done():
             h.wait_done()
             self.raise_failed()
