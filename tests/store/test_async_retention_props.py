@@ -6,10 +6,14 @@ a kept step and never leave data no kept step needs."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import tempfile
 import uuid
+from typing import Any, Iterator
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -197,3 +201,33 @@ def test_async_sequences_tiered(ops: list, keyframe_every: int, fast_keep_last: 
     finally:
         MemoryBackend.drop(f"slow-{name}")
         MemoryBackend.drop(f"fast-{name}")
+
+
+@pytest.mark.s3
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(ops=OPS, keyframe_every=st.integers(2, 4))
+def test_async_sequences_s3(seaweedfs: Any, ops: list, keyframe_every: int) -> None:
+    """The same on a real S3 server (SeaweedFS): conditional commits, ranged reads, listings."""
+    with _env(seaweedfs.env()):
+        _run(f"s3://{seaweedfs.bucket}/aprop-{uuid.uuid4().hex[:12]}", ops, keyframe_every)
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """The S3 client's environment for one example (hypothesis reruns the test body, not the
+    fixtures)."""
+    drop = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
+    saved = {k: os.environ.get(k) for k in (*drop, *values)}
+    try:
+        for k in drop:
+            os.environ.pop(k, None)
+        os.environ.update(values)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
