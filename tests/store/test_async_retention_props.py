@@ -17,10 +17,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from s4w_core.errors import AsyncSaveError
 from s4w_core.store import CheckpointStore, SaveHandle
 from s4w_core.store._memory import MemoryBackend
 from s4w_core.store.records import DATA, needed_hidden
 
+from .helpers import Crash, FaultyBackend
 from .test_retention_props import _equal, _state
 
 OPS = st.lists(
@@ -39,6 +41,9 @@ OPS = st.lists(
         st.tuples(st.just("load"), st.integers(0, 50)),  # a load (the newest: remembered)
         st.tuples(st.just("reopen"), st.integers(0, 1)),  # a new store object (1: load the newest first)
         st.tuples(st.just("wait"), st.just(0)),
+        # a process that dies at the k-th write of a non-blocking save and the re-encoding
+        # behind it (a store object of its own; nothing more is written after that)
+        st.tuples(st.just("crash"), st.integers(0, 8)),
     ),
     min_size=1,
     max_size=24,
@@ -161,11 +166,51 @@ def _run(url: str, ops: list, keyframe_every: int, fast: tuple[str, int] | None 
                     assert _equal(store.load(), expected[max(expected)])
             elif op == "wait":
                 store.wait()
+            elif op == "crash":
+                step += 1
+                state = _state(step)
+                if _crashed_save(store, state, step, a):
+                    expected[step] = state
             if op not in ("save", "save_async", "save_below", "drop"):  # background work runs into the next op
                 _check(store, expected)
         _check(store, expected)
     finally:
         store.close()
+
+
+def _crashed_save(store: CheckpointStore, state: dict, step: int, k: int) -> bool:
+    """``save_async(state, step)`` through a backend that dies at its k-th write, on a store
+    object that is then abandoned (a killed process); then ``gc()`` on ``store``.  True if
+    the step was committed."""
+    store.wait()
+    calls = [0]
+
+    def fail(verb: str, key: str) -> bool:
+        if verb in ("writer", "put", "delete"):
+            calls[0] += 1
+        return calls[0] > k
+
+    tiers: dict[str, Any] = {}
+    if store.tiers is not None:  # the same process configuration: its fast tier dies with it
+        tiers = {"_fast_backend": FaultyBackend(store.tiers.fast, fail), "fast_keep_last": store.tiers.keep_last}
+    crashing = CheckpointStore(
+        store.url,
+        keyframe_every=store.keyframe_every,
+        profile="portable",
+        _backend=FaultyBackend(store.backend, fail),
+        **tiers,
+    )
+    try:
+        crashing.save_async(state, step)
+        crashing.wait(timeout=60)  # a re-encoding that dies is logged, never raised
+    except (Crash, AsyncSaveError):
+        pass
+    finally:
+        crashing._pipe.stop()  # noqa: SLF001 - abandoned, like a killed process
+    if store.tiers is not None:
+        store.sync()  # a step committed on the fast tier whose upload died: uploaded now
+    store.gc(grace_seconds=0)
+    return step in store.steps()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
