@@ -412,7 +412,27 @@ class PointerFiles:
         self.files, self.open_store, self.store_url, self.dirname = files, open_store, store_url, dirname
         self.rebase_on_delete, self.hint, self.on_delete = rebase_on_delete, hint, on_delete
         self._folders: dict[str, set[str]] = {}  # per store: the folders pointers were written into
+        #: pointers about to be written, per (store, step): a step one will name is not deleted
+        self._pending: collections.Counter[tuple[str, int]] = collections.Counter()
+        #: (store, step) pairs a remove is deciding on or deleting
+        self._deleting: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
+        self._deleted = threading.Condition(self._lock)
+
+    def expect(self, url: str, step: int) -> None:
+        """A pointer to ``step`` of store ``url`` will be written (by a caller that queues its
+        writes behind removes): until :meth:`settle`, no remove deletes the step.  A remove
+        deleting it right now is waited for (the caller then finds it gone)."""
+        with self._deleted:
+            self._deleted.wait_for(lambda: (url, step) not in self._deleting)
+            self._pending[(url, step)] += 1
+
+    def settle(self, url: str, step: int) -> None:
+        """The pointer :meth:`expect` announced was written (or will not be)."""
+        with self._lock:
+            self._pending[(url, step)] -= 1
+            if self._pending[(url, step)] <= 0:
+                del self._pending[(url, step)]
 
     def location(self, path: str) -> tuple[str, str]:
         """(store URL, the reference a pointer at ``path`` records: relative when beside it)."""
@@ -453,18 +473,27 @@ class PointerFiles:
             self.forget(url, ptr.step, path)
 
     def forget(self, url: str, step: int, removed_path: str) -> None:
-        """Delete store ``step`` unless a pointer other than ``removed_path`` still names it."""
+        """Delete store ``step`` unless a pointer other than ``removed_path`` still names it (or
+        one to it is about to be written: :meth:`expect`)."""
         with self._lock:
-            folders = {split_path(removed_path)[0], *self._folders.get(url, ())}
-        for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != removed_path):
-            ptr = self.files.pointer_at(p)
-            if ptr is not None and ptr.step == step and self.own_store(p, ptr) == url:
+            if self._pending.get((url, step), 0) > 0 or (url, step) in self._deleting:
                 return
-        self.on_delete(url, step)
+            self._deleting.add((url, step))
+            folders = {split_path(removed_path)[0], *self._folders.get(url, ())}
         try:
-            self.open_store(url).delete(step, **({"rebase": True} if self.rebase_on_delete else {}))
-        except CheckpointNotFoundError:
-            pass
+            for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != removed_path):
+                ptr = self.files.pointer_at(p)
+                if ptr is not None and ptr.step == step and self.own_store(p, ptr) == url:
+                    return
+            self.on_delete(url, step)
+            try:
+                self.open_store(url).delete(step, **({"rebase": True} if self.rebase_on_delete else {}))
+            except CheckpointNotFoundError:
+                pass
+        finally:
+            with self._deleted:
+                self._deleting.discard((url, step))
+                self._deleted.notify_all()
 
     def newest(self, d: str, prefer: str = "last") -> str | None:
         """The pointer in folder ``d`` naming the newest step its store holds (a name starting with

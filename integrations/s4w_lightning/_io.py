@@ -142,40 +142,59 @@ class _S4CheckpointIOImpl:
         url, _ = self.pointers.location(path)
         st = self.store_at(url)
         meta = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
-        with self._lock:
-            gs = checkpoint.get("global_step")
-            step = gs if type(gs) is int and gs >= 0 else None
-            saved = self._saved.get(url)
-            if step is None:  # not a Trainer's checkpoint: the next free step (after one in flight too)
-                known = [s for s in (st.latest(), None if saved is None else saved.step) if s is not None]
-                step = max(known) + 1 if known else 0
-            if saved is not None and saved.step == step:  # a second name: a pointer with what differs
-                buf = io.BytesIO()
-                s4w_core.save(pack_objects(saved.skeleton(checkpoint)), buf, profile="portable")
-                self._queue.submit(self._point, path, step, meta, buf.getvalue(), None)
-                return
-            extra = {"path": path, **meta, "writer": "s4w_lightning"}
-            state = pack_objects(checkpoint)
-            self._saved[url] = SavedStep(step, checkpoint)
-            if self.async_save:
-                # the store's non-blocking save makes the state safe (GPU: one copy to reused pinned
-                # host buffers; CPU: a snapshot) and codes, writes and commits it on its own worker;
-                # the pointer follows on this plugin's queue, in call order with removes
-                handle = st.save_async(state, step, extra=extra, overwrite=True)
-                self._queue.submit(self._point, path, step, meta, None, handle)
-                return
+        gs = checkpoint.get("global_step")
+        step = gs if type(gs) is int and gs >= 0 else None
+        # the pointer this save writes will name the step: no remove deletes it from here on (a
+        # remove deleting it now is waited for first; it then is no second name)
+        announced = None
+        if step is not None:
+            self.pointers.expect(url, step)
+            announced = step
         try:
-            self.last_info = st.save(state, step, extra=extra, overwrite=True)
-        except BaseException:
-            self._saved.pop(url, None)
-            raise
-        self._point(path, step, meta, None, None)
+            with self._lock:
+                saved = self._saved.get(url)
+                if step is None:  # not a Trainer's checkpoint: the next free step (after one in flight too)
+                    known = [s for s in (st.latest(), None if saved is None else saved.step) if s is not None]
+                    step = max(known) + 1 if known else 0
+                    self.pointers.expect(url, step)
+                    announced = step
+                if saved is not None and saved.step == step:  # a second name: a pointer with what differs
+                    buf = io.BytesIO()
+                    s4w_core.save(pack_objects(saved.skeleton(checkpoint)), buf, profile="portable")
+                    self._queue.submit(self._point, url, path, step, meta, buf.getvalue(), None)
+                    announced = None  # the queued pointer settles it
+                    return
+                extra = {"path": path, **meta, "writer": "s4w_lightning"}
+                state = pack_objects(checkpoint)
+                self._saved[url] = SavedStep(step, checkpoint)
+                if self.async_save:
+                    # the store's non-blocking save makes the state safe (GPU: one copy to reused pinned
+                    # host buffers; CPU: a snapshot) and codes, writes and commits it on its own worker;
+                    # the pointer follows on this plugin's queue, in call order with removes
+                    handle = st.save_async(state, step, extra=extra, overwrite=True)
+                    self._queue.submit(self._point, url, path, step, meta, None, handle)
+                    announced = None
+                    return
+            try:
+                self.last_info = st.save(state, step, extra=extra, overwrite=True)
+            except BaseException:
+                self._saved.pop(url, None)
+                raise
+            self.pointers.write(path, step, meta, None)
+        finally:
+            if announced is not None:
+                self.pointers.settle(url, announced)
 
-    def _point(self, path: str, step: int, meta: dict[str, Any], payload: bytes | None, handle: Any) -> None:
+    def _point(
+        self, url: str, path: str, step: int, meta: dict[str, Any], payload: bytes | None, handle: Any
+    ) -> None:
         """Write the pointer at ``path`` once the store committed ``handle``'s step, if any."""
-        if handle is not None:
-            self.last_info = handle.result()
-        self.pointers.write(path, step, meta, payload)
+        try:
+            if handle is not None:
+                self.last_info = handle.result()
+            self.pointers.write(path, step, meta, payload)
+        finally:
+            self.pointers.settle(url, step)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Load what :meth:`save_checkpoint` wrote at ``path`` (or a plain ``torch.save`` checkpoint).
