@@ -495,6 +495,23 @@ class PointerFiles:
                 self._deleting.discard((url, step))
                 self._deleted.notify_all()
 
+    def detach(self, url: str, step: int, keep: str) -> list[str]:
+        """Before store ``step`` takes other values (a run resumed from an older step saving a
+        step number again): rewrite every pointer but ``keep`` that names it as a self-contained
+        file of the values it names now, so that no file changes what it loads.  Returns the
+        paths rewritten (a folder's pointers are found where :meth:`forget` finds them)."""
+        with self._lock:
+            folders = {split_path(keep)[0], *self._folders.get(url, ())}
+        out = []
+        for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != keep):
+            ptr = self.files.pointer_at(p)
+            if ptr is None or ptr.step != step or self.own_store(p, ptr) != url:
+                continue
+            obj = pointer.load(ptr, "cpu", expected_store=self.store_url, opener=self.open_store, remember=False)
+            self.files.save(p, obj, "portable")
+            out.append(p)
+        return out
+
     def newest(self, d: str, prefer: str = "last") -> str | None:
         """The pointer in folder ``d`` naming the newest step its store holds (a name starting with
         ``prefer`` first among pointers to the same step), or None."""

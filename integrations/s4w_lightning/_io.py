@@ -17,6 +17,7 @@ time to load back with ``torch.load(weights_only=True)`` (:func:`s4w_core.framew
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
 from typing import Any, Callable
@@ -39,6 +40,8 @@ from s4w_core.frameworks import (
     unpack_objects,
 )
 from s4w_core.store import CheckpointStore
+
+log = logging.getLogger("s4w_lightning")
 
 __all__ = ["S4CheckpointIO", "last_checkpoint", "load_checkpoint", "load_from_checkpoint", "STORE_DIRNAME"]
 
@@ -104,6 +107,7 @@ class _S4CheckpointIOImpl:
         self.files = Files(self.store_options)
         self._stores = Stores(**{"profile": profile, "keyframe_every": keyframe_every, **self.store_options})
         self._saved: dict[str, SavedStep] = {}  # per store: the step last written, for its second names
+        self._newest: dict[str, int] = {}  # per store: the newest step it held or was saved to from here
         self._lock = threading.RLock()
         # the pointers' callbacks reach the stores and the saved steps, not this plugin: a bound
         # method of it would make a reference cycle (plugin -> pointers -> plugin) that kept a
@@ -151,6 +155,8 @@ class _S4CheckpointIOImpl:
             self.pointers.expect(url, step)
             announced = step
         try:
+            if step is not None and self._replaces(url, st, step):
+                self._keep_other_names(url, step, path)
             with self._lock:
                 saved = self._saved.get(url)
                 if step is None:  # not a Trainer's checkpoint: the next free step (after one in flight too)
@@ -184,6 +190,34 @@ class _S4CheckpointIOImpl:
         finally:
             if announced is not None:
                 self.pointers.settle(url, announced)
+
+    def _replaces(self, url: str, st: CheckpointStore, step: int) -> bool:
+        """Whether a save of ``step`` may replace a step of the store with other values: a step
+        number at most the newest the store held when this plugin first saved to it, or saved
+        since (a resumed run saving its steps again), and not a second name of the step just saved."""
+        saved = self._saved.get(url)
+        if saved is not None and saved.step == step:
+            return False
+        with self._lock:
+            top = self._newest.get(url)
+            if top is None:
+                newest = st.latest()
+                top = -1 if newest is None else newest
+            self._newest[url] = max(top, step)
+        return step <= top
+
+    def _keep_other_names(self, url: str, step: int, path: str) -> None:
+        """Before a save replaces store ``step``: the files that name it keep the values they
+        were saved with (rewritten as self-contained files: ``PointerFiles.detach``), after the
+        queued pointers and removes (which may name it too) are done."""
+        self.wait()
+        if step in self.store_at(url).steps():
+            moved = self.pointers.detach(url, step, path)
+            if moved:
+                log.warning(
+                    "s4weights: step %d of %s is saved again (a resumed run): %d file(s) naming its earlier "
+                    "values were rewritten as self-contained files (%s)", step, url, len(moved), ", ".join(moved)
+                )
 
     def _point(
         self, url: str, path: str, step: int, meta: dict[str, Any], payload: bytes | None, handle: Any
