@@ -4,11 +4,15 @@ fault-injecting backend wrapper."""
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
+import uuid
 from typing import IO, Any, Callable, Iterator
 
 import torch
 
 from s4w_core.store._backend import Backend, ObjectInfo, RangeReader
+from s4w_core.store._memory import MemoryBackend
 
 SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3.0e38]
 
@@ -115,3 +119,25 @@ class FaultyBackend(Backend):
         if self.fail("delete", key):
             raise Crash(f"injected crash before deleting {key}")
         self.inner.delete(key)
+
+
+@contextlib.contextmanager
+def memory_urls(*prefixes: str) -> Iterator[list[str]]:
+    """Fresh ``memory://`` store URLs, one per prefix, dropped afterwards (a hypothesis example's
+    stores: function-scoped fixtures run once per test, not per example)."""
+    names = [f"{p}-{uuid.uuid4().hex[:10]}" for p in prefixes]
+    try:
+        yield [f"memory://{n}" for n in names]
+    finally:
+        for n in names:
+            MemoryBackend.drop(n)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[str]:
+    """A fresh temporary directory, removed afterwards (per hypothesis example, as above)."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 import uuid
 from typing import Any, Iterator
 
@@ -19,10 +17,9 @@ from hypothesis import strategies as st
 
 from s4w_core.errors import AsyncSaveError
 from s4w_core.store import CheckpointStore, SaveHandle
-from s4w_core.store._memory import MemoryBackend
 from s4w_core.store.records import DATA, needed_hidden
 
-from .helpers import Crash, FaultyBackend
+from .helpers import Crash, FaultyBackend, memory_urls, scratch_dir
 from .test_retention_props import _equal, _state
 
 OPS = st.lists(
@@ -219,33 +216,23 @@ def _crashed_save(store: CheckpointStore, state: dict, step: int, k: int) -> boo
 # wait for the save it runs in (f5342a0's Pipeline.land hung there)
 @example(ops=[("save", 1), ("save", 2), ("keep", 1), ("save_below", 1)], keyframe_every=2)
 def test_async_sequences_memory(ops: list, keyframe_every: int) -> None:
-    name = f"aprop-{uuid.uuid4().hex[:10]}"
-    try:
-        _run(f"memory://{name}", ops, keyframe_every)
-    finally:
-        MemoryBackend.drop(name)
+    with memory_urls("aprop") as (url,):
+        _run(url, ops, keyframe_every)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, keyframe_every=st.integers(2, 4))
 def test_async_sequences_local(ops: list, keyframe_every: int) -> None:
-    d = tempfile.mkdtemp(prefix="s4w-aprop-")
-    try:
+    with scratch_dir("s4w-aprop-") as d:
         _run(d, ops, keyframe_every)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, keyframe_every=st.integers(1, 4), fast_keep_last=st.integers(1, 3))
 def test_async_sequences_tiered(ops: list, keyframe_every: int, fast_keep_last: int) -> None:
     """A memory store with a fast tier (memory too): saves commit there and upload behind."""
-    name = uuid.uuid4().hex[:10]
-    try:
-        _run(f"memory://slow-{name}", ops, keyframe_every, (f"memory://fast-{name}", fast_keep_last))
-    finally:
-        MemoryBackend.drop(f"slow-{name}")
-        MemoryBackend.drop(f"fast-{name}")
+    with memory_urls("slow", "fast") as (slow, fast):
+        _run(slow, ops, keyframe_every, (fast, fast_keep_last))
 
 
 @pytest.mark.s3

@@ -4,20 +4,15 @@ crash, once ``gc()`` ran)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import uuid
-
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from s4w_core.errors import CheckpointNotFoundError
 from s4w_core.store import CheckpointStore
-from s4w_core.store._memory import MemoryBackend
 from s4w_core.store.records import DATA, needed_hidden
 
-from .helpers import Crash, FaultyBackend
+from .helpers import Crash, FaultyBackend, memory_urls, scratch_dir
 
 OPS = st.lists(
     st.one_of(
@@ -175,18 +170,12 @@ _SAVE = ("save", 1, False)
 # overwriting the only step whose chain reached a deleted step lets that step go
 @example(ops=[_SAVE, _SAVE, _SAVE, ("delete", 1, False), ("overwrite", 0, False)], keyframe_every=2)
 def test_random_sequences_memory(ops: list, keyframe_every: int) -> None:
-    name = f"prop-{uuid.uuid4().hex[:10]}"
-    try:
-        _run(f"memory://{name}", ops, keyframe_every)
-    finally:
-        MemoryBackend.drop(name)
+    with memory_urls("prop") as (url,):
+        _run(url, ops, keyframe_every)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, keyframe_every=st.integers(2, 4))
 def test_random_sequences_local(ops: list, keyframe_every: int) -> None:
-    d = tempfile.mkdtemp(prefix="s4w-prop-")
-    try:
+    with scratch_dir("s4w-prop-") as d:
         _run(d, ops, keyframe_every)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)

@@ -8,8 +8,6 @@ and the store keeps the steps some name needs and no other."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ pytest.importorskip("lightning")
 from s4w_core import pointer  # noqa: E402
 from s4w_core.store import CheckpointStore  # noqa: E402
 from s4w_lightning import S4CheckpointIO  # noqa: E402
+from tests.store.helpers import scratch_dir  # noqa: E402
 
 NAMES = ("a.ckpt", "b.ckpt", "c.ckpt", "last.ckpt")
 
@@ -119,8 +118,5 @@ def _run(root: str, ops: list, async_save: bool) -> None:
 # a resumed run saving step 1 again under another name: a.ckpt keeps the values it was saved with
 @example(ops=[("save", "a.ckpt", 1), ("rewind", "", 1), ("save", "b.ckpt", 1)], async_save=False)
 def test_random_checkpoint_io_sequences(ops: list, async_save: bool) -> None:
-    root = tempfile.mkdtemp(prefix="s4w-lprop-")
-    try:
+    with scratch_dir("s4w-lprop-") as root:
         _run(root, ops, async_save)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
