@@ -349,16 +349,25 @@ class SerialQueue:
         self._pending: list[Future[Any]] = []
         self._error: BaseException | None = None
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any, skipped: Callable[[], None] | None = None) -> None:
+        """Queue ``fn(*args)``; ``skipped``: called instead when a failure before it means it
+        does not run (or when it cannot be queued)."""
         if not self.enabled:
             fn(*args)
             return
-        self.raise_error()
+        try:
+            self.raise_error()
+        except BaseException:
+            if skipped is not None:
+                skipped()
+            raise
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
 
         def run() -> None:
             if self._error is not None:
+                if skipped is not None:
+                    skipped()
                 return
             try:
                 fn(*args)

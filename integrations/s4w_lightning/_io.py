@@ -16,6 +16,7 @@ time to load back with ``torch.load(weights_only=True)`` (:func:`s4w_core.framew
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -167,8 +168,11 @@ class _S4CheckpointIOImpl:
                 if saved is not None and saved.step == step:  # a second name: a pointer with what differs
                     buf = io.BytesIO()
                     s4w_core.save(pack_objects(saved.skeleton(checkpoint)), buf, profile="portable")
-                    self._queue.submit(self._point, url, path, step, meta, buf.getvalue(), None)
-                    announced = None  # the queued pointer settles it
+                    announced = None  # the queued pointer settles it (or, skipped, the queue does)
+                    self._queue.submit(
+                        self._point, url, path, step, meta, buf.getvalue(), None,
+                        skipped=functools.partial(self.pointers.settle, url, step),
+                    )  # fmt: skip
                     return
                 extra = {"path": path, **meta, "writer": "s4w_lightning"}
                 state = pack_objects(checkpoint)
@@ -178,8 +182,11 @@ class _S4CheckpointIOImpl:
                     # host buffers; CPU: a snapshot) and codes, writes and commits it on its own worker;
                     # the pointer follows on this plugin's queue, in call order with removes
                     handle = st.save_async(state, step, extra=extra, overwrite=True)
-                    self._queue.submit(self._point, url, path, step, meta, None, handle)
                     announced = None
+                    self._queue.submit(
+                        self._point, url, path, step, meta, None, handle,
+                        skipped=functools.partial(self.pointers.settle, url, step),
+                    )  # fmt: skip
                     return
             try:
                 self.last_info = st.save(state, step, extra=extra, overwrite=True)
