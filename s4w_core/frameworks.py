@@ -488,12 +488,9 @@ class PointerFiles:
             if self._pending.get((url, step), 0) > 0 or (url, step) in self._deleting:
                 return
             self._deleting.add((url, step))
-            folders = {split_path(removed_path)[0], *self._folders.get(url, ())}
         try:
-            for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != removed_path):
-                ptr = self.files.pointer_at(p)
-                if ptr is not None and ptr.step == step and self.own_store(p, ptr) == url:
-                    return
+            if next(self._naming(url, step, removed_path), None) is not None:
+                return
             self.on_delete(url, step)
             try:
                 self.open_store(url).delete(step, **({"rebase": True} if self.rebase_on_delete else {}))
@@ -509,17 +506,25 @@ class PointerFiles:
         step number again): rewrite every pointer but ``keep`` that names it as a self-contained
         file of the values it names now, so that no file changes what it loads.  Returns the
         paths rewritten (a folder's pointers are found where :meth:`forget` finds them)."""
-        with self._lock:
-            folders = {split_path(keep)[0], *self._folders.get(url, ())}
         out = []
-        for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != keep):
-            ptr = self.files.pointer_at(p)
-            if ptr is None or ptr.step != step or self.own_store(p, ptr) != url:
-                continue
-            obj = pointer.load(ptr, "cpu", expected_store=self.store_url, opener=self.open_store, remember=False)
+        state = None  # the step, read once for all the names
+        for p, ptr in self._naming(url, step, keep):
+            if state is None:
+                state = self.open_store(url).load(step, "cpu", remember=False)
+            obj = state if ptr.payload is None else pointer.merge(api.load(ptr.payload, map_location="cpu"), state)
             self.files.save(p, obj, "portable")
             out.append(p)
         return out
+
+    def _naming(self, url: str, step: int, besides: str) -> Iterator[tuple[str, pointer.Pointer]]:
+        """The pointers other than the one at ``besides`` that name ``step`` of store ``url``:
+        in the folder of ``besides`` and every folder pointers to that store were written into."""
+        with self._lock:
+            folders = {split_path(besides)[0], *self._folders.get(url, ())}
+        for p in (p for d in sorted(folders) for p in self.files.listdir(d) if p != besides):
+            ptr = self.files.pointer_at(p)
+            if ptr is not None and ptr.step == step and self.own_store(p, ptr) == url:
+                yield p, ptr
 
     def newest(self, d: str, prefer: str = "last") -> str | None:
         """The pointer in folder ``d`` naming the newest step its store holds (a name starting with

@@ -272,9 +272,9 @@ class Pipeline:
         """Wait for the save in flight if it is a save of ``step`` (raising its failure): a call
         that names a step just handed to :meth:`submit` finds it committed.  A no-op on the worker
         thread (that save's own retention deleting the step it saved)."""
-        h = self.inflight
         if threading.current_thread() is self._thread:
             return
+        h = self.inflight
         if h is not None and h.step == step and h.what == "save" and not h.done():
             h.wait_done()
             self.raise_failed()

@@ -14,7 +14,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from s4w_core import pipeline
 from s4w_core._fsutil import is_safe_name
@@ -42,6 +42,7 @@ __all__ = [
     "visible",
     "needed_hidden",
     "deltas_into",
+    "retained",
 ]
 
 STORE_FORMAT = "s4weights-store"
@@ -327,3 +328,8 @@ def deltas_into(recs: Mapping[int, StepInfo], step: int) -> int:
             seen.add(r.base_step)
             r = recs[r.base_step]
     return most
+
+
+def retained(steps: Iterable[int], keep_last: int, pinned: Iterable[int]) -> set[int]:
+    """The steps ``keep_last`` keeps of ``steps``: the newest ``keep_last`` and the pinned ones."""
+    return set(sorted(steps)[-keep_last:]) | set(pinned)

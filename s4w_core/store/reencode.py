@@ -24,7 +24,7 @@ from s4w_core.store._async import CancellableWriter, Cancelled, SaveHandle
 from s4w_core.store._backend import Backend
 from s4w_core.store.chain import BaseProvider, CachedBase, source_of_manifest
 from s4w_core.store.loads import Loads
-from s4w_core.store.records import StepInfo, data_key, deltas_into, new_record, replace_record, visible
+from s4w_core.store.records import StepInfo, data_key, deltas_into, new_record, replace_record, retained, visible
 from s4w_core.store.reencode_check import same_storages
 
 log = logging.getLogger("s4w_core.store")
@@ -78,11 +78,9 @@ class Reencoder(Loads):
         """Does a save of ``step`` delete ``job.prev`` by retention (``keep_last``), judged by the
         steps visible when ``job`` was planned?  (Wrong only when steps were deleted or pinned
         since; then the step stays whole: it loads the same, it only takes more room.)"""
-        keep = self.keep_last
-        if keep is None or job.prev.step in self.pinned:
+        if self.keep_last is None:
             return False
-        steps = sorted(job.shown | {step})
-        return job.prev.step not in steps[-keep:]
+        return job.prev.step not in retained(job.shown | {step}, self.keep_last, self.pinned)
 
     def _drop_copies(self) -> None:
         """Remove the keyframe copies a store of the first layout kept for its newest step (the

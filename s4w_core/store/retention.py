@@ -17,6 +17,7 @@ from s4w_core.store.records import (
     commit_key,
     pin_key,
     replace_record,
+    retained,
     visible,
 )
 from s4w_core.store.reencode import Reencoder
@@ -46,7 +47,7 @@ class Retention(Reencoder):
         if self.keep_last is None:
             return []
         recs = visible(self._read_records())
-        keep = set(list(recs)[-self.keep_last :]) | {s for s, r in recs.items() if r.pinned}
+        keep = retained(recs, self.keep_last, (s for s, r in recs.items() if r.pinned))
         doomed = [s for s in recs if s not in keep]
         for s in doomed:
             self.delete(s)

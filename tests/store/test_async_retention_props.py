@@ -6,10 +6,10 @@ a kept step and never leave data no kept step needs."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
-from typing import Any, Iterator
+from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -242,24 +242,8 @@ def test_async_sequences_tiered(ops: list, keyframe_every: int, fast_keep_last: 
 @given(ops=OPS, keyframe_every=st.integers(2, 4))
 def test_async_sequences_s3(seaweedfs: Any, ops: list, keyframe_every: int) -> None:
     """The same on a real S3 server (SeaweedFS): conditional commits, ranged reads, listings."""
-    with _env(seaweedfs.env()):
-        _run(f"s3://{seaweedfs.bucket}/aprop-{uuid.uuid4().hex[:12]}", ops, keyframe_every)
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    """The S3 client's environment for one example (hypothesis reruns the test body, not the
-    fixtures)."""
-    drop = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
-    saved = {k: os.environ.get(k) for k in (*drop, *values)}
-    try:
-        for k in drop:
+    # the S3 client's environment for this example (hypothesis reruns the body, not the fixtures)
+    with mock.patch.dict(os.environ, seaweedfs.env()):
+        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION"):
             os.environ.pop(k, None)
-        os.environ.update(values)
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _run(f"s3://{seaweedfs.bucket}/aprop-{uuid.uuid4().hex[:12]}", ops, keyframe_every)
