@@ -14,13 +14,16 @@ Pinned allocation of a training state's storage sizes, then one device-to-host c
     also advised ``MADV_HUGEPAGE`` since 4f78952), ``MAP_POPULATE``
     (within ``mmap``), ``MADV_POPULATE_WRITE`` (with or without ``MADV_HUGEPAGE`` first), or
     nothing (``cudaHostRegister`` faults them in as it pins them)
+Buffered writes of ``--file-gb`` bytes into the page cache (no fsync), by pattern, ``--reps``
+times round-robin (median): one file sequentially in 256 KiB or 16 MiB writes, one file from 4
+threads (pwrite), 2/4/8 files on as many threads; and the unlink of what was written (``--writes-only``: these alone, no GPU needed).
 Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
   * 512 KiB preads from 8 threads in chunk order (the loader before this change)
   * 16 MiB sequential preads, 1 thread; 4 threads on interleaved 16 MiB blocks; each into
     ``bytes`` or ``readinto`` a pinned buffer
 
 Usage: python benchmarks/bench_host_io.py [--model medium] [--dir /tmp] [--file-gb 2] [--only SUBSTR,...]
-       [--reps 2] [--no-reads]
+       [--reps 2] [--no-reads] [--writes-only]
 """
 
 from __future__ import annotations
@@ -282,6 +285,71 @@ def reads(path: str, size: int) -> list[dict[str, Any]]:
     return rows
 
 
+def writes(dirname: str, size: int, reps: int = 3) -> list[dict[str, Any]]:
+    """Buffered writes of ``size`` bytes into the page cache (no fsync: what a framework's default
+    save pays), by pattern, each pattern ``reps`` times in round-robin order (the first writes of
+    a process can run slower: the median is reported), then the unlink of the files: the floor
+    under any save that writes that many bytes on this machine."""
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    if torch.cuda.is_available():
+        src = src.pin_memory()  # as the GPU writer's chunks are
+    mv = memoryview(src.numpy())
+
+    def seq(fds: list[int], blk: int) -> None:
+        for o in range(0, size, blk):
+            os.write(fds[0], mv[o : o + blk])
+
+    def files(fds: list[int], blk: int = 16 << 20) -> None:
+        part = -(-size // len(fds))
+
+        def one(i: int) -> None:
+            a, b = i * part, min(size, (i + 1) * part)
+            for o in range(a, b, blk):
+                os.write(fds[i], mv[o : min(b, o + blk)])
+
+        with ThreadPoolExecutor(len(fds)) as ex:
+            list(ex.map(one, range(len(fds))))
+
+    def positional(fds: list[int], threads: int = 4, blk: int = 16 << 20) -> None:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda o: os.pwrite(fds[0], mv[o : o + blk], o), range(0, size, blk)))
+
+    patterns: list[tuple[str, int, Callable[[list[int]], None]]] = [
+        ("256KiB sequential, one file", 1, lambda fds: seq(fds, 256 << 10)),
+        ("16MiB sequential, one file", 1, lambda fds: seq(fds, 16 << 20)),
+        ("16MiB x 4 threads, one file (pwrite)", 1, positional),
+        ("16MiB, 2 files on 2 threads", 2, files),
+        ("16MiB, 4 files on 4 threads", 4, files),
+        ("16MiB, 8 files on 8 threads", 8, files),
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in patterns}
+    unlinks: dict[str, list[float]] = {name: [] for name, _, _ in patterns}
+    for rep in range(reps):
+        for name, nfiles, fn in patterns:
+            paths = [tempfile.mkstemp(dir=dirname)[1] for _ in range(nfiles)]
+            fds = [os.open(q, os.O_WRONLY | os.O_TRUNC) for q in paths]
+            try:
+                t0 = time.perf_counter()
+                fn(fds)
+                times[name].append(time.perf_counter() - t0)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            t1 = time.perf_counter()
+            for q in paths:
+                os.unlink(q)
+            unlinks[name].append(time.perf_counter() - t1)
+            print(f"write rep {rep} {name}: {times[name][-1]:.3f}s = {size / times[name][-1] / 1e9:.2f} GB/s", flush=True)
+    rows = []
+    for name, _, _ in patterns:
+        t = sorted(times[name])[len(times[name]) // 2]
+        u = sorted(unlinks[name])[len(unlinks[name]) // 2]
+        rows.append({"pattern": name, "s": round(t, 4), "GBps": round(size / t / 1e9, 3), "unlink_s": round(u, 4),
+                     "each_s": [round(x, 4) for x in times[name]]})
+        print(f"write {name}: median {t:.3f}s = {size / t / 1e9:.2f} GB/s (unlink {u:.3f}s)", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="medium", choices=sorted(MODELS))
@@ -291,7 +359,12 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings: only the pinned methods named so")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-reads", action="store_true", help="the pinned allocations only")
+    ap.add_argument("--writes-only", action="store_true", help="only the page-cache write patterns (no GPU needed)")
     args = ap.parse_args()
+    size = int(args.file_gb * 1e9) // (16 << 20) * (16 << 20)
+    if args.writes_only:
+        writes(args.dir, size, max(1, args.reps))
+        return 0
     if not torch.cuda.is_available():
         print("needs a GPU")
         return 2
@@ -303,7 +376,7 @@ def main() -> int:
     pinned(sizes, args.threads, [o for o in args.only.split(",") if o], args.reps)
     if args.no_reads:
         return 0
-    size = int(args.file_gb * 1e9) // (16 << 20) * (16 << 20)
+    writes(args.dir, size, max(1, args.reps))
     fd, path = tempfile.mkstemp(dir=args.dir)
     try:
         blk = os.urandom(16 << 20)
