@@ -13,20 +13,17 @@ for the stages it needs (a plain save of bf16 tensors, the 2-byte plain stage), 
 Nothing of the user's is touched, and the bytes any later save writes
 are the same (the kernels are deterministic; warming changes only when they are compiled). Triton
 keeps what it compiled in its on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
-so a later process finds them there; a warm-up that finished leaves a marker file beside them
-(:func:`marker_path`: named by the Triton version, the kernels' source, the GPU's compute capability,
-the dtypes and the ``S4W_*``/``TRITON_*`` settings), and a later warm-up that finds it does no work.
+so a later process finds it there: its warm-up codes the same steps, which then loads every
+kernel from that cache instead of compiling it (and does Triton's once-per-process set-up: its
+source hash, the launcher's imports), so that the process's first save does not (those loads were
+0.5-0.6 s of each warm first save in the framework benchmark).
 :func:`s4w_core.gpu.warm_up` runs this on a background thread.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import os
-import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -37,11 +34,10 @@ from s4w_core.format.container import FORMAT_VERSION, ContainerReader, Container
 from s4w_core.format.manifest import validate_manifest
 from s4w_core.gpu import _decode as _decode_mod
 from s4w_core.gpu import _encode as _encode_mod
-from s4w_core.gpu import kernels as _gpu_kernels
 from s4w_core.planes import triton_kernels as _plane_kernels
 from s4w_core.workers import Pool
 
-__all__ = ["DEFAULT_DTYPES", "marker_path", "run", "stage_key", "synthetic_states"]
+__all__ = ["DEFAULT_DTYPES", "run", "stage_key", "synthetic_states"]
 
 #: plane dtypes warmed when none are named: the two plane widths (bf16 and fp16 share the 2-byte kernels)
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
@@ -157,45 +153,6 @@ def stage_key(dtype: torch.dtype) -> Any:
     return "bytes"
 
 
-def marker_path(capability: tuple[int, int], dtypes: Iterable[torch.dtype]) -> Path | None:
-    """The file in Triton's cache directory that a finished warm-up leaves for GPUs of ``capability``
-    and ``dtypes``; None where Triton's cache directory is unknown. The name changes with anything
-    that changes what Triton compiles: its version, the source files of the GPU and planes packages,
-    the capability, the dtypes, the ``S4W_*`` settings those sources name (block sizes, warps, ...)
-    and every ``TRITON_*`` setting but the cache directory."""
-    try:
-        import triton
-
-        cache_dir = Path(triton.knobs.cache.dir)
-    except Exception:  # an older Triton without knobs, or no Triton
-        return None
-    h = hashlib.sha256(triton.__version__.encode())
-    names: set[str] = set()
-    for mod in (_plane_kernels, _gpu_kernels):  # the kernels and (beside them) what launches them
-        for src in sorted(Path(str(mod.__file__)).parent.glob("*.py")):
-            text = src.read_bytes()
-            h.update(text)
-            names.update(re.findall(r"S4W_[A-Z0-9_]+", text.decode("utf-8", "replace")))
-    h.update(repr((tuple(capability), sorted(str(d) for d in dtypes))).encode())
-    # the settings those sources read (block sizes, warps, ...) and Triton's own; not the others
-    # (the adapters' switches, the store's limits...), which compile nothing
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if (k in names or k.startswith("TRITON_")) and k != "TRITON_CACHE_DIR")  # fmt: skip
-    h.update(repr(env).encode())
-    return cache_dir / f"s4w-warm-up-{h.hexdigest()[:32]}"
-
-
-def _triton_key() -> None:
-    """Compute (and cache) Triton's own source hash, which its first kernel load in a process
-    otherwise computes in the caller (0.4 s of a first save's foreground time, measured on an H100)."""
-    try:
-        from triton.runtime.cache import triton_key
-
-        triton_key()
-    except Exception:  # another Triton layout: its first load pays it, as without a warm-up
-        pass
-
-
 def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         on_stage: Callable[[tuple[str, Any]], None] | None = None) -> None:
     """Code two synthetic steps (plain, then deltas) with the GPU writer on ``device`` and decode
@@ -206,13 +163,6 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
     from :func:`stage_key`). Raises what the codec raises, or RuntimeError if a byte differs."""
     dtypes = tuple(dtypes)
     note = on_stage or (lambda stage: None)
-    marker = marker_path(torch.cuda.get_device_capability(device), dtypes) if device.type == "cuda" else None
-    if marker is not None and marker.exists():  # an earlier warm-up compiled all of it into this cache
-        _triton_key()
-        for key in {stage_key(d) for d in dtypes} | {"bytes"}:
-            for stage in ("plain", "delta", "decode"):
-                note((stage, key))
-        return
     s0, s1 = synthetic_states(device, dtypes)
     groups: dict[Any, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     for path, t in s0.items():
@@ -236,9 +186,3 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="s4w-warm-up-group") as par:
             for f in [par.submit(one, key) for key in groups]:
                 f.result()
-    if marker is not None:
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-        except OSError:  # a read-only cache: the next warm-up does the work again
-            pass

@@ -142,25 +142,6 @@ def test_a_save_waits_only_for_the_stages_it_needs(monkeypatch: pytest.MonkeyPat
     assert _warmup.stage_key(torch.int64) == "bytes" and _warmup.stage_key(torch.float64) == "bytes"
 
 
-def test_the_marker_names_what_triton_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A finished warm-up's marker file is named by everything that changes the compiled kernels."""
-    for k in [k for k in os.environ if k.startswith(("S4W_", "TRITON_")) and k != "TRITON_CACHE_DIR"]:
-        monkeypatch.delenv(k)
-    a = _warmup.marker_path((9, 0), (torch.bfloat16, torch.float32))
-    assert a is not None and a.name.startswith("s4w-warm-up-")
-    assert _warmup.marker_path((9, 0), (torch.float32, torch.bfloat16)) == a  # the order of dtypes does not matter
-    assert _warmup.marker_path((8, 0), (torch.bfloat16, torch.float32)) != a
-    assert _warmup.marker_path((9, 0), (torch.bfloat16,)) != a
-    monkeypatch.setenv("S4W_SPLIT_BLOCK", "4096")
-    assert _warmup.marker_path((9, 0), (torch.bfloat16, torch.float32)) != a
-    monkeypatch.delenv("S4W_SPLIT_BLOCK")
-    monkeypatch.setenv("S4W_ACCELERATE", "1")  # an adapter's switch compiles nothing
-    assert _warmup.marker_path((9, 0), (torch.bfloat16, torch.float32)) == a
-    monkeypatch.delenv("S4W_ACCELERATE")
-    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")  # names the folder, not the kernels
-    assert _warmup.marker_path((9, 0), (torch.bfloat16, torch.float32)).name == a.name
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason=gpu.unavailable_reason() or "no GPU")
 def test_gpu_first_save_after_warm_up_compiles_nothing(tmp_path) -> None:
@@ -197,10 +178,9 @@ print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)
     assert outs["1"]["warmed"] > 0
     assert outs["1"]["new"] == [], outs["1"]  # the warm-up compiled everything the save and load used
     assert outs["0"]["new"], outs["0"]  # (without it they compile: the check can fail)
-    # a later process on the same cache finds the warm-up's marker: no work, and still nothing compiled
+    # a later process on the same cache: its warm-up loads what the first one compiled; nothing new
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton1"), S4W_WARM_UP="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    assert any(n.startswith("s4w-warm-up-") for n in os.listdir(tmp_path / "triton1"))
     p = subprocess.run([sys.executable, "-c", script, "1", str(tmp_path / "store2")], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
