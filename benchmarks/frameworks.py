@@ -129,16 +129,18 @@ def proc_io() -> dict[str, int]:
     return out
 
 
-def du(path: str) -> int:
-    total = 0
+def files_of(path: str) -> list[tuple[str, int]]:
+    """Every file under ``path`` (relative path, size), largest first."""
+    out = []
     for root, _dirs, files in os.walk(path):
         for f in files:
+            p = os.path.join(root, f)
             try:
-                st = os.lstat(os.path.join(root, f))
+                st = os.lstat(p)
             except OSError:
                 continue
-            total += st.st_size
-    return total
+            out.append((os.path.relpath(p, path), st.st_size))
+    return sorted(out, key=lambda x: -x[1])
 
 
 class Sampler(threading.Thread):
@@ -667,7 +669,9 @@ def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
         "state_bytes": state_bytes(r["model"], r["opt"]),
         "profile": prof,
     }
-    out["disk_bytes"] = du(spec["run_dir"])
+    left = files_of(spec["run_dir"])
+    out["disk_bytes"] = sum(n for _p, n in left)
+    out["disk_largest"] = left[:8]  # what the bytes on disk are (the JSON only)
     gpu_mod = sys.modules.get("s4w_core.gpu")
     if gpu_mod is not None:
         out["warm_up"] = gpu_mod.warm_up_status()
