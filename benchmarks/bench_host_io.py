@@ -326,8 +326,7 @@ def writes(dirname: str, size: int, reps: int = 3) -> list[dict[str, Any]]:
     unlinks: dict[str, list[float]] = {name: [] for name, _, _ in patterns}
     for rep in range(reps):
         for name, nfiles, fn in patterns:
-            paths = [tempfile.mkstemp(dir=dirname)[1] for _ in range(nfiles)]
-            fds = [os.open(q, os.O_WRONLY | os.O_TRUNC) for q in paths]
+            fds, paths = map(list, zip(*(tempfile.mkstemp(dir=dirname) for _ in range(nfiles))))
             try:
                 t0 = time.perf_counter()
                 fn(fds)

@@ -15,8 +15,8 @@ are the same (the kernels are deterministic; warming changes only when they are 
 keeps what it compiled in its on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
 so a later process finds it there: its warm-up codes the same steps, which then loads every
 kernel from that cache instead of compiling it (and does Triton's once-per-process set-up: its
-source hash, the launcher's imports), so that the process's first save does not (those loads were
-0.5-0.6 s of each warm first save in the framework benchmark).
+source hash, the launcher's imports), so that the process's first save does not (in the framework
+benchmark that took 0.2-0.5 s off each warm first save).
 :func:`s4w_core.gpu.warm_up` runs this on a background thread.
 """
 

@@ -146,8 +146,9 @@ def test_a_save_waits_only_for_the_stages_it_needs(monkeypatch: pytest.MonkeyPat
 @pytest.mark.skipif(not gpu.available(), reason=gpu.unavailable_reason() or "no GPU")
 def test_gpu_first_save_after_warm_up_compiles_nothing(tmp_path) -> None:
     """In a fresh process with an empty Triton cache: after warm_up(wait=True), a delta save and a
-    load of a model-like state add no entry to the cache (nothing compiled), and the bytes equal
-    those of a process that never warmed up."""
+    load of a model-like state add no entry to the cache (nothing compiled) and load no kernel into
+    the process, and the bytes equal those of a process that never warmed up; a later process on
+    the same cache: its warm-up loads every kernel the save and load use."""
     script = r"""
 import json, os, sys, torch
 from s4w_core import gpu, CheckpointStore
@@ -157,6 +158,9 @@ os.makedirs(cache, exist_ok=True)  # Triton makes it at its first compile
 if warm:
     assert gpu.warm_up(wait=True) and gpu.warm_up_status()["cuda:0"] == "done", gpu.warm_up_status()
 before = sorted(os.listdir(cache))
+import triton
+loads = []  # kernels this process compiles or loads from the disk cache from here on (Triton calls the hook for each)
+triton.knobs.runtime.jit_cache_hook = lambda *a, **k: loads.append(1)
 g = torch.Generator().manual_seed(1)
 model = {f"l{i}.w": torch.randn(768 * (i + 3), generator=g) for i in range(6)}
 model.update({f"l{i}.b": torch.randn(97 + i, generator=g) for i in range(6)})
@@ -165,7 +169,7 @@ s1 = {k: (v.float() * (1 + 1e-3 * torch.randn(v.shape, generator=g).cuda())).to(
 st = CheckpointStore(sys.argv[2])
 st.save(s0, step=1); st.save(s1, step=2); st.load(2, map_location="cuda")
 after = sorted(os.listdir(cache))
-print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)}))
+print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before), "loads": len(loads)}))
 """
     outs = {}
     for warm in ("1", "0"):
@@ -177,14 +181,17 @@ print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)
         outs[warm] = json.loads(p.stdout.strip().splitlines()[-1])
     assert outs["1"]["warmed"] > 0
     assert outs["1"]["new"] == [], outs["1"]  # the warm-up compiled everything the save and load used
-    assert outs["0"]["new"], outs["0"]  # (without it they compile: the check can fail)
+    assert outs["1"]["loads"] == 0, outs["1"]  # ... and they were in this process already
+    assert outs["0"]["new"] and outs["0"]["loads"], outs["0"]  # (without it they compile: the checks can fail)
     # a later process on the same cache: its warm-up loads what the first one compiled; nothing new
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton1"), S4W_WARM_UP="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, "-c", script, "1", str(tmp_path / "store2")], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout.strip().splitlines()[-1])["new"] == []
+    later = json.loads(p.stdout.strip().splitlines()[-1])
+    # nothing compiled, and nothing left for the first save to load: the warm-up loaded it all
+    assert later["new"] == [] and later["loads"] == 0, later
     for step in (1, 2):  # the same bytes whether warmed or not
         m1 = s4w_core.CheckpointStore(str(tmp_path / "store1")).info(step)
         m0 = s4w_core.CheckpointStore(str(tmp_path / "store0")).info(step)
