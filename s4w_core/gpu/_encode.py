@@ -55,7 +55,7 @@ from s4w_core.gpu._coder import (
     encode_batch_device,
     encode_tensors_device,
 )
-from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_device, nonzero_choices_device
+from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_many, gather_samples, nonzero_choices_device
 from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_many, rowcol_choices_device
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
@@ -156,8 +156,8 @@ def _choose_delta_ops(
     if dev is None:
         dev = next((j.raw.device for j, _t, _w in cands if j.raw.device.type != "cpu"), cands[0][0].raw.device)
     runs = choice.DELTA_RUNS
-    raw_parts: list[torch.Tensor] = []
-    base_parts: list[torch.Tensor] = []
+    raw_items: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
+    base_items: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
     counts: list[int] = []
     for job, _transform, w in cands:
         assert job.base is not None
@@ -167,11 +167,14 @@ def _choose_delta_ops(
         run = max(1, min(n, DEVICE_DELTA_SAMPLE) // runs)
         starts = sorted({(n - run) * k // (runs - 1) for k in range(runs)}) if n > run else [0]
         ln = min(n, run)
-        raw_parts.extend(job.raw[a * w : (a + ln) * w] for a in starts)
-        base_parts.extend(job.base[a * w : (a + ln) * w] for a in starts)
+        ranges = [(a, a + ln) for a in starts]
+        raw_items.append((job.raw, ranges, w))
+        base_items.append((job.base, ranges, w))
         counts.append(len(starts) * ln)
-    raw_s = _cat_on(raw_parts, dev)
-    base_s = _cat_on(base_parts, dev)
+    # host copies (a re-encoding's) gathered on the host and moved in one copy
+    both = gather_samples(raw_items + base_items, dev)
+    raw_s = torch.cat(both[: len(cands)])
+    base_s = torch.cat(both[len(cands) :])
     # the planes of each candidate, back to back (plane stride = sample length: no padding)
     ws = [w for _j, _t, w in cands]
     off: list[int] = []
@@ -214,17 +217,6 @@ def _choose_delta_ops(
                 best, best_cost = op, est[k]
         out.append(best)
     return out
-
-
-def _cat_on(parts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """``parts`` (on ``dev`` or on the host) concatenated on ``dev``, in order: the host parts
-    gathered on the host and moved over in one copy (a re-encoding samples thousands of short
-    runs of host copies: one transfer each cost ~0.1 s)."""
-    if all(p.device == dev for p in parts):
-        return torch.cat(parts)
-    if all(p.device.type == "cpu" for p in parts):
-        return torch.cat(parts).to(dev)
-    return torch.cat([p.to(dev, non_blocking=True) for p in parts])
 
 
 def _device_resident(job: engine.StorageJob) -> bool:
@@ -318,6 +310,8 @@ def encode_storages(
 
         rc_group: list[tuple[int, dict[str, Any], tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int]]] = []
         rc_bytes = 0
+        nz_group: list[tuple[int, dict[str, Any], tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]]] = []
+        nz_bytes = 0
         moved: list[tuple[torch.Tensor, int]] = []  # device copies of host storages, not yet summed
         moved_bytes = 0
 
@@ -335,11 +329,29 @@ def encode_storages(
                 [item for _ji, _e, item in rc_group], prof.segment_elems, prof.algorithm, prof.codec_id,
                 dict(prof.opts), dev,
             )
+            items: list[tuple[int, int, str, Any]] = []
             for (ji, entry, _item), key, (ids, views) in zip(rc_group, keys, chunks):
                 entry["rowcol"] = key
-                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+                items += [(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))]
+            io.submit(items, keep=keep)  # one hand-over per group: the I/O thread writes it while the GPU codes on
             rc_group.clear()
             rc_bytes = 0
+
+        def flush_nonzero() -> None:
+            nonlocal nz_bytes
+            if not nz_group:
+                return
+            nnzs, chunks, keep = encode_nonzero_many(
+                [item for _ji, _e, item in nz_group], prof.segment_elems, prof.algorithm, prof.codec_id,
+                dict(prof.opts), dev,
+            )
+            items: list[tuple[int, int, str, Any]] = []
+            for (ji, entry, _item), nnz, (ids, views) in zip(nz_group, nnzs, chunks):
+                entry["nnz"] = nnz
+                items += [(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))]
+            io.submit(items, keep=keep)
+            nz_group.clear()
+            nz_bytes = 0
 
         def run(b: Batch) -> None:
             for ji, tr in _run_batch(b, prof, dev, io).items():
@@ -394,15 +406,15 @@ def encode_storages(
             else:
                 entry["checksum"] = ck.tensor_checksum(job.raw)
             if nz_pick.get(jidx):
-                # the nonzero variant (docs/FORMAT.md 4.5c): coded here, on its own, by the profile's coder
+                # the nonzero variant (docs/FORMAT.md 4.5c): coded by the profile's coder with the
+                # other nonzero storages of its group, one nvCOMP call and read-back per group
                 entry["transform"] = NZ_TRANSFORM
-                nnz, ids, views, keep = encode_nonzero_device(
-                    raw, base, op, job.dtype, seg, prof.algorithm, prof.codec_id, dict(prof.opts), dev
-                )
-                entry["nnz"] = nnz
-                ji = sink.add_job(entry, len(ids))
+                ji = sink.add_job(entry, -(-n // seg) * (w + 1))
                 entries.append(entry)
-                io.submit([(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))], keep=keep)
+                nz_group.append((ji, entry, (raw, base, op, job.dtype)))
+                nz_bytes += nbytes
+                if nz_bytes >= budget:
+                    flush_nonzero()
                 continue
             if rc_pick.get(jidx):
                 # the row/column variant (docs/FORMAT.md 4.5d): coded by the profile's coder with the
@@ -441,6 +453,7 @@ def encode_storages(
         if batch.pieces:
             run(batch)
         flush_rowcol()
+        flush_nonzero()
         fold_moved()
         if fold_items:
             fold64_batched(fold_items, acc)

@@ -38,7 +38,8 @@ from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
 
 __all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "code_parts_device", "decode_nonzero_device",
-           "decode_on_device", "fetch_chunks_device", "encode_nonzero_device", "nonzero_choices_device",
+           "decode_on_device", "fetch_chunks_device", "gather_samples", "encode_nonzero_device", "encode_nonzero_many",
+           "nonzero_choices_device", "nz_estimates",
            "nonzero_pays_device", "plane_bytes", "residual_words"]
 
 #: storages of fewer elements keep their plane transform (the choice costs a read-back)
@@ -80,12 +81,45 @@ def _bits_each(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.where(sizes > 0, h.clamp_min(1e-3) * sizes, torch.zeros_like(sizes))
 
 
-def _sample_on(t: torch.Tensor, ranges: list[tuple[int, int]], w: int, dev: torch.device) -> torch.Tensor:
-    """The elements ``ranges`` of the byte tensor ``t`` (element width ``w``), concatenated on
-    ``dev``: gathered where ``t`` lives, then moved in one copy (a host copy's sample is many
-    small ranges; one transfer each would cost more than the estimate)."""
-    s = torch.cat([t[a * w : z * w] for a, z in ranges])
-    return s if s.device == dev else s.to(dev)
+def gather_samples(
+    items: list[tuple[torch.Tensor, list[tuple[int, int]], int]], dev: torch.device
+) -> list[torch.Tensor]:
+    """The elements ``ranges`` of each byte tensor ``t`` (element width ``w``) of ``items`` ``(t,
+    ranges, w)``, concatenated per item, on ``dev``: a device tensor's gathered there, the host
+    tensors' gathered on the host and moved over in one copy for all of them (a host copy's sample
+    is many small ranges, a re-encoding's hundreds of storages: a transfer each would cost more
+    than the estimate)."""
+    out: list[torch.Tensor] = []
+    host: list[tuple[int, list[np.ndarray]]] = []
+    for k, (t, ranges, w) in enumerate(items):
+        if t.device.type == "cpu":
+            a = t.numpy()
+            host.append((k, [a[s0 * w : s1 * w] for s0, s1 in ranges]))
+            out.append(t[:0])  # replaced by its device copy below
+        else:
+            s = torch.cat([t[s0 * w : s1 * w] for s0, s1 in ranges] or [t[:0]])
+            out.append(s if s.device == dev else s.to(dev))
+    if host:
+        lens = [sum(p.size for p in parts) for _k, parts in host]
+        if dev.type == "cuda":  # gathered straight into pinned memory, moved without a host-side wait
+            stage = _nvcomp.host_empty(sum(lens))
+        else:
+            stage = torch.empty(max(sum(lens), 1), dtype=torch.uint8)
+        buf = stage.numpy()
+        at = 0
+        for _k, parts in host:
+            for p in parts:
+                buf[at : at + p.size] = p
+                at += p.size
+        flat = stage[:at].to(dev, non_blocking=True)
+        for (k, _parts), piece in zip(host, torch.split(flat, lens)):
+            out[k] = piece
+    return out
+
+
+#: sample elements estimated together by :func:`nonzero_choices_device` (bounds its device memory:
+#: about 50 bytes per 16-bit element, 80 per 32-bit one)
+_NZ_GROUP_ELEMS = 1 << 20
 
 
 def nonzero_choices_device(
@@ -93,40 +127,98 @@ def nonzero_choices_device(
 ) -> list[bool]:
     """Per storage ``(raw bytes, base, delta op, dtype)``: whether the GPU writer codes it with
     :data:`NZ_TRANSFORM` -- the order-0 estimate on a sample (module docstring), every storage's
-    estimate on the device and one read-back for all of them."""
+    estimate on the device in a fixed number of kernels per group of samples, and one read-back
+    for the zero counts and one per group for the estimates."""
     out = [False] * len(items)
-    samples: list[tuple[int, torch.Tensor, int]] = []
+    picked: list[tuple[int, int, str | None, torch.dtype]] = []
+    gathers: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
     for i, (raw, base, op, dtype) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
         if n < NZ_MIN_ELEMS or w not in _ITYPE:
             continue
         ranges = choice.delta_sample_ranges(n)
-        r = _sample_on(raw, ranges, w, dev)
-        b = None if base is None or op is None else _sample_on(base, ranges, w, dev)
-        samples.append((i, residual_words(r, b, op, dtype), w))
-    if not samples:
+        with_base = base is not None and op is not None
+        picked.append((i, w, op if with_base else None, dtype))
+        gathers.append((raw, ranges, w))
+        if with_base:
+            assert base is not None
+            gathers.append((base, ranges, w))
+    if not picked:
         return out
-    # the zero count first, for every sample at once (one read-back): the entropy estimates (about
-    # twenty small kernels per storage) only for the storages with enough zeros to be candidates
+    moved = iter(gather_samples(gathers, dev))
+    samples: list[tuple[int, torch.Tensor, int]] = []
+    for i, w, op, dtype in picked:
+        r = next(moved)
+        b = next(moved) if op is not None else None
+        samples.append((i, residual_words(r, b, op, dtype), w))
+    # the zero count first, for every sample at once (one read-back): the entropy estimates only
+    # for the storages with enough zeros to be candidates
     zeros_of = torch.stack([(words == 0).sum() for _, words, _w in samples]).cpu().tolist()
-    stats: list[torch.Tensor] = []
-    idx: list[int] = []
-    sizes: list[int] = []
+    by_width: dict[int, list[tuple[int, torch.Tensor]]] = {}
     for (i, words, w), zeros in zip(samples, zeros_of):
-        if zeros < choice.NZ_MIN_ZERO_FRAC * words.numel():
-            continue
-        bitmap, planes = nzt.split_nonzero_torch(words, w, rot=True)
-        costs = _bits_each(plane_bytes(words, w) + [bitmap] + [planes[j] for j in range(w)])
-        plain, nz = costs[:w].sum(), costs[w:].sum()
-        nonzero = (words != 0).sum().to(torch.float64)
-        stats.append(torch.stack([words.numel() - nonzero, plain, nz]))
-        idx.append(i)
-        sizes.append(words.numel())
-    if stats:
-        for i, m, (zeros, plain_cost, nz_cost) in zip(idx, sizes, torch.stack(stats).cpu().tolist()):
-            out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
+        if zeros >= choice.NZ_MIN_ZERO_FRAC * words.numel():
+            by_width.setdefault(w, []).append((i, words))
+    for w, cands in by_width.items():
+        for group in _groups(cands, _NZ_GROUP_ELEMS):
+            stats = nz_estimates([wd for _i, wd in group], w).tolist()  # one read-back per group
+            for (i, words), (zeros, plain_cost, nz_cost) in zip(group, stats):
+                m = words.numel()
+                out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
     return out
+
+
+def _groups(items: list[tuple[int, torch.Tensor]], limit: int) -> list[list[tuple[int, torch.Tensor]]]:
+    """``items`` ``(i, tensor)`` cut, in order, into runs of at most ``limit`` elements (one item more
+    where a single item exceeds it)."""
+    out: list[list[tuple[int, torch.Tensor]]] = []
+    size = 0
+    for it in items:
+        if not out or size + it[1].numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(it)
+        size += it[1].numel()
+    return out
+
+
+def nz_estimates(samples: list[torch.Tensor], w: int) -> torch.Tensor:
+    """Per sample (int16/int32 words of width ``w``, on one device), on the host: its zero count,
+    the order-0 bits of its ``planes-rotl1`` planes and those of its nonzero split (the bitmap,
+    padded to a byte, then the planes of its nonzero elements) -- every sample in one histogram."""
+    dev = samples[0].device
+    k = len(samples)
+    m = torch.tensor([s.numel() for s in samples], dtype=torch.int64)
+    pad = (-m) % 8
+    # each sample padded to whole bitmap bytes (padding words are zero: bitmap bits 0, as the split pads)
+    padded = torch.cat([t for s, p in zip(samples, pad.tolist()) for t in ((s, s.new_zeros(p)) if p else (s,))])
+    valid_len = m + pad
+    sid = torch.repeat_interleave(
+        torch.arange(k, dtype=torch.int32, device=dev), valid_len.to(dev), output_size=int(valid_len.sum())
+    )
+    mask = padded != 0
+    bitmap = (mask.to(torch.uint8).view(-1, 8) * nzt.bit_weights(dev)).sum(1, dtype=torch.int32)
+    bsid = sid.view(-1, 8)[:, 0]
+    slots = 2 * w + 1  # w planes, the bitmap, w planes of the nonzero elements (int32 keys: k * slots * 256 < 2**31)
+    planes = plane_bytes(padded, w)
+    keys = [(sid * slots + j) * 256 + planes[j] for j in range(w)]  # the padding counted too: taken off below
+    keys.append((bsid * slots + w) * 256 + bitmap)
+    nz_sid = sid[mask]
+    for j in range(w):  # rotated planes of the nonzero elements: the plane bytes of those elements
+        keys.append((nz_sid * slots + w + 1 + j) * 256 + planes[j][mask])
+    hist = torch.bincount(torch.cat(keys), minlength=k * slots * 256).view(k, slots, 256)
+    hist[:, :w, 0] -= pad.to(dev)[:, None]  # a padding word's plane bytes are 0
+    hist = hist.to(torch.float64)
+    nnz = torch.bincount(nz_sid, minlength=k)
+    sizes = torch.empty((k, slots), dtype=torch.float64, device=dev)
+    md = m.to(dev, torch.float64)
+    sizes[:, :w] = md[:, None]
+    sizes[:, w] = (valid_len // 8).to(dev, torch.float64)
+    sizes[:, w + 1 :] = nnz.to(torch.float64)[:, None]
+    p = hist / sizes.clamp_min(1.0)[:, :, None]
+    h = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(2)
+    bits = torch.where(sizes > 0, h.clamp_min(1e-3) * sizes, torch.zeros_like(sizes))
+    return torch.stack([md - nnz.to(torch.float64), bits[:, :w].sum(1), bits[:, w:].sum(1)], 1).cpu()
 
 
 def nonzero_pays_device(
@@ -147,22 +239,97 @@ def encode_nonzero_device(
     opts: dict[str, Any],
     dev: torch.device,
 ) -> tuple[list[int], list[str], list[memoryview], torch.Tensor]:
-    """Code the storage bytes ``raw`` (on ``dev``) with :data:`NZ_TRANSFORM` in segments of ``seg``
-    elements: returns the ``nnz`` of each segment, then per chunk in manifest order its codec id
-    and its bytes (views into the returned pinned host buffer, which must outlive them). A chunk is
-    coded (``algorithm`` with ``opts``, written as ``codec_id``) only where that is smaller."""
-    w = dtype.itemsize
-    n = raw.numel() // w
-    words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
+    """:func:`encode_nonzero_many` for one storage: its ``nnz`` per segment, codec ids, chunk bytes
+    and the pinned host buffer they point into."""
+    nnz, chunks, host = encode_nonzero_many([(raw, base, op, dtype)], seg, algorithm, codec_id, opts, dev)
+    return nnz[0], chunks[0][0], chunks[0][1], host
+
+
+def encode_nonzero_many(
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]],
+    seg: int,
+    algorithm: str,
+    codec_id: str,
+    opts: dict[str, Any],
+    dev: torch.device,
+) -> tuple[list[list[int]], list[tuple[list[str], list[memoryview]]], torch.Tensor]:
+    """Code storages ``(raw bytes on dev, base, delta op, dtype)`` with :data:`NZ_TRANSFORM` in
+    segments of ``seg`` elements, all their chunks in one nvCOMP call and one read-back (a storage
+    at a time, a re-encoding's hundreds of sparse residuals cost a call and a synchronization
+    each): per storage the ``nnz`` of each segment and per chunk, in manifest order (per segment
+    the bitmap, then the ``w`` planes of its nonzero elements), its codec id and bytes (views into
+    the returned pinned host buffer, which must outlive them). A chunk is coded (``algorithm`` with
+    ``opts``, written as ``codec_id``) only where that is smaller.
+
+    With ``seg`` a multiple of 8 (every profile's) the storages of one width are split together:
+    one compaction and one count per segment for all of them, each segment's bitmap a slice of
+    the group's (a storage padded to a whole byte, as a segment's bitmap is); else segment by
+    segment (:func:`~s4w_core.planes.nonzero.split_nonzero_torch`)."""
+    words = [residual_words(raw, None if base is None else base.to(dev), op, dtype) for raw, base, op, dtype in items]
+    per: list[list[tuple[torch.Tensor, list[torch.Tensor], int]]] = [[] for _ in items]  # (bitmap, planes, nnz) per segment
+    if seg % 8:
+        for k, ((_raw, _b, _op, dtype), wd) in enumerate(zip(items, words)):
+            for s0, s1 in segments(wd.numel(), seg):
+                bitmap, planes = nzt.split_nonzero_torch(wd[s0:s1], dtype.itemsize, rot=True)
+                per[k].append((bitmap, list(planes), int(planes.shape[1])))
+    else:
+        by_width: dict[int, list[int]] = {}
+        for k, (_raw, _b, _op, dtype) in enumerate(items):
+            by_width.setdefault(dtype.itemsize, []).append(k)
+        for w, ks in by_width.items():
+            for k, segs in zip(ks, _split_many([words[k] for k in ks], w, seg)):
+                per[k] = segs
     parts: list[torch.Tensor] = []
-    nnz: list[int] = []
-    for s0, s1 in segments(n, seg):
-        bitmap, planes = nzt.split_nonzero_torch(words[s0:s1], w, rot=True)
-        nnz.append(int(planes.shape[1]))
-        parts.append(bitmap)
-        parts.extend(planes[j] for j in range(w))
+    spans: list[tuple[int, int]] = []
+    for segs in per:
+        start = len(parts)
+        for bm, pls, _nnz in segs:
+            parts.append(bm)
+            parts.extend(pls)
+        spans.append((start, len(parts) - start))
     ids, views, host = code_parts_device(parts, algorithm, codec_id, opts, dev)
-    return nnz, ids, views, host
+    return [[nnz for _b, _p, nnz in segs] for segs in per], [(ids[a : a + m], views[a : a + m]) for a, m in spans], host
+
+
+def _split_many(words: list[torch.Tensor], w: int, seg: int) -> list[list[tuple[torch.Tensor, list[torch.Tensor], int]]]:
+    """The nonzero split (:func:`~s4w_core.planes.nonzero.split_nonzero_torch`, rotated) of every
+    segment of ``seg`` elements (a multiple of 8) of each of ``words`` (int16/int32 tensors of
+    width ``w`` on one device): per storage, per segment, ``(bitmap, planes, nnz)`` -- views into
+    the group's bitmap and planes, the same bytes as a segment split alone."""
+    dev = words[0].device
+    lens = [x.numel() for x in words]
+    pads = [(-n) % 8 for n in lens]
+    flat = torch.cat([t for x, p in zip(words, pads) for t in ((x, x.new_zeros(p)) if p else (x,))])
+    mask = flat != 0
+    bitmap = (mask.to(torch.uint8).view(-1, 8) * nzt.bit_weights(dev)).sum(1, dtype=torch.int32).to(torch.uint8)
+    # the elements before each segment's end, from the bitmap bytes' counts: one read-back for all
+    seg_ends: list[int] = []  # bitmap byte index of each segment's end, group-wide
+    at = 0
+    for n, p in zip(lens, pads):
+        seg_ends.extend((at + min(n, s + seg) + 7) // 8 for s in range(0, n, seg))
+        at += n + p
+    counts = torch.cumsum(mask.view(-1, 8).sum(1), 0)
+    if seg_ends:
+        ends = counts[torch.tensor([e - 1 for e in seg_ends], dtype=torch.int64).to(dev)].cpu().tolist()
+    else:
+        ends = []
+    nz = flat[mask]
+    bits = 8 * w
+    r = (nz << 1) | ((nz >> (bits - 1)) & 1)
+    planes = [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
+    out: list[list[tuple[torch.Tensor, list[torch.Tensor], int]]] = []
+    at, i, prev_end, prev_byte = 0, 0, 0, 0
+    for n, p in zip(lens, pads):
+        segs: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
+        for _s in range(0, n, seg):
+            e, b = int(ends[i]), seg_ends[i]
+            segs.append((bitmap[prev_byte:b], [pl[prev_end:e] for pl in planes], e - prev_end))
+            prev_end, prev_byte = e, b
+            i += 1
+        out.append(segs)
+        at += n + p
+        prev_byte = at // 8  # the padding words' bytes belong to the storage's last segment
+    return out
 
 
 def code_parts_device(

@@ -366,3 +366,65 @@ def test_gpu_writer_nonzero_chunks_match_the_cpu_oracle(ww: tuple[np.ndarray, in
         dec[o : o + c.size] = torch.from_numpy(c.copy())
     _nonzero.check_and_merge(dec, lens, off, nnz, n, seg, w, True, out, "t")
     assert out.numpy().tobytes() == rw.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(words_st(), min_size=1, max_size=5), st.sampled_from([8, 16, 40, 64, 7, 13]))
+def test_gpu_writer_codes_many_nonzero_storages_in_one_group(group: list[tuple[np.ndarray, int]], seg: int) -> None:
+    """:func:`encode_nonzero_many` (storages of both widths, empty ones among them, segments of a
+    multiple of 8 elements -- the whole group split at once -- and of other lengths -- segment by
+    segment) gives each storage the chunks of the CPU oracle, segment by segment, and the ``nnz``
+    of each segment (run on CPU tensors, nvCOMP simulated by raw deflate)."""
+    from s4w_core.codecs import get_codec
+    from s4w_core.gpu import _nonzero
+    from tests.parity._interpret_checks import simulated_gpu
+
+    items = [(torch.from_numpy(words.view(np.uint8).copy()), None, None, {2: torch.bfloat16, 4: torch.float32}[w])
+             for words, w in group]
+    with simulated_gpu():
+        nnzs, chunks, _keep = _nonzero.encode_nonzero_many(items, seg, "Deflate", "deflate", {}, torch.device("cpu"))
+    assert len(nnzs) == len(chunks) == len(group)
+    for (words, w), nnz, (ids, views) in zip(group, nnzs, chunks):
+        segs = [(a, min(words.size, a + seg)) for a in range(0, words.size, seg)]
+        assert len(nnz) == len(segs) and len(ids) == len(views) == len(segs) * (w + 1)
+        for k, (a, z) in enumerate(segs):
+            ob, op_planes = oracle_split(words[a:z], w, True)
+            assert nnz[k] == op_planes.shape[1]
+            got = [get_codec(ids[k * (w + 1) + j]).decode(bytes(views[k * (w + 1) + j]), len(ob) if j == 0 else nnz[k])
+                   for j in range(w + 1)]
+            assert got[0] == ob
+            for j in range(w):
+                assert got[1 + j] == op_planes[j].tobytes()
+
+
+def _entropy_bits(b: np.ndarray) -> float:
+    """Order-0 bits of the bytes ``b`` (at least 1e-3 a byte; 0 for none), as the writer's estimate counts."""
+    if not b.size:
+        return 0.0
+    p = np.bincount(b, minlength=256) / b.size
+    p = p[p > 0]
+    return max(float(-(p * np.log2(p)).sum()), 1e-3) * b.size
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(words_st(), min_size=1, max_size=6))
+def test_gpu_nonzero_estimates_match_a_literal_reading(group: list[tuple[np.ndarray, int]]) -> None:
+    """The GPU writer's batched estimate (every sample of a width in one histogram) gives, per
+    sample, its zero count and the order-0 bits of its planes and of its nonzero split (bitmap
+    padded to a byte, then the planes of the nonzero elements) as computed sample by sample from
+    the CPU oracle's split."""
+    from s4w_core.gpu import _nonzero
+
+    for w in (2, 4):
+        mine = [words for words, ww in group if ww == w and words.size]
+        if not mine:
+            continue
+        got = _nonzero.nz_estimates([torch.from_numpy(x.view({2: np.int16, 4: np.int32}[w])) for x in mine], w)
+        for x, (zeros, plain, nz) in zip(mine, got.tolist()):
+            rot = ((x.astype(np.uint64) << 1) | (x.astype(np.uint64) >> (8 * w - 1))) & ((1 << (8 * w)) - 1)
+            planes = [((rot >> (8 * (w - 1 - j))) & 0xFF).astype(np.uint8) for j in range(w)]
+            bm, nzp = oracle_split(x, w, True)
+            assert zeros == x.size - np.count_nonzero(x)
+            assert plain == pytest.approx(sum(_entropy_bits(p) for p in planes), rel=1e-9, abs=1e-9)
+            want = _entropy_bits(np.frombuffer(bm, dtype=np.uint8)) + sum(_entropy_bits(nzp[j]) for j in range(w))
+            assert nz == pytest.approx(want, rel=1e-9, abs=1e-9)
