@@ -315,7 +315,7 @@ class Pipeline:
             h = getattr(self, which)
             if h is not None and not h.wait_done(timeout):
                 raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
-        if not self._wait_side(timeout):
+        if not self.wait_side(timeout):
             raise TimeoutError(f"{self.url}: deletes of unreferenced objects still running after {timeout} s")
 
     # -- clean-up behind the worker
@@ -339,7 +339,7 @@ class Pipeline:
                 self._side_pending -= 1
                 self._side_idle.notify_all()
 
-    def _wait_side(self, timeout: float | None) -> bool:
+    def wait_side(self, timeout: float | None = None) -> bool:
         """Wait until no clean-up is queued or running (False: still some after ``timeout`` s)."""
         if threading.current_thread() is self._side_thread:
             return True
@@ -437,7 +437,7 @@ class Pipeline:
             tail = self.cancel_tail()  # at exit or in a finalizer: stop it rather than wait it out
             if tail is not None:
                 tail.wait_done()
-            self._wait_side(None)
+            self.wait_side(None)
             with self._lock:
                 f, self.failed = self.failed, None
             if f is not None and not f._observed:  # noqa: SLF001

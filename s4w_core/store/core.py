@@ -261,7 +261,9 @@ class StoreCore:
         containers), ``physical_bytes`` (every data object present, including bases kept only
         for a delta, keyframe copies (``copy_bytes``) and unreferenced leftovers), ``ratio`` =
         raw / stored, per ``kinds`` totals; ``hidden_bytes``: the data of deleted steps kept while a
-        kept step is a delta against them."""
+        kept step is a delta against them.  Deletes already decided (a deleted step's data,
+        removed behind :meth:`delete`) are waited for first: the totals are what stays."""
+        self._pipe.wait_side()
         every = self._read_records()
         recs = visible(every)
         data = self.backend.list(DATA)

@@ -71,7 +71,9 @@ class Retention(Reencoder):
         just below), the record is rewritten as *hidden* and its data stays as long as a kept
         step's chain reaches it (it is collected, record and data, once none does); otherwise
         the record and the data only it kept are removed.  Deleting the oldest step (nothing
-        depends on it) frees its data at once.  Deleting the newest step re-codes the step below
+        depends on it) frees its data, behind the call: on the store's clean-up thread
+        (:meth:`wait`, :meth:`close` and :meth:`gc` wait for it; a crash before leaves it to
+        :meth:`gc`), or before it returns with ``rebase``.  Deleting the newest step re-codes the step below
         it whole, so that the newest step still loads as one object.
 
         Args:
@@ -128,7 +130,13 @@ class Retention(Reencoder):
             if self._cache is not None and self._cache.step == step:
                 self._cache = None
             self._collect_hidden()
-            self.reclaim(before)
+            # the data only it kept goes behind the call (a large object's unlink takes ~0.1-0.2 s
+            # a GB locally, and a framework's rotation deletes a step per save); ``rebase`` asks
+            # for the room now
+            if rebase:
+                self.reclaim(before)
+            else:
+                self.reclaim_later(before)
 
     def _rebase(self, step: int, *, exclude: int) -> StepInfo:
         """Re-code ``step`` (a forward delta whose chain runs through ``exclude``) whole."""

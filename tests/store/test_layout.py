@@ -192,6 +192,7 @@ def test_lightning_like_top_k_removals_write_no_data_objects(store_url: str) -> 
     assert st.steps() == [6, 9]
     for s in (6,):
         st.delete(s)  # the oldest kept: the hidden steps its chain ran through go with it
+    st.wait()  # their data goes behind the call
     assert st.sizes()["hidden_bytes"] == 0 and _data(st) == {st.info(9).object}
 
 

@@ -110,6 +110,7 @@ def test_delete_hides_a_middle_step_writes_nothing_and_reclaims(store_url: str) 
     assert [before[i].base_step for i in range(6)] == [1, 2, 3, 4, 5, None]
     st.delete(0)  # the oldest: nothing depends on it, nothing is re-coded
     assert st.steps() == [1, 2, 3, 4, 5]
+    st.wait()  # its data goes behind the call
     assert {r.step: r.object for r in st.list()} == {i: before[i].object for i in range(1, 6)}
     assert before[0].object not in data_keys(st) and st.sizes()["base_only_bytes"] == 0
     keys = data_keys(st)
@@ -129,12 +130,14 @@ def test_delete_hides_a_middle_step_writes_nothing_and_reclaims(store_url: str) 
     st.delete(2)  # step 1 is a delta against it: hidden too; step 3 still needed through it
     assert st.steps() == [1, 4] and bits_equal(st.load(1), run[1])
     st.delete(1)  # nothing needs the hidden steps any more: collected, records and data
+    st.wait()
     assert st.steps() == [4] and data_keys(st) == {st.info(4).object}
     assert st.sizes()["hidden_bytes"] == 0
     st.save(run[3], 3)  # a step number that was hidden can be saved again
     assert bits_equal(st.load(3), run[3])
     for s in list(st.steps()):
         st.delete(s)
+    st.wait()
     assert st.steps() == [] and data_keys(st) == set(), "all data reclaimed once nothing needs it"
 
 
@@ -250,3 +253,47 @@ def test_concurrent_reader_never_sees_partial(store_url: str) -> None:
         t.join(60)
     assert not errors, errors
     assert seen
+
+
+def test_delete_returns_before_its_data_is_removed(store_url: str) -> None:
+    """Deleting a step hides it at once and removes its data object behind the call, on the store's
+    clean-up thread (a large object's unlink takes ~0.1-0.2 s a GB; a framework's rotation deletes a
+    step per save): the deleting thread does not wait for the backend's delete, and
+    :meth:`~CheckpointStore.sizes` and :meth:`~CheckpointStore.wait` do."""
+    from s4w_core.store import open_backend
+
+    from .helpers import FaultyBackend
+
+    run = make_run(3)
+    release = threading.Event()
+    entered = threading.Event()
+    held: list[str] = []  # the data object whose delete is held
+
+    def hold(verb: str, key: str) -> bool:
+        if verb == "delete" and held and key == held[0]:
+            entered.set()
+            assert release.wait(30), "the test never released the delete"
+        return False
+
+    st = CheckpointStore(store_url, profile="portable", _backend=FaultyBackend(open_backend(store_url), hold))
+    for i, s in enumerate(run):
+        st.save(s, i)
+    st.wait()
+    old0 = st.info(0).object
+    held.append(old0)
+    st.delete(0)  # the oldest: its data only it needs
+    assert st.steps() == [1, 2]
+    assert entered.wait(30), "the data delete was never started"
+    assert old0 in data_keys(st), "the deleting thread did not wait for the backend's delete"
+    sizes: list[dict[str, object]] = []
+    t = threading.Thread(target=lambda: sizes.append(st.sizes()))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), "sizes() waits for the decided deletes"
+    release.set()
+    t.join(30)
+    assert sizes and sizes[0]["unreferenced_bytes"] == 0
+    st.wait()
+    assert old0 not in data_keys(st)
+    for i in (1, 2):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
