@@ -341,8 +341,23 @@ def sync(device: Any) -> None:
 
 # ============================================================================ one run per framework
 class SaveTimer:
+    """The time each save blocks training (``blocked``, with when it began: ``began``), and the end of
+    every training step (``steps``, host clock, taken before that step's save): what the overhead
+    decomposition (:func:`phases`) is made from."""
+
     def __init__(self) -> None:
         self.blocked: list[float] = []
+        self.began: list[float] = []
+        self.steps: list[float] = []
+        self.t0: float | None = None  # the start of the run's wall time (set by the runner)
+
+    def add(self, t: float) -> None:
+        """A save that blocked from ``t`` (perf_counter) until now."""
+        self.blocked.append(time.perf_counter() - t)
+        self.began.append(t)
+
+    def step(self) -> None:
+        self.steps.append(time.perf_counter())
 
     def wrap(self, fn: Callable[..., Any], when: Callable[..., bool] = lambda *a, **k: True) -> Callable[..., Any]:
         def timed(*a: Any, **k: Any) -> Any:
@@ -351,9 +366,29 @@ class SaveTimer:
                 return fn(*a, **k)
             finally:
                 if when(*a, **k):
-                    self.blocked.append(time.perf_counter() - t)
+                    self.add(t)
 
         return timed
+
+
+def phases(timer: SaveTimer, wall: float) -> dict[str, Any]:
+    """A run's wall time in three parts that add up to it: ``setup_s`` (building the framework's
+    objects up to the end of the first step), ``span_s`` (the first step's end to the last one's:
+    the training steps, with the saves that block between them, ``blocked_in_span_s``) and
+    ``end_s`` (the last step's end to the end of the wall time: the last save and every wait at the
+    end of training). Host clock: the steps' ends are taken without a device synchronization (the
+    host runs at most a few kernels' queue ahead of the GPU at a step's end)."""
+    if not timer.steps or timer.t0 is None:
+        return {}
+    t0 = timer.t0
+    first, last = timer.steps[0], timer.steps[-1]
+    return {
+        "steps": len(timer.steps),
+        "setup_s": first - t0,
+        "span_s": last - first,
+        "blocked_in_span_s": sum(b for b, at in zip(timer.blocked, timer.began) if first <= at < last),
+        "end_s": t0 + wall - last,
+    }
 
 
 def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer) -> dict[str, Any]:
@@ -388,7 +423,11 @@ def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sav
     if mode == "s4w":  # imported before the timed window, as a script's imports are
         from s4w_lightning import S4CheckpointIO
     t0 = time.perf_counter()
-    callbacks: list[Any] = []
+    class Marks(L.Callback):
+        def on_train_batch_end(self, *a: Any, **k: Any) -> None:
+            timer.step()  # before the save: Lightning runs checkpoint callbacks last
+
+    callbacks: list[Any] = [Marks()]
     plugins: list[Any] = []
     if mode != "none":
         ckpt = ModelCheckpoint(dirpath=os.path.join(run_dir, "ckpts"), every_n_train_steps=spec["every"],
@@ -408,6 +447,7 @@ def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sav
     sync(device)
     wall = time.perf_counter() - t0
     opt = trainer.optimizers[0]
+    timer.t0 = t0
 
     def resume() -> None:
         path = os.path.join(run_dir, "ckpts", "last.ckpt")
@@ -436,12 +476,13 @@ def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer)
 
     class GapOpen(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            timer.step()
             gap["t"], gap["step"] = time.perf_counter(), state.global_step
 
     class GapClose(TrainerCallback):
         def _close(self) -> None:
             if gap["t"] is not None and gap["step"] % every == 0 and mode != "none":
-                timer.blocked.append(time.perf_counter() - gap["t"])
+                timer.add(gap["t"])
             gap["t"] = None
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -469,6 +510,7 @@ def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer)
     sync(device)
     wall = time.perf_counter() - t0
     opt = trainer.optimizer
+    timer.t0 = t0
 
     def resume() -> None:
         from safetensors.torch import load_file
@@ -525,6 +567,7 @@ def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sa
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+        timer.step()
         if mode != "none" and step % spec["every"] == 0:
             timer.wrap(acc.save_state)()
         if step >= spec["steps"]:
@@ -535,6 +578,7 @@ def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sa
         s4w_accelerate.finish_pending()
     sync(device)
     wall = time.perf_counter() - t0
+    timer.t0 = t0
 
     def resume() -> None:
         folder = os.path.join(run_dir, "checkpoints")
@@ -579,6 +623,7 @@ def run_dcp(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+        timer.step()
         if mode != "none" and step % spec["every"] == 0:
             t = time.perf_counter()
             if fut is not None:
@@ -589,13 +634,14 @@ def run_dcp(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer
                 fut = dcp.async_save(state, storage_writer=S4StorageWriter(path))
             else:
                 fut = dcp.async_save(state, checkpoint_id=path)
-            timer.blocked.append(time.perf_counter() - t)
+            timer.add(t)
         if step >= spec["steps"]:
             break
     if fut is not None:
         fut.result()
     sync(device)
     wall = time.perf_counter() - t0
+    timer.t0 = t0
 
     def resume() -> None:
         path = os.path.join(run_dir, "ckpt", f"step_{spec['steps']}")
@@ -668,6 +714,7 @@ def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
         "cancelled_write_bytes": io1.get("cancelled_write_bytes", 0) - io0.get("cancelled_write_bytes", 0),
         "state_bytes": state_bytes(r["model"], r["opt"]),
         "profile": prof,
+        "phases": phases(timer, r["wall"]),
     }
     left = files_of(spec["run_dir"])
     out["disk_bytes"] = sum(n for _p, n in left)
@@ -882,6 +929,14 @@ def derive(results: list[dict[str, Any]], precision: str) -> None:
         dflt = by.get((r["framework"], "default"))
         if base:
             r["overhead_s"] = r["wall_s"] - base["wall_s"]
+            p, q = r.get("phases") or {}, base.get("phases") or {}
+            if p and q:  # where the overhead lands: the four parts add up to overhead_s
+                r["overhead_parts_s"] = {
+                    "setup": p["setup_s"] - q["setup_s"],
+                    "training": (p["span_s"] - p["blocked_in_span_s"]) - (q["span_s"] - q["blocked_in_span_s"]),
+                    "blocked": p["blocked_in_span_s"] - q["blocked_in_span_s"],
+                    "end": p["end_s"] - q["end_s"],
+                }
             r["cpu_overhead_s"] = r["cpu_s"] - base["cpu_s"]
             if r.get("process_s") and base.get("process_s"):  # the whole process: imports, exit waits
                 r["process_overhead_s"] = r["process_s"] - base["process_s"]
@@ -952,6 +1007,22 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{_num(r.get('resume_s'), 3) or r.get('resume_error', '')[:40]}{x('resume_ratio')} | "
             f"{'' if r['mode'] == 'none' else ('yes' if res.get('bit_identical') else 'NO')} |"
         )
+    parts = [r for r in results if "error" not in r and r.get("overhead_parts_s") and r["mode"] != "none"]
+    if parts:
+        lines += [
+            "", "## Where the overhead lands (seconds, against the `none` run)", "",
+            "setup = building the framework's objects to the end of the first step; training = the steps after it "
+            "slower (the saves that block between them left out: background work, the warm-up, memory traffic); "
+            "blocked = the saves between the steps; end = the last step's end to the end of the wall time (the last "
+            "save and every wait at the end of training). The four add up to the overhead; host clock.",
+            "",
+            "| framework | run | overhead | setup | training | blocked | end |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in parts:
+            o = r["overhead_parts_s"]
+            lines.append(f"| {r['framework']} | {r['run']} | {r['overhead_s']:.2f} | {o['setup']:.2f} | "
+                         f"{o['training']:.2f} | {o['blocked']:.2f} | {o['end']:.2f} |")
     lines += ["", "## Targets (issue #23)", ""]
     lines += targets(results, meta)
     lines += ["", "## Durability", ""]

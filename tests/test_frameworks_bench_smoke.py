@@ -35,6 +35,12 @@ def test_frameworks_smoke(tmp_path):
         assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["process_s"] > 0
         assert r["peak_rss_bytes"] > 0 and r["state_bytes"] > 0
         assert r["profile"]["samples"] > 0
+        ph = r["phases"]  # the wall time in parts that add up to it, every step's end seen
+        assert ph["steps"] == 6 and min(ph["setup_s"], ph["span_s"], ph["end_s"]) >= 0
+        assert ph["setup_s"] + ph["span_s"] + ph["end_s"] == pytest.approx(r["wall_s"], abs=1e-6)
+        assert 0 <= ph["blocked_in_span_s"] <= sum(r["blocked_s"])
+        if run != "none":  # the overhead's parts add up to it
+            assert sum(r["overhead_parts_s"].values()) == pytest.approx(r["overhead_s"], abs=1e-6)
         if run == "none":
             assert r["saves"] == 0 and r["disk_bytes"] == 0, (fw, r["disk_bytes"])
             continue
@@ -51,3 +57,4 @@ def test_frameworks_smoke(tmp_path):
                    s4w["profile"]["main_s4w_s"] + s4w["profile"]["other_s4w_s"]), (fw, s4w["profile"])
     md = (tmp_path / "frameworks_smoke.md").read_text()
     assert "## Targets (issue #23)" in md and "lightning s4w-cold: resumed state bit-identical" in md
+    assert "## Where the overhead lands" in md and "| hf | s4w-cold |" in md
