@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -136,6 +137,41 @@ class _Writer:
             f.cancel()
         self.pending.clear()
         self.pool.shutdown(wait=True)
+
+
+#: what a group's coder returns: per storage its entry's value and (codec ids, chunk bytes); the host buffer
+_Coded = tuple[list[Any], list[tuple[list[str], list[memoryview]]], torch.Tensor]
+
+
+class _Group:
+    """Storages of one transform coded together by ``code`` (all their chunks in one nvCOMP call and
+    one read-back; a storage at a time, a state's hundreds of them cost a call and a synchronization
+    each), flushed at the batch budget: ``code(items)`` returns per storage its entry's ``key``
+    value and its chunks' codec ids and bytes, and the host buffer they point into; the chunks go
+    to the I/O thread in one hand-over per group, written while the GPU codes on."""
+
+    def __init__(self, key: str, io: _Writer, budget: int, code: Callable[[list[Any]], _Coded]) -> None:
+        self.key, self.io, self.budget, self.code = key, io, budget, code
+        self.members: list[tuple[int, dict[str, Any], Any]] = []
+        self.nbytes = 0
+
+    def add(self, ji: int, entry: dict[str, Any], item: Any, nbytes: int) -> None:
+        self.members.append((ji, entry, item))
+        self.nbytes += nbytes
+        if self.nbytes >= self.budget:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.members:
+            return
+        values, chunks, keep = self.code([item for _ji, _e, item in self.members])
+        items: list[tuple[int, int, str, Any]] = []
+        for (ji, entry, _item), value, (ids, views) in zip(self.members, values, chunks):
+            entry[self.key] = value
+            items += [(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))]
+        self.io.submit(items, keep=keep)
+        self.members.clear()
+        self.nbytes = 0
 
 
 #: elements sampled per storage (16 runs spread over it) by the GPU writer's delta choice.
@@ -308,10 +344,13 @@ def encode_storages(
         # its later pieces (in later batches) take the same
         chosen_layout: dict[int, str] = {}
 
-        rc_group: list[tuple[int, dict[str, Any], tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int]]] = []
-        rc_bytes = 0
-        nz_group: list[tuple[int, dict[str, Any], tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]]] = []
-        nz_bytes = 0
+        # the row/column and the nonzero storages, each coded with others of its kind
+        def coded(fn: Callable[..., _Coded]) -> Callable[[list[Any]], _Coded]:
+            return functools.partial(fn, seg=prof.segment_elems, algorithm=prof.algorithm, codec_id=prof.codec_id,
+                                     opts=dict(prof.opts), dev=dev)
+
+        rc_group = _Group("rowcol", io, budget, coded(encode_rowcol_many))
+        nz_group = _Group("nnz", io, budget, coded(encode_nonzero_many))
         moved: list[tuple[torch.Tensor, int]] = []  # device copies of host storages, not yet summed
         moved_bytes = 0
 
@@ -320,38 +359,6 @@ def encode_storages(
             fold64_batched(moved, acc)
             moved.clear()
             moved_bytes = 0
-
-        def flush_rowcol() -> None:
-            nonlocal rc_bytes
-            if not rc_group:
-                return
-            keys, chunks, keep = encode_rowcol_many(
-                [item for _ji, _e, item in rc_group], prof.segment_elems, prof.algorithm, prof.codec_id,
-                dict(prof.opts), dev,
-            )
-            items: list[tuple[int, int, str, Any]] = []
-            for (ji, entry, _item), key, (ids, views) in zip(rc_group, keys, chunks):
-                entry["rowcol"] = key
-                items += [(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))]
-            io.submit(items, keep=keep)  # one hand-over per group: the I/O thread writes it while the GPU codes on
-            rc_group.clear()
-            rc_bytes = 0
-
-        def flush_nonzero() -> None:
-            nonlocal nz_bytes
-            if not nz_group:
-                return
-            nnzs, chunks, keep = encode_nonzero_many(
-                [item for _ji, _e, item in nz_group], prof.segment_elems, prof.algorithm, prof.codec_id,
-                dict(prof.opts), dev,
-            )
-            items: list[tuple[int, int, str, Any]] = []
-            for (ji, entry, _item), nnz, (ids, views) in zip(nz_group, nnzs, chunks):
-                entry["nnz"] = nnz
-                items += [(ji, ci, cid, v) for ci, (cid, v) in enumerate(zip(ids, views))]
-            io.submit(items, keep=keep)
-            nz_group.clear()
-            nz_bytes = 0
 
         def run(b: Batch) -> None:
             for ji, tr in _run_batch(b, prof, dev, io).items():
@@ -411,10 +418,7 @@ def encode_storages(
                 entry["transform"] = NZ_TRANSFORM
                 ji = sink.add_job(entry, -(-n // seg) * (w + 1))
                 entries.append(entry)
-                nz_group.append((ji, entry, (raw, base, op, job.dtype)))
-                nz_bytes += nbytes
-                if nz_bytes >= budget:
-                    flush_nonzero()
+                nz_group.add(ji, entry, (raw, base, op, job.dtype), nbytes)
                 continue
             if rc_pick.get(jidx):
                 # the row/column variant (docs/FORMAT.md 4.5d): coded by the profile's coder with the
@@ -423,10 +427,7 @@ def encode_storages(
                 entry["transform"] = RC_TRANSFORM
                 ji = sink.add_job(entry, -(-n // seg) * w)
                 entries.append(entry)
-                rc_group.append((ji, entry, (raw, base, op, job.dtype, job.cols)))
-                rc_bytes += nbytes
-                if rc_bytes >= budget:
-                    flush_rowcol()
+                rc_group.add(ji, entry, (raw, base, op, job.dtype, job.cols), nbytes)
                 continue
             nseg = -(-n // seg)
             ji = sink.add_job(entry, nseg * w)
@@ -452,8 +453,8 @@ def encode_storages(
                 s += take
         if batch.pieces:
             run(batch)
-        flush_rowcol()
-        flush_nonzero()
+        rc_group.flush()
+        nz_group.flush()
         fold_moved()
         if fold_items:
             fold64_batched(fold_items, acc)
