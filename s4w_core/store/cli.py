@@ -411,6 +411,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
             st.delete(s, rebase=args.rebase)
             bar.write(f"deleted step {s}")
             bar.update(1)
+    st.wait()  # the data the deletes free is removed behind them: gone before the command returns
     return 0
 
 

@@ -102,6 +102,32 @@ def test_rm_pin_gc_verify(filled, capsys) -> None:  # type: ignore[no-untyped-de
     assert main(["verify", url]) == 0
 
 
+def test_rm_frees_the_data_before_it_returns(filled, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`s4w rm` of the oldest step (no re-coding): its data object, removed behind the store's delete
+    (here made slow), is gone when the command returns."""
+    import time
+
+    from s4w_core.store import core
+    from s4w_core.store.records import DATA
+
+    slow = core.delete_quietly
+
+    def later(dead):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        slow(dead)
+
+    monkeypatch.setattr(core, "delete_quietly", later)
+    url, run = filled
+    st = CheckpointStore(url)
+    old = st.info(0).object
+    st.close()
+    assert main(["rm", url, "--step", "0"]) == 0
+    st = CheckpointStore(url)
+    assert st.steps() == [10, 20, 30, 100]
+    assert old not in {o.key for o in st.backend.list(DATA)}
+    assert bits_equal(st.load(10), run[1])
+
+
 def _one_line(err: str) -> str:
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     return err.strip()
