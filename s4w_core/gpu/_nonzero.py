@@ -7,10 +7,11 @@ against that of the bitmap plus the planes of the nonzero elements; the nonzero 
 where the sample holds at least :data:`~s4w_core.choice.NZ_MIN_ZERO_FRAC` zero elements and the
 estimate saves :data:`~s4w_core.choice.NZ_MIN_GAIN`. The GPU's coders are order-0 (nvCOMP ANS,
 Deflate entropy-only), so the estimate is what they get: the zero rows of Adam moments (untouched
-embedding rows) and the unchanged elements of a delta then cost a bitmap bit each. The storage is
-split on the device (:func:`~s4w_core.planes.nonzero.split_nonzero_torch`), its chunks (per
-segment: the bitmap, then the ``w`` planes of its ``nnz`` elements) coded in one nvCOMP call,
-each kept coded only if smaller, read back once.
+embedding rows) and the unchanged elements of a delta then cost a bitmap bit each. Every candidate's
+estimate is computed in one histogram per group of samples (:func:`nz_estimates`). The storages are
+split on the device a group at a time (:func:`encode_nonzero_many`), their chunks (per segment: the
+bitmap, then the ``w`` planes of its ``nnz`` elements) coded in one nvCOMP call per group, each kept
+coded only if smaller, read back once per group.
 
 Reader: every chunk's xxh3 checked on the host before any decoder sees it; chunks of the GPU's
 codecs decoded in one nvCOMP call, the others (``raw``, ``zstd``, and ``deflate`` where the GPU does
@@ -67,18 +68,6 @@ def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
     bits = 8 * w
     r = (words << 1) | ((words >> (bits - 1)) & 1)
     return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
-
-
-def _bits_each(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Order-0 entropy times length of each uint8 tensor of ``xs``: its order-0 cost in bits
-    (float64, one per tensor, at least 1e-3 bits a byte), from one histogram for all of them."""
-    dev = xs[0].device
-    sizes = torch.tensor([x.numel() for x in xs], dtype=torch.float64, device=dev)
-    keys = torch.cat([x.to(torch.int32) + 256 * g for g, x in enumerate(xs)])
-    hist = torch.bincount(keys, minlength=256 * len(xs)).view(len(xs), 256).to(torch.float64)
-    p = hist / sizes.clamp_min(1.0)[:, None]
-    h = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
-    return torch.where(sizes > 0, h.clamp_min(1e-3) * sizes, torch.zeros_like(sizes))
 
 
 def gather_samples(
