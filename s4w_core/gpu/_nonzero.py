@@ -288,24 +288,33 @@ def _split_many(words: list[torch.Tensor], w: int, seg: int) -> list[list[tuple[
     dev = words[0].device
     lens = [x.numel() for x in words]
     pads = [(-n) % 8 for n in lens]
-    flat = torch.cat([t for x, p in zip(words, pads) for t in ((x, x.new_zeros(p)) if p else (x,))])
+    if len(words) == 1 and not pads[0]:
+        flat = words[0]  # (one storage of whole bitmap bytes: no copy)
+    else:
+        flat = torch.cat([t for x, p in zip(words, pads) for t in ((x, x.new_zeros(p)) if p else (x,))])
     mask = flat != 0
-    bitmap = (mask.to(torch.uint8).view(-1, 8) * nzt.bit_weights(dev)).sum(1, dtype=torch.int32).to(torch.uint8)
+    m8 = mask.view(-1, 8).to(torch.uint8)
+    bitmap = (m8 * nzt.bit_weights(dev)).sum(1, dtype=torch.int32).to(torch.uint8)
     # the elements before each segment's end, from the bitmap bytes' counts: one read-back for all
     seg_ends: list[int] = []  # bitmap byte index of each segment's end, group-wide
     at = 0
     for n, p in zip(lens, pads):
         seg_ends.extend((at + min(n, s + seg) + 7) // 8 for s in range(0, n, seg))
         at += n + p
-    counts = torch.cumsum(mask.view(-1, 8).sum(1), 0)
+    counts = torch.cumsum(m8.sum(1, dtype=torch.int32), 0, dtype=torch.int64)
+    del m8
     if seg_ends:
         ends = counts[torch.tensor([e - 1 for e in seg_ends], dtype=torch.int64).to(dev)].cpu().tolist()
     else:
         ends = []
+    del counts
     nz = flat[mask]
+    del mask, flat  # the temporaries go as soon as they are used: a group holds up to a batch budget
     bits = 8 * w
     r = (nz << 1) | ((nz >> (bits - 1)) & 1)
+    del nz
     planes = [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
+    del r
     out: list[list[tuple[torch.Tensor, list[torch.Tensor], int]]] = []
     at, i, prev_end, prev_byte = 0, 0, 0, 0
     for n, p in zip(lens, pads):
