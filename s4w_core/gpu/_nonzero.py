@@ -39,9 +39,9 @@ from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
 
 __all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "code_parts_device", "decode_nonzero_device",
-           "decode_on_device", "fetch_chunks_device", "gather_samples", "encode_nonzero_device", "encode_nonzero_many",
+           "decode_on_device", "fetch_chunks_device", "gather_samples", "encode_nonzero_many",
            "nonzero_choices_device", "nz_estimates",
-           "nonzero_pays_device", "plane_bytes", "residual_words"]
+           "plane_bytes", "residual_words"]
 
 #: storages of fewer elements keep their plane transform (the choice costs a read-back)
 NZ_MIN_ELEMS = 1 << 16
@@ -185,16 +185,14 @@ def nz_estimates(samples: list[torch.Tensor], w: int) -> torch.Tensor:
     sid = torch.repeat_interleave(
         torch.arange(k, dtype=torch.int32, device=dev), valid_len.to(dev), output_size=int(valid_len.sum())
     )
-    mask = padded != 0
-    bitmap = (mask.to(torch.uint8).view(-1, 8) * nzt.bit_weights(dev)).sum(1, dtype=torch.int32)
+    bitmap, nz_planes = nzt.split_nonzero_torch(padded, w, rot=True)  # every sample's, as a segment's
+    nz_sid = sid[padded != 0]
     bsid = sid.view(-1, 8)[:, 0]
     slots = 2 * w + 1  # w planes, the bitmap, w planes of the nonzero elements (int32 keys: k * slots * 256 < 2**31)
     planes = plane_bytes(padded, w)
     keys = [(sid * slots + j) * 256 + planes[j] for j in range(w)]  # the padding counted too: taken off below
     keys.append((bsid * slots + w) * 256 + bitmap)
-    nz_sid = sid[mask]
-    for j in range(w):  # rotated planes of the nonzero elements: the plane bytes of those elements
-        keys.append((nz_sid * slots + w + 1 + j) * 256 + planes[j][mask])
+    keys += [(nz_sid * slots + w + 1 + j) * 256 + nz_planes[j] for j in range(w)]
     hist = torch.bincount(torch.cat(keys), minlength=k * slots * 256).view(k, slots, 256)
     hist[:, :w, 0] -= pad.to(dev)[:, None]  # a padding word's plane bytes are 0
     hist = hist.to(torch.float64)
@@ -208,30 +206,6 @@ def nz_estimates(samples: list[torch.Tensor], w: int) -> torch.Tensor:
     h = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(2)
     bits = torch.where(sizes > 0, h.clamp_min(1e-3) * sizes, torch.zeros_like(sizes))
     return torch.stack([md - nnz.to(torch.float64), bits[:, :w].sum(1), bits[:, w:].sum(1)], 1).cpu()
-
-
-def nonzero_pays_device(
-    raw: torch.Tensor, base: torch.Tensor | None, op: str | None, dtype: torch.dtype, dev: torch.device
-) -> bool:
-    """:func:`nonzero_choices_device` for one storage."""
-    return nonzero_choices_device([(raw, base, op, dtype)], dev)[0]
-
-
-def encode_nonzero_device(
-    raw: torch.Tensor,
-    base: torch.Tensor | None,
-    op: str | None,
-    dtype: torch.dtype,
-    seg: int,
-    algorithm: str,
-    codec_id: str,
-    opts: dict[str, Any],
-    dev: torch.device,
-) -> tuple[list[int], list[str], list[memoryview], torch.Tensor]:
-    """:func:`encode_nonzero_many` for one storage: its ``nnz`` per segment, codec ids, chunk bytes
-    and the pinned host buffer they point into."""
-    nnz, chunks, host = encode_nonzero_many([(raw, base, op, dtype)], seg, algorithm, codec_id, opts, dev)
-    return nnz[0], chunks[0][0], chunks[0][1], host
 
 
 def encode_nonzero_many(
@@ -292,35 +266,25 @@ def _split_many(words: list[torch.Tensor], w: int, seg: int) -> list[list[tuple[
         flat = words[0]  # (one storage of whole bitmap bytes: no copy)
     else:
         flat = torch.cat([t for x, p in zip(words, pads) for t in ((x, x.new_zeros(p)) if p else (x,))])
-    mask = flat != 0
-    m8 = mask.view(-1, 8).to(torch.uint8)
-    bitmap = (m8 * nzt.bit_weights(dev)).sum(1, dtype=torch.int32).to(torch.uint8)
+    bitmap, split = nzt.split_nonzero_torch(flat, w, rot=True)  # the group's, as one segment's
+    del flat
+    planes = list(split)
     # the elements before each segment's end, from the bitmap bytes' counts: one read-back for all
     seg_ends: list[int] = []  # bitmap byte index of each segment's end, group-wide
     at = 0
     for n, p in zip(lens, pads):
         seg_ends.extend((at + min(n, s + seg) + 7) // 8 for s in range(0, n, seg))
         at += n + p
-    counts = torch.cumsum(m8.sum(1, dtype=torch.int32), 0, dtype=torch.int64)
-    del m8
+    ends: list[int] = []
     if seg_ends:
+        counts = torch.cumsum(_popcount_table(dev)[bitmap.to(torch.int64)], 0)
         ends = counts[torch.tensor([e - 1 for e in seg_ends], dtype=torch.int64).to(dev)].cpu().tolist()
-    else:
-        ends = []
-    del counts
-    nz = flat[mask]
-    del mask, flat  # the temporaries go as soon as they are used: a group holds up to a batch budget
-    bits = 8 * w
-    r = (nz << 1) | ((nz >> (bits - 1)) & 1)
-    del nz
-    planes = [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
-    del r
     out: list[list[tuple[torch.Tensor, list[torch.Tensor], int]]] = []
     at, i, prev_end, prev_byte = 0, 0, 0, 0
     for n, p in zip(lens, pads):
         segs: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
         for _s in range(0, n, seg):
-            e, b = int(ends[i]), seg_ends[i]
+            e, b = ends[i], seg_ends[i]
             segs.append((bitmap[prev_byte:b], [pl[prev_end:e] for pl in planes], e - prev_end))
             prev_end, prev_byte = e, b
             i += 1

@@ -23,7 +23,6 @@ from s4w_core.errors import DecodeError
 from s4w_core.planes.reference import merge_into
 
 __all__ = [
-    "bit_weights",
     "split_nonzero_torch",
     "merge_nonzero_torch",
     "WORD",
@@ -76,7 +75,7 @@ _ITYPE = {2: torch.int16, 4: torch.int32}
 _BIT: dict[torch.device, torch.Tensor] = {}  # device -> the weights 1, 2, 4, ..., 128 of a bitmap byte's bits
 
 
-def bit_weights(device: torch.device) -> torch.Tensor:
+def _bit_weights(device: torch.device) -> torch.Tensor:
     """The weights 1, 2, 4, ..., 128 of a bitmap byte's bits (uint8, on ``device``; cached)."""
     t = _BIT.get(device)
     if t is None:
@@ -92,7 +91,7 @@ def split_nonzero_torch(words: torch.Tensor, w: int, *, rot: bool) -> tuple[torc
     mask = words != 0
     pad = (-m) % 8
     mb = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-    bitmap = (mb * bit_weights(words.device)).sum(1, dtype=torch.int32).to(torch.uint8)
+    bitmap = (mb * _bit_weights(words.device)).sum(1, dtype=torch.int32).to(torch.uint8)
     nz = words[mask]
     bits = 8 * w
     r = (nz << 1) | ((nz >> (bits - 1)) & 1) if rot else nz
@@ -107,7 +106,7 @@ def merge_nonzero_torch(bitmap: torch.Tensor, planes: torch.Tensor, m: int, w: i
     segment from its bitmap and ``(w, nnz)`` planes. The caller checks the bitmap's count and
     padding (:func:`merge_nonzero` does, on the CPU)."""
     it = _ITYPE[w]
-    mask = ((bitmap.view(-1, 1) & bit_weights(bitmap.device)) != 0).view(-1)[:m]
+    mask = ((bitmap.view(-1, 1) & _bit_weights(bitmap.device)) != 0).view(-1)[:m]
     r = planes[0].to(it) << (8 * (w - 1))
     for j in range(1, w):
         r |= planes[j].to(it) << (8 * (w - 1 - j))

@@ -340,7 +340,8 @@ def test_gpu_writer_nonzero_chunks_match_the_cpu_oracle(ww: tuple[np.ndarray, in
     rw = resid.numpy().view(nzt.WORD[w])
     dev = torch.device("cpu")
     with simulated_gpu():
-        nnz, ids, views, _keep = _nonzero.encode_nonzero_device(raw, base, op, dtype, seg, "Deflate", "deflate", {}, dev)
+        nnzs, chunks, _keep = _nonzero.encode_nonzero_many([(raw, base, op, dtype)], seg, "Deflate", "deflate", {}, dev)
+    (nnz,), ((ids, views),) = nnzs, chunks
     n = words.size
     segs = [(a, min(n, a + seg)) for a in range(0, n, seg)]
     assert len(ids) == len(segs) * (w + 1) and len(nnz) == len(segs)
