@@ -212,7 +212,8 @@ def warm_up(
     process: a small synthetic state of ``dtypes`` (default bfloat16 and float32, i.e. both plane
     widths) is coded by the GPU writer as a plain and a delta step into containers in memory and
     decoded by the GPU reader, every byte compared (:mod:`s4w_core.gpu._warmup`). Triton's on-disk
-    cache keeps the result for later processes, which then only load it.
+    cache keeps the result for later processes, and a record beside it the kernels the warm-up
+    loaded: a later process's warm-up loads just those from that cache.
 
     ``device``: default ``cuda:$LOCAL_RANK`` (as torchrun, Lightning and Accelerate set it), else
     ``cuda:0``. ``when_cuda_used=True`` (what a :class:`~s4w_core.CheckpointStore` and the adapters pass when

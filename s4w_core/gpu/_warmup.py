@@ -13,17 +13,19 @@ for the stages it needs (a plain save of bf16 tensors, the 2-byte plain stage), 
 Nothing of the user's is touched, and the bytes any later save writes
 are the same (the kernels are deterministic; warming changes only when they are compiled). Triton
 keeps what it compiled in its on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
-so a later process finds it there: its warm-up codes the same steps, which then loads every
-kernel from that cache instead of compiling it (and does Triton's once-per-process set-up: its
-source hash, the launcher's imports), so that the process's first save does not (in the framework
-benchmark that took 0.2-0.5 s off each warm first save).
-:func:`s4w_core.gpu.warm_up` runs this on a background thread.
+and a warm-up on CUDA records which kernels it loaded (:mod:`s4w_core.gpu._kernel_record`), so a
+later process's warm-up loads those from that cache directly (Triton's ``preload``) instead of
+coding the synthetic steps again: loading them before the first save took 0.2-0.5 s off each warm
+first save in the framework benchmark, and loading them without the synthetic steps leaves the
+training loop the GIL time those steps' Python took. :func:`s4w_core.gpu.warm_up` runs this on a
+background thread.
 """
 
 from __future__ import annotations
 
 import io
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -34,10 +36,11 @@ from s4w_core.format.container import FORMAT_VERSION, ContainerReader, Container
 from s4w_core.format.manifest import validate_manifest
 from s4w_core.gpu import _decode as _decode_mod
 from s4w_core.gpu import _encode as _encode_mod
+from s4w_core.gpu import _kernel_record
 from s4w_core.planes import triton_kernels as _plane_kernels
 from s4w_core.workers import Pool
 
-__all__ = ["DEFAULT_DTYPES", "run", "stage_key", "synthetic_states"]
+__all__ = ["DEFAULT_DTYPES", "record_path", "run", "stage_key", "synthetic_states"]
 
 #: plane dtypes warmed when none are named: the two plane widths (bf16 and fp16 share the 2-byte kernels)
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
@@ -153,6 +156,16 @@ def stage_key(dtype: torch.dtype) -> Any:
     return "bytes"
 
 
+def _stage_keys(dtypes: Iterable[torch.dtype]) -> list[Any]:
+    return sorted({stage_key(dt) for dt in dtypes} | {"bytes"}, key=str)
+
+
+def record_path(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES) -> Path:
+    """Where :func:`run` on a CUDA ``device`` records the kernels it loaded (for ``dtypes``), and
+    where a later process's :func:`run` finds them (:mod:`s4w_core.gpu._kernel_record`)."""
+    return _kernel_record.record_path(device, repr(_stage_keys(dtypes)))
+
+
 def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         on_stage: Callable[[tuple[str, Any]], None] | None = None) -> None:
     """Code two synthetic steps (plain, then deltas) with the GPU writer on ``device`` and decode
@@ -160,9 +173,18 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
     its own stream, so that their kernels compile side by side (Triton's compiler releases the GIL);
     ``on_stage((stage, key))`` is called as each group finishes a stage: ``("plain", 2)`` once the
     2-byte kernels of a plain save are compiled, then ``("delta", 2)``, then ``("decode", 2)`` (keys
-    from :func:`stage_key`). Raises what the codec raises, or RuntimeError if a byte differs."""
+    from :func:`stage_key`). On CUDA the kernels those steps loaded are recorded (:func:`record_path`);
+    where a record is found, the warm-up loads its kernels instead and reports every stage done.
+    Raises what the codec raises, or RuntimeError if a byte differs."""
     dtypes = tuple(dtypes)
     note = on_stage or (lambda stage: None)
+    cuda = device.type == "cuda"
+    record = record_path(device, dtypes) if cuda else None
+    if record is not None and _kernel_record.preload(device, record):
+        for key in _stage_keys(dtypes):  # every kernel the stages below load is loaded
+            for stage in ("plain", "delta", "decode"):
+                note((stage, key))
+        return
     s0, s1 = synthetic_states(device, dtypes)
     groups: dict[Any, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     for path, t in s0.items():
@@ -170,7 +192,6 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         g0, g1 = groups.setdefault(key, ({}, {}))
         g0[path] = t
         g1[path] = s1[path]
-    cuda = device.type == "cuda"
     with Pool(2, "s4w-warm-up") as pool:
         if not cuda:  # the tests' simulated GPU (TRITON_INTERPRET=1, a stand-in for nvCOMP): one after another
             for key, (g0, g1) in groups.items():
@@ -183,6 +204,9 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
                 _sequence(groups[key][0], groups[key][1], key, device, pool, note)
             stream.synchronize()
 
-        with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="s4w-warm-up-group") as par:
-            for f in [par.submit(one, key) for key in groups]:
-                f.result()
+        with _kernel_record.Recorder() as rec:
+            with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="s4w-warm-up-group") as par:
+                for f in [par.submit(one, key) for key in groups]:
+                    f.result()
+        assert record is not None
+        rec.write(record)

@@ -4,6 +4,7 @@ save, a no-op without a GPU, never a change of bytes. The GPU tests run on the d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,9 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from triton.runtime.jit import JITFunction
+
 import s4w_core
 from s4w_core import gpu
-from s4w_core.gpu import _warmup
+from s4w_core.gpu import _kernel_record, _warmup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -148,13 +151,20 @@ def test_gpu_first_save_after_warm_up_compiles_nothing(tmp_path) -> None:
     """In a fresh process with an empty Triton cache: after warm_up(wait=True), a delta save and a
     load of a model-like state add no entry to the cache (nothing compiled) and load no kernel into
     the process, and the bytes equal those of a process that never warmed up; a later process on
-    the same cache: its warm-up loads every kernel the save and load use."""
+    the same cache: its warm-up loads the kernels the first one recorded (without coding synthetic
+    steps), which are every kernel the save and load use."""
     script = r"""
 import json, os, sys, torch
 from s4w_core import gpu, CheckpointStore
 warm = sys.argv[1] == "1"
 cache = os.environ["TRITON_CACHE_DIR"]
 os.makedirs(cache, exist_ok=True)  # Triton makes it at its first compile
+from s4w_core.gpu import _warmup
+recorded = _warmup.record_path(torch.device("cuda", 0)).exists()
+if recorded:  # the warm-up must load the recorded kernels, not code synthetic steps
+    def no_steps(*a, **k):
+        raise AssertionError("the warm-up coded its synthetic steps")
+    _warmup.synthetic_states = no_steps
 if warm:
     assert gpu.warm_up(wait=True) and gpu.warm_up_status()["cuda:0"] == "done", gpu.warm_up_status()
 before = sorted(os.listdir(cache))
@@ -169,7 +179,8 @@ s1 = {k: (v.float() * (1 + 1e-3 * torch.randn(v.shape, generator=g).cuda())).to(
 st = CheckpointStore(sys.argv[2])
 st.save(s0, step=1); st.save(s1, step=2); st.load(2, map_location="cuda")
 after = sorted(os.listdir(cache))
-print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before), "loads": len(loads)}))
+print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before), "loads": len(loads),
+                  "recorded": recorded, "records_now": _warmup.record_path(torch.device("cuda", 0)).exists()}))
 """
     outs = {}
     for warm in ("1", "0"):
@@ -180,6 +191,8 @@ print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)
         assert p.returncode == 0, p.stderr[-3000:]
         outs[warm] = json.loads(p.stdout.strip().splitlines()[-1])
     assert outs["1"]["warmed"] > 0
+    assert not outs["1"]["recorded"] and outs["1"]["records_now"], outs["1"]  # the full warm-up wrote its record
+    assert not outs["0"]["records_now"], outs["0"]
     assert outs["1"]["new"] == [], outs["1"]  # the warm-up compiled everything the save and load used
     assert outs["1"]["loads"] == 0, outs["1"]  # ... and they were in this process already
     assert outs["0"]["new"] and outs["0"]["loads"], outs["0"]  # (without it they compile: the checks can fail)
@@ -190,9 +203,102 @@ print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     later = json.loads(p.stdout.strip().splitlines()[-1])
-    # nothing compiled, and nothing left for the first save to load: the warm-up loaded it all
+    # it loaded the recorded kernels (no synthetic steps); nothing compiled, and nothing left for
+    # the first save to load: the record holds every kernel the full warm-up loaded
+    assert later["recorded"], later
     assert later["new"] == [] and later["loads"] == 0, later
     for step in (1, 2):  # the same bytes whether warmed or not
         m1 = s4w_core.CheckpointStore(str(tmp_path / "store1")).info(step)
         m0 = s4w_core.CheckpointStore(str(tmp_path / "store0")).info(step)
         assert (m1.stored_bytes, m1.delta_ops, m1.kind) == (m0.stored_bytes, m0.delta_ops, m0.kind), (step, m1, m0)
+
+
+# ----------------------------------------------------------------------------- the kernel record
+def _an_entry(name: str = "_split_kernel") -> list[str]:
+    fn = _kernel_record.kernels()[("s4w_core.planes.triton_kernels", name)]
+    return [fn.fn.__module__, fn.fn.__qualname__, json.dumps({"name": name})]
+
+
+def test_kernel_record_names_only_the_codecs_kernels() -> None:
+    names = {n for _, n in _kernel_record.kernels()}
+    assert {"_split_kernel", "_merge_kernel", "_probe_gate_kernel", "_gather_chosen_kernel"} <= names
+    assert {m for m, _ in _kernel_record.kernels()} == {"s4w_core.gpu.kernels", "s4w_core.planes.triton_kernels"}
+
+
+_GOOD = object()  # stands for a valid entry
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"{not json",
+        b"{}",
+        b"[]",
+        b"[" + b" " * (5 << 20) + b"]",  # larger than any record
+        [_GOOD, ["os", "system", "{}"]],  # not a kernel of the codec: nothing imported or called
+        [_GOOD, ["s4w_core.gpu.kernels", "_no_such_kernel", "{}"]],
+        [_GOOD, ["s4w_core.planes.triton_kernels", "_split_kernel"]],
+        [_GOOD, ["s4w_core.planes.triton_kernels", "_split_kernel", 7]],
+        [_GOOD, "_split_kernel"],
+    ],
+)
+def test_a_record_that_does_not_check_loads_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch, content: object) -> None:
+    """Each entry is checked before any kernel is loaded: a bad one anywhere in the record (here
+    after a good one) and the warm-up codes its synthetic steps instead."""
+    calls: list[str] = []
+    monkeypatch.setattr(JITFunction, "preload", lambda self, data: calls.append(data))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    path = tmp_path / "rec.json"
+    good = _an_entry()
+    path.write_bytes(
+        content if isinstance(content, bytes) else json.dumps([good if e is _GOOD else e for e in content]).encode()
+    )
+    assert _kernel_record.preload(torch.device("cuda", 0), path) is False
+    assert calls == []
+    assert _kernel_record.preload(torch.device("cuda", 0), tmp_path / "missing.json") is False
+    path.write_text(json.dumps([good, good]))  # (the checks can pass)
+    assert _kernel_record.preload(torch.device("cuda", 0), path) is True and calls == [good[2], good[2]]
+
+
+def test_a_record_that_triton_refuses_is_not_used(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: JITFunction, data: str) -> None:
+        raise RuntimeError("Specialization data is for another target")
+
+    monkeypatch.setattr(JITFunction, "preload", refuse)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps([_an_entry()]))
+    assert _kernel_record.preload(torch.device("cuda", 0), path) is False
+
+
+def test_recorder_keeps_the_codecs_kernels_and_chains_the_hook_before_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import triton
+
+    seen: list[str] = []
+    before = lambda **kw: seen.append(kw["fn"].name)  # noqa: E731 - someone else's hook
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", before)
+    ours = _kernel_record.kernels()[("s4w_core.planes.triton_kernels", "_split_kernel")]
+    info = lambda fn: type("Info", (), {"module": fn.fn.__module__, "name": fn.fn.__qualname__})()  # noqa: E731
+
+    with _kernel_record.Recorder() as rec:
+        hook = triton.knobs.runtime.jit_post_compile_hook
+        hook(fn=info(ours), compile={"specialization_data": "A"}, key=None)
+        hook(fn=type("Info", (), {"module": "user", "name": "mine"})(), compile={"specialization_data": "B"}, key=None)
+        hook(fn=info(ours), compile={"specialization_data": "A"}, key=None)  # the same again: one entry
+    assert triton.knobs.runtime.jit_post_compile_hook is before  # put back
+    assert seen == ["_split_kernel", "mine", "_split_kernel"]  # the earlier hook saw every call
+    assert rec.entries == [["s4w_core.planes.triton_kernels", "_split_kernel", "A"]]
+    path = tmp_path / "sub" / "rec.json"
+    assert rec.write(path) and json.loads(path.read_text()) == rec.entries
+    assert [p.name for p in path.parent.iterdir()] == ["rec.json"]  # no temporary left
+    assert _kernel_record.Recorder().write(tmp_path / "none.json") is False  # nothing recorded: no file
+    assert not (tmp_path / "none.json").exists()
+
+    # a hook installed over ours while it records stays installed
+    with _kernel_record.Recorder():
+        other = lambda **kw: None  # noqa: E731
+        triton.knobs.runtime.jit_post_compile_hook = other
+    assert triton.knobs.runtime.jit_post_compile_hook is other
