@@ -161,11 +161,15 @@ class AdapterSteps:
     def drop_rotated(self, st: CheckpointStore, step: int, limit: int | None, best: int | None = None, **match: Any) -> None:
         """Before saving ``step``: the steps :meth:`retain` deletes once it is durable get no more
         background work (:meth:`CheckpointStore.drop_pending`: the save does not wait for their
-        re-encoding)."""
+        re-encoding), and those it deletes once a later save is durable get none unless they
+        stay (:meth:`CheckpointStore.expect_drop`: the end of training, a changed ``best``)."""
         if not limit:
             return
-        for s in rotate(sorted({i.step for i in self.own(st, **match)} | {step}), limit, best):
+        steps = {i.step for i in self.own(st, **match)} | {step}
+        for s in rotate(sorted(steps), limit, best):
             st.drop_pending(s)
+        for s in rotate(sorted(steps | {step + 1}), limit, best):  # (any later step rotates the same)
+            st.expect_drop(s)
 
     def save(
         self,

@@ -229,6 +229,8 @@ class Pipeline:
         self._thread: threading.Thread | None = None
         self.inflight: SaveHandle | None = None
         self.tail: SaveHandle | None = None  # a job behind the saves (the re-encoding)
+        # the tail job when it is held (:meth:`defer` with ``hold``): queued by :meth:`release`
+        self._held: tuple[SaveHandle, Callable[[], None]] | None = None
         self.failed: SaveHandle | None = None
         # clean-up behind the worker (deletes of objects no record names): its own thread, so a
         # slow delete (a large local file's unlink: ~0.2 s a GB) does not hold up the next save
@@ -256,6 +258,7 @@ class Pipeline:
         while True:  # the save in flight may queue a tail before it ends: look again after it
             h = self.inflight
             tail = self.cancel_tail(step)
+            self.release()  # a held tail runs now: to its end, or (cancelled) only to free what it holds
             if h is not None and not h.done():
                 busy = True
                 h.wait_done()
@@ -290,6 +293,7 @@ class Pipeline:
             t._drop_before is None or (step is not None and t._drop_before(step))  # noqa: SLF001
         ):
             t._cancel.set()  # noqa: SLF001
+            self.release()
         return t
 
     def cancel_tail_of(self, what: str, step: int) -> None:
@@ -298,21 +302,28 @@ class Pipeline:
         t = self.tail
         if t is not None and not t.done() and t.what == what and t.step == step and t._cancel is not None:  # noqa: SLF001
             t._cancel.set()  # noqa: SLF001
+            self.release()  # held: it ends at once, freeing what it holds
 
     def settle(self) -> None:
-        """Wait for the save in flight and the tail behind it, without raising a failure (that
-        stays for the next save or :meth:`wait`); a no-op on the worker thread itself."""
+        """Wait for the save in flight and the tail behind it (a held one run first), without
+        raising a failure (that stays for the next save or :meth:`wait`); a no-op on the worker
+        thread itself."""
         if threading.current_thread() is not self._thread:
             self._wait_both(None)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for the save in flight and then for the tail behind it."""
-        self._wait_both(timeout)
+    def wait(self, timeout: float | None = None, *, held: bool = True) -> None:
+        """Wait for the save in flight and then for the tail behind it; ``held=False``: a held
+        tail stays held (a read that needs the saves durable, not the layout settled)."""
+        self._wait_both(timeout, held)
         self.raise_failed()
 
-    def _wait_both(self, timeout: float | None) -> None:
+    def _wait_both(self, timeout: float | None, held: bool = True) -> None:
         for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail
             h = getattr(self, which)
+            if which == "tail" and h is not None and self.holds(h):
+                if not held:
+                    continue
+                self.release()
             if h is not None and not h.wait_done(timeout):
                 raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
         if not self.wait_side(timeout):
@@ -379,13 +390,33 @@ class Pipeline:
             self._thread = threading.Thread(target=_run, args=(self._q,), name=f"s4w-save {self.url}", daemon=True)
             self._thread.start()
 
-    def defer(self, handle: SaveHandle, job: Callable[[], None]) -> None:
+    def defer(self, handle: SaveHandle, job: Callable[[], None], *, hold: bool = False) -> None:
         """Run ``job`` on the worker behind everything queued, as the tail: the next save cancels
-        it (``handle._cancel``), :meth:`wait` waits for it.  ``job`` reports its own errors."""
+        it (``handle._cancel``), :meth:`wait` waits for it.  ``job`` reports its own errors.
+        ``hold``: queue it only once something waits for it (:meth:`release`: the next save, unless
+        that save cancels it, which then runs it only to its cancelled end; :meth:`wait`,
+        :meth:`settle`, the exit drain), so that work the next save would discard is not done."""
         with self._lock:
             self.tail = handle
+            if hold:
+                self._held = (handle, job)
+                return
             self._ensure_worker()
         self._q.put(functools.partial(self._execute_tail, handle, job))
+
+    def holds(self, handle: SaveHandle) -> bool:
+        """Is ``handle``'s job the held tail (not queued yet)?"""
+        with self._lock:
+            return self._held is not None and self._held[0] is handle
+
+    def release(self) -> None:
+        """Queue the held tail job, if there is one."""
+        with self._lock:
+            held, self._held = self._held, None
+            if held is None:
+                return
+            self._ensure_worker()
+        self._q.put(functools.partial(self._execute_tail, *held))
 
     def _execute_tail(self, handle: SaveHandle, job: Callable[[], None]) -> None:
         try:
@@ -435,6 +466,7 @@ class Pipeline:
                 log.info("s4weights: %s: waiting for the background %s of step %d to %s", why, h.what, h.step, self.url)
                 h.wait_done()
             tail = self.cancel_tail()  # at exit or in a finalizer: stop it rather than wait it out
+            self.release()  # (a held one, not cancellable: it runs)
             if tail is not None:
                 tail.wait_done()
             self.wait_side(None)

@@ -126,11 +126,12 @@ class _CountedRead:
 
 
 def after_saves(fn: _F) -> _F:
-    """Run ``fn`` after the store's save in flight is durable; raise its failure first."""
+    """Run ``fn`` after the store's save in flight is durable; raise its failure first.  (A
+    re-encoding the store holds stays held: the steps load the same before and after it.)"""
 
     @functools.wraps(fn)
     def wrapper(self: StoreCore, *args: Any, **kwargs: Any) -> Any:
-        self._pipe.wait()
+        self._pipe.wait(held=False)
         return fn(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -160,6 +161,8 @@ class StoreCore:
     _pinned_pool: PinnedPool
     #: steps a caller deletes soon (``drop_pending``): not re-encoded
     _dropped: set[int]
+    #: steps a caller deletes once a later save is durable (``expect_drop``): re-encoded only if they stay
+    _expected: set[int]
 
     # ------------------------------------------------------------------ commit records
     # ------------------------------------------------------------------ listing

@@ -11,8 +11,9 @@ import io
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -53,6 +54,18 @@ class Reencode:
     shown: frozenset[int] = frozenset()
 
 
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The bound ``method`` without a strong reference to its object: a call once the object is
+    gone does nothing and returns None."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        fn = ref()
+        return None if fn is None else fn(*args)
+
+    return call
+
+
 class _Stale(Exception):
     """A re-encoding that no longer applies (the steps changed meanwhile, or no delta pays)."""
 
@@ -66,13 +79,29 @@ class Reencoder(Loads):
         """Start the re-encoding ``_save`` asked for, on the worker, behind what is queued.  The
         next save waits for it (a step left whole would stay whole), unless that save's
         retention (``keep_last``) deletes the step: then the save cancels it, and so does a
-        delete of the step -- its result would be dropped, and a save would wait for it."""
+        delete of the step -- its result would be dropped, and a save would wait for it.  A step
+        expected to go at the next save (:meth:`_goes_next`) has its re-encoding held instead of
+        run: the next save runs it first or drops it, :meth:`wait` and :meth:`close` run it."""
         if not todo:
             return
         job = todo[0]
         handle = SaveHandle(job.prev.step, "reencode", self.backend.url, what="re-encoding")
-        cancel = handle.cancel_before(functools.partial(self._dropped_by, job))
-        self._pipe.defer(handle, functools.partial(self._reencode, handle, job, cancel))
+        # the pipeline keeps the handle (and a held job) after the call: neither may keep the store
+        # alive, so that a store dropped without close() is collected (its finalizer then releases
+        # a held job, which does nothing: the step stays whole)
+        cancel = handle.cancel_before(functools.partial(_weakly(self._dropped_by), job))
+        if self._goes_next(job):
+            self._pipe.defer(handle, functools.partial(_weakly(self._reencode), handle, job, cancel), hold=True)
+        else:
+            self._pipe.defer(handle, functools.partial(self._reencode, handle, job, cancel))
+
+    def _goes_next(self, job: Reencode) -> bool:
+        """Is ``job.prev`` expected to be deleted once the next save is durable: a caller said so
+        (:meth:`expect_drop`), or the store's ``keep_last`` deletes it at any later step's save?
+        Its re-encoding is then held until a save or a wait shows whether it stays."""
+        if job.prev.step in self._expected:
+            return True
+        return self._dropped_by(job, max(job.shown | {job.new.step}) + 1)
 
     def _dropped_by(self, job: Reencode, step: int) -> bool:
         """Does a save of ``step`` delete ``job.prev`` by retention (``keep_last``), judged by the

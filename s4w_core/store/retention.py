@@ -65,6 +65,17 @@ class Retention(Reencoder):
         self._dropped.add(step)
         self._pipe.cancel_tail_of("re-encoding", step)
 
+    def expect_drop(self, step: int) -> None:
+        """Say that ``step`` is deleted once a later save is durable (a framework's rotation,
+        known a save ahead: with two kept, each save rotates out the step two below it).  When a
+        save makes the step above ``step`` the newest, ``step``'s re-encoding as a delta against it
+        is then held instead of run behind that save: the next save runs it first, unless that
+        save's retention deletes ``step`` or the caller calls :meth:`drop_pending` or
+        :meth:`delete` for it (then it never runs); :meth:`wait` and :meth:`close` run it (the
+        end of training: ``step`` stays).  Nothing is deleted; saving ``step`` again or deleting
+        it ends this.  (A store's own ``keep_last`` holds such re-encodings by itself.)"""
+        self._expected.add(check_step(step))
+
     def delete(self, step: int, *, rebase: bool = False) -> None:
         """Delete ``step``: it disappears from listings at once.  Deleting a step below the newest
         writes nothing but its commit record: when a kept step is a delta against it (the step
@@ -89,6 +100,7 @@ class Retention(Reencoder):
         self._pipe.land(step)  # a step whose non-blocking save is in flight: deleted once committed
         self._pipe.cancel_tail_of("re-encoding", step)  # its result would be dropped: stop it
         self._dropped.discard(step)
+        self._expected.discard(step)
         if rebase:  # re-coding steps: let a save in flight and the re-encoding behind it land
             self._pipe.settle()
         with self._lock:

@@ -188,6 +188,8 @@ class CheckpointStore(Writes):
         self._pipe = _async.Pipeline(self.url, max_pending_bytes, on_busy)
         #: steps a caller said it deletes soon (:meth:`drop_pending`): never re-encoded
         self._dropped: set[int] = set()
+        #: steps a caller said it deletes once a later save is durable (:meth:`expect_drop`)
+        self._expected: set[int] = set()
         # a store dropped with a failure nobody saw: log it, end the worker (no reference to self)
         weakref.finalize(self, self._pipe.drain_quietly, "the store was garbage-collected").atexit = False
         self._pinned_pool = PinnedPool()

@@ -385,6 +385,7 @@ class Writes(Retention):
                     f"{self.backend.url}: step {step} is already committed; delete it first or pass overwrite=True"
                 )
             self._dropped.discard(step)  # saved again: it is the caller's to keep
+            self._expected.discard(step)
             before: set[str] = set()
             if step in recs:  # replaced (or saved again after a delete that left it hidden): the step
                 # below it must not stay a delta against its old bytes

@@ -1,5 +1,6 @@
 """Property tests (hypothesis): random sequences of non-blocking saves, saves under the store's
-own ``keep_last``, a framework's rotation (``drop_pending`` before a save, the delete after it),
+own ``keep_last``, a framework's rotation (``drop_pending`` before a save, the delete after it,
+``expect_drop`` of what the next rotation deletes),
 loads that keep the newest step's bytes, overwrites, deletes and pins, with the background work
 (saves, re-encodings, their cancellation) left running between operations, never lose or change
 a kept step and never leave data no kept step needs."""
@@ -33,6 +34,7 @@ OPS = st.lists(
         st.tuples(st.just("rotate"), st.integers(1, 3)),  # a save, then delete all but the newest k (+ pinned)
         st.tuples(st.just("delete"), st.integers(0, 50)),  # which (mod len)
         st.tuples(st.just("drop"), st.integers(0, 50)),  # drop_pending of a step, not deleted
+        st.tuples(st.just("expect"), st.integers(0, 50)),  # expect_drop of a step, not (yet) deleted
         st.tuples(st.just("pin"), st.integers(0, 50)),  # pin / unpin (toggle)
         st.tuples(st.just("overwrite"), st.integers(0, 50)),
         st.tuples(st.just("load"), st.integers(0, 50)),  # a load (the newest: remembered)
@@ -121,6 +123,10 @@ def _run(url: str, ops: list, keyframe_every: int, fast: tuple[str, int] | None 
                     if s in expected:
                         store.delete(s)
                         del expected[s]
+                if op == "rotate":  # ... and knows which steps the next rotation deletes
+                    for s in sorted(expected)[: max(0, len(expected) + 1 - a)]:
+                        if s not in pinned:
+                            store.expect_drop(s)
             elif op == "save_below" and expected and max(expected) - (a + 1) // 2 >= 1:
                 s = max(expected) - (a + 1) // 2
                 if s not in expected:
@@ -140,6 +146,8 @@ def _run(url: str, ops: list, keyframe_every: int, fast: tuple[str, int] | None 
                 pinned.discard(nth)
             elif op == "drop" and nth is not None:
                 store.drop_pending(nth)
+            elif op == "expect" and nth is not None:
+                store.expect_drop(nth)
             elif op == "pin" and nth is not None:
                 if nth in pinned:
                     store.unpin(nth)

@@ -7,9 +7,12 @@ copies) are still read."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import threading
+import time
+import weakref
 from typing import IO, Any, Iterator
 
 import pytest
@@ -539,15 +542,17 @@ def test_checksums_of_other_algorithms_are_checked_on_the_bytes() -> None:
 
 
 def test_a_save_whose_retention_deletes_the_step_being_reencoded_cancels_it(store_url: str) -> None:
-    """keep_last=2: the save of step 2 deletes step 0, so the re-encoding of step 0 (behind the
-    save of step 1) is cancelled, not waited for and committed; nothing of it is left behind."""
+    """keep_last=3 when step 1 is saved (step 0 stays: its re-encoding runs behind the save),
+    then 2: the save of step 2 deletes step 0, so that re-encoding is cancelled, not waited for
+    and committed; nothing of it is left behind."""
     run = make_run(3)
     gated = _Gated(open_backend(store_url), "data/step_000000000000.")
-    st = CheckpointStore(store_url, profile="portable", keep_last=2, _backend=gated)
+    st = CheckpointStore(store_url, profile="portable", keep_last=3, _backend=gated)
     with _events() as ev:
         st.save(run[0], 0)
         st.save(run[1], 1)
         assert gated.entered.wait(30), "the re-encoding of step 0 started"
+        st.keep_last = 2
         saver = threading.Thread(target=st.save, args=(run[2], 2))
         saver.start()
         saver.join(1.0)  # in its begin: the re-encoding is cancelled (it is waited for only to stop)
@@ -560,6 +565,141 @@ def test_a_save_whose_retention_deletes_the_step_being_reencoded_cancels_it(stor
     assert _data(st) == _live(st), "the cancelled re-encoding left no object"
     for i in (1, 2):
         assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+def _reencodes(ev: list[obs.OpEvent], st: CheckpointStore) -> list[tuple[int, str, bool]]:
+    """(step, outcome, whether it started: read the step's bytes) of each re-encoding of ``st``."""
+    return [(e.step, e.extra["outcome"], "read" in e.stages) for e in ev if e.op == "reencode" and e.url == st.backend.url]
+
+
+def test_keep_last_holds_the_reencoding_of_the_step_the_next_save_deletes(store_url: str) -> None:
+    """keep_last=2: the save of step 1 makes step 0 the one the next save deletes, so step 0's
+    re-encoding is held, not run behind the save (reads and listings leave it held); the save of
+    step 2 deletes step 0 and the held job ends without reading it; wait() runs the one of
+    step 1 (the end of training: it stays)."""
+    run = make_run(3)
+    st = CheckpointStore(store_url, profile="portable", keep_last=2)
+    with _events() as ev:
+        st.save(run[0], 0)
+        st.save(run[1], 1)
+        assert [r.kind for r in st.list()] == ["keyframe", "keyframe"] and st.steps() == [0, 1]
+        assert bits_equal(st.load(0), run[0])
+        assert _reencodes(ev, st) == []  # held
+        st.save(run[2], 2)
+        assert _reencodes(ev, st) == [(0, "cancelled", False)]
+        assert [r.kind for r in st.list()] == ["keyframe", "keyframe"]
+        st.wait()
+    assert _reencodes(ev, st) == [(0, "cancelled", False), (1, "written", True)]
+    assert [(r.step, r.kind) for r in st.list()] == [(1, "delta"), (2, "keyframe")]
+    assert _data(st) == _live(st)
+    for i in (1, 2):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+@pytest.mark.parametrize("end", ["close", "save_async", "delete_newest"])
+def test_a_held_reencoding_runs_when_its_step_stays(store_url: str, end: str) -> None:
+    """A held re-encoding runs when the step turns out to stay: at close(), and before a save that
+    does not delete it (here keep_last was raised meanwhile); a delete of the newest step (which
+    re-codes the step below it whole) settles it first."""
+    run = make_run(3)
+    st = CheckpointStore(store_url, profile="portable", keep_last=2)
+    with _events() as ev:
+        st.save(run[0], 0)
+        st.save(run[1], 1)
+        assert _reencodes(ev, st) == []
+        if end == "close":
+            st.close()
+            assert _reencodes(ev, st) == [(0, "written", True)]
+            kinds = [(0, "delta"), (1, "keyframe")]
+        elif end == "save_async":
+            st.keep_last = 3
+            st.save_async(run[2], 2).result(timeout=60)
+            st.wait()
+            assert _reencodes(ev, st) == [(0, "written", True), (1, "written", True)]
+            kinds = [(0, "delta"), (1, "delta"), (2, "keyframe")]
+        else:
+            st.delete(1)
+            st.wait()
+            kinds = [(0, "keyframe")]
+    st = CheckpointStore(store_url)
+    assert [(r.step, r.kind) for r in st.list()] == kinds
+    assert _data(st) == _live(st)
+    for i, _ in kinds:
+        assert bits_equal(st.load(i), run[i])
+
+
+@pytest.mark.parametrize("keep_last", [2, None])
+def test_a_store_dropped_after_a_reencoding_is_collected(store_url: str, keep_last: int | None) -> None:
+    """Neither a held re-encoding (keep_last=2) nor the handle a finished one leaves behind keeps
+    its store (and the host copies it caches) alive: a store dropped without close() is collected;
+    the held step stays whole, the other one is a delta."""
+    run = make_run(2)
+    st = CheckpointStore(store_url, profile="portable", keep_last=keep_last)
+    st.save(run[0], 0)
+    st.save(run[1], 1)
+    if keep_last is None:
+        st.wait()
+    ref = weakref.ref(st)
+    del st
+    gc.collect()
+    assert ref() is None
+    fresh = CheckpointStore(store_url)
+    first = "keyframe" if keep_last else "delta"
+    assert [(r.step, r.kind) for r in fresh.list()] == [(0, first), (1, "keyframe")]
+    for i in (0, 1):
+        assert bits_equal(fresh.load(i), run[i])
+
+
+def test_expect_drop_holds_the_reencoding_until_the_step_goes_or_stays(store_url: str) -> None:
+    """expect_drop (a framework's rotation known a save ahead, no keep_last): the re-encoding of
+    the step is held; drop_pending or a delete ends it before it reads the step, a later save that
+    keeps the step runs it first, and saving the step again forgets the expectation."""
+    run = make_run(5)
+    st = CheckpointStore(store_url, profile="portable")
+    with _events() as ev:
+        st.save(run[0], 0)
+        st.expect_drop(0)
+        st.save(run[1], 1)
+        time.sleep(0.5)  # (a re-encoding run behind the save would be done by now)
+        assert _reencodes(ev, st) == []
+        st.delete(0)
+        assert _reencodes(ev, st) == [(0, "cancelled", False)]
+        st.expect_drop(1)
+        st.save(run[2], 2)  # step 1 held
+        st.save(run[3], 3)  # it stays after all: run before this save
+        assert _reencodes(ev, st)[1] == (1, "written", True)
+        st.expect_drop(3)
+        st.save(run[3], 3, overwrite=True)  # saved again: the expectation is gone
+        st.save(run[4], 4)
+        st.wait()
+    assert [o for o in _reencodes(ev, st) if o[0] == 3] == [(3, "written", True)]
+    assert [(r.step, r.kind) for r in st.list()] == [(1, "delta"), (2, "delta"), (3, "delta"), (4, "keyframe")]
+    assert _data(st) == _live(st)
+    for i in (1, 2, 3, 4):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+def test_an_adapters_rotation_holds_the_reencoding_it_would_discard(store_url: str) -> None:
+    """HF's save_total_limit=2 / Accelerate's total_limit=2 mirrored by AdapterSteps
+    (drop_rotated before each save, retain after): no re-encoding runs between saves; only the
+    step that stays below the last one is re-encoded, when the run waits at its end."""
+    from s4w_core.framework_steps import AdapterSteps
+
+    run = make_run(4)
+    steps = AdapterSteps("test", profile="portable")
+    st = steps.store(store_url)
+    with _events() as ev:
+        for i, s in enumerate((10, 20, 30, 40)):
+            steps.drop_rotated(st, s, 2)
+            steps.save(st, run[i], s, {}, then=lambda: steps.retain(st, 2))
+        steps.finish()
+        assert all(not coded for _, _, coded in _reencodes(ev, st))
+        steps.wait()
+    assert _reencodes(ev, st) == [(10, "cancelled", False), (20, "cancelled", False), (30, "written", True)]
+    assert [(r.step, r.kind) for r in st.list()] == [(30, "delta"), (40, "keyframe")]
+    assert _data(st) == _live(st)
+    for i, s in ((2, 30), (3, 40)):
+        assert bits_equal(CheckpointStore(store_url).load(s), run[i])
 
 
 def test_drop_pending_keeps_a_step_whole_until_its_delete(store_url: str) -> None:
