@@ -396,6 +396,7 @@ class Pipeline:
         ``hold``: queue it only once something waits for it (:meth:`release`: the next save, unless
         that save cancels it, which then runs it only to its cancelled end; :meth:`wait`,
         :meth:`settle`, the exit drain), so that work the next save would discard is not done."""
+        self.release()  # (a tail still held when the next one comes: it runs first)
         with self._lock:
             self.tail = handle
             if hold:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -859,3 +860,42 @@ def test_clean_up_behind_the_worker_is_waited_for_and_never_holds_up_a_save(tmp_
     assert [(r.step, r.kind) for r in st.list()] == [(1, "delta"), (2, "keyframe")]
     assert st.load(1)["w"].equal(w)
     st.close()
+
+
+def test_a_held_tail_runs_only_once_something_waits_for_it() -> None:
+    """Pipeline.defer(hold=True): the job is not queued; wait(held=False) (a read) leaves it held,
+    a second deferred job, begin() (the next save), wait() and settle() queue it and wait for it;
+    a cancelled one is queued too (to end at once)."""
+    from s4w_core.store._async import Pipeline, SaveHandle
+
+    p = Pipeline("memory://held", None, "wait")
+    ran: list[str] = []
+
+    def held(name: str) -> SaveHandle:
+        h = SaveHandle(1, "reencode", "memory://held", what="re-encoding")
+        p.defer(h, lambda: ran.append(name), hold=True)
+        return h
+
+    h = held("a")
+    p.wait(timeout=5, held=False)
+    time.sleep(0.05)
+    assert ran == [] and p.holds(h) and not h.done()
+    p.wait(timeout=5)
+    assert ran == ["a"] and h.done() and not p.holds(h)
+
+    hb = held("b")
+    h = held("c")  # the held one before it runs first
+    assert hb.wait_done(5) and ran == ["a", "b"] and p.holds(h)
+    p.begin(2)
+    assert ran == ["a", "b", "c"] and h.done()
+
+    h = held("d")
+    p.settle()
+    assert ran[-1] == "d" and h.done()
+
+    h = SaveHandle(1, "reencode", "memory://held", what="re-encoding")
+    cancel = h.cancel_before(lambda step: step == 3)
+    p.defer(h, lambda: ran.append("cancelled" if cancel.is_set() else "e"), hold=True)
+    p.cancel_tail_of("re-encoding", 1)
+    assert h.wait_done(5) and ran[-1] == "cancelled"
+    p.stop()
