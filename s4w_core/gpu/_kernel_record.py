@@ -162,8 +162,9 @@ def _read(path: Path) -> list[tuple[JITFunction, str]] | None:
 
 def preload(device: torch.device, path: Path) -> bool:
     """Load every kernel of the record at ``path`` (:func:`record_path`) from Triton's disk cache
-    into this process, on ``device``, ready to launch. False, having loaded nothing, when there is no record or it does not
-    check; False too when Triton refuses an entry (the kernels loaded before it stay loaded)."""
+    into this process, on ``device``, ready to launch. False, having loaded nothing, when there is
+    no record or it does not check; False too when Triton refuses an entry (the kernels loaded
+    before it stay loaded)."""
     entries = _read(path)
     if entries is None:
         return False

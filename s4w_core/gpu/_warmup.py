@@ -17,8 +17,9 @@ and a warm-up on CUDA records which kernels it loaded (:mod:`s4w_core.gpu._kerne
 later process's warm-up loads those from that cache directly (Triton's ``preload``) instead of
 coding the synthetic steps again: loading them before the first save took 0.2-0.5 s off each warm
 first save in the framework benchmark, and loading them without the synthetic steps leaves the
-training loop the GIL time those steps' Python took. :func:`s4w_core.gpu.warm_up` runs this on a
-background thread.
+training loop the GIL time those steps' Python took (the first save then pays the first use of
+torch's and nvCOMP's own kernels, which the synthetic steps paid: ~0.3 s in that benchmark).
+:func:`s4w_core.gpu.warm_up` runs this on a background thread.
 """
 
 from __future__ import annotations
