@@ -663,6 +663,7 @@ def test_expect_drop_holds_the_reencoding_until_the_step_goes_or_stays(store_url
         time.sleep(0.5)  # (a re-encoding run behind the save would be done by now)
         assert _reencodes(ev, st) == []
         st.delete(0)
+        st.wait()  # (the cancelled job ends on the worker)
         assert _reencodes(ev, st) == [(0, "cancelled", False)]
         st.expect_drop(1)
         st.save(run[2], 2)  # step 1 held
