@@ -45,6 +45,21 @@ def _background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
 
 
 
+#: how often a load reads the records again and retries when an object of its chain went away
+#: under it (a concurrent re-encoding or delete): each retry needs the chain to have changed
+_RACE_RETRIES = 3
+
+
+def _chain_of(step: int, recs: Mapping[int, StepInfo]) -> builtins.list[tuple[int, str]]:
+    """``(step, data object)`` along ``step``'s chain of bases in ``recs`` (empty: not there)."""
+    out: builtins.list[tuple[int, str]] = []
+    r = recs.get(step)
+    while r is not None and (r.step, r.object) not in out:
+        out.append((r.step, r.object))
+        r = recs.get(r.base_step) if r.base_step is not None else None
+    return out
+
+
 class Loads(BaseCache):
     """Reading steps back."""
 
@@ -105,11 +120,27 @@ class Loads(BaseCache):
             fills: builtins.list[HostFill] = []
             try:
                 with timer.stage("decode"):  # reads and decodes the step and the bases its deltas need
-                    used: builtins.list[str] = []
-                    obj, raws, reader = self._load_record(
-                        rec, map_location, threads, reserve=remember, source="auto" if from_copy else "chain",
-                        used=used, fills=fills, recs=recs,
-                    )
+                    for attempt in range(_RACE_RETRIES + 1):
+                        used: builtins.list[str] = []
+                        try:
+                            obj, raws, reader = self._load_record(
+                                rec, map_location, threads, reserve=remember, source="auto" if from_copy else "chain",
+                                used=used, fills=fills, recs=recs,
+                            )
+                            break
+                        except (CheckpointNotFoundError, BaseMismatchError) as e:
+                            # an object gone under this load: another process (or this store's own
+                            # worker) re-encoded or deleted a step of the chain since the records
+                            # were read; read them again and retry if the chain changed meanwhile
+                            missing = isinstance(e, CheckpointNotFoundError) or isinstance(e.__cause__, CheckpointNotFoundError)
+                            if attempt == _RACE_RETRIES or not missing:
+                                raise
+                            fresh = self._read_records()
+                            if _chain_of(rec.step, fresh) == _chain_of(rec.step, recs):
+                                raise
+                            log.debug("s4weights: step %d: its chain changed while it loaded (%s); again", rec.step, e)
+                            recs = fresh
+                            rec = self._record(rec.step, recs)
                 if remember:
                     with timer.stage("cache"):
                         if used != [rec.copy]:

@@ -18,7 +18,7 @@ from typing import IO, Any, Iterator
 import pytest
 
 from s4w_core import obs
-from s4w_core.errors import ManifestError
+from s4w_core.errors import BaseMismatchError, CheckpointNotFoundError, ManifestError
 from s4w_core.store import CheckpointStore, open_backend
 from s4w_core.store.records import DATA
 from tests.compat.make_golden import describe
@@ -701,6 +701,60 @@ def test_an_adapters_rotation_holds_the_reencoding_it_would_discard(store_url: s
     assert _data(st) == _live(st)
     for i, s in ((2, 30), (3, 40)):
         assert bits_equal(CheckpointStore(store_url).load(s), run[i])
+
+
+class _Meanwhile(FaultyBackend):
+    """Runs ``then`` once, just before the first read of a data object of step ``step`` (another
+    process changing the store while this one loads)."""
+
+    def __init__(self, inner: Any, step: int, then: Any) -> None:
+        super().__init__(inner, lambda verb, key: False)
+        self.prefix, self.then = f"data/step_{step:012d}.", then
+
+    def _maybe(self, key: str) -> None:
+        if self.then is not None and key.startswith(self.prefix):
+            then, self.then = self.then, None
+            then()
+
+    def get(self, key: str) -> bytes:
+        self._maybe(key)
+        return super().get(key)
+
+    def open_range(self, key: str) -> Any:
+        self._maybe(key)
+        return super().open_range(key)
+
+    def fetch(self, key: str) -> Any:
+        self._maybe(key)
+        return super().fetch(key)
+
+
+@pytest.mark.parametrize("load", [1, 3])
+def test_a_load_racing_a_reencoding_elsewhere_reads_the_new_chain(store_url: str, load: int) -> None:
+    """A reader reads the records, then another store object saves step 4, which re-encodes step
+    3 and deletes its whole object before the reader gets to it (as the base of step 2, the chain
+    of step 1; or as step 3's own object): the load reads the records again and loads the new
+    chain, bit for bit. With the chain unchanged, a missing object stays an error."""
+    run = make_run(5)
+    writer = CheckpointStore(store_url, profile="portable")
+    for i in (1, 2, 3):
+        writer.save(run[i], i)
+    writer.wait()
+    old3 = writer.info(3).object
+
+    def meanwhile() -> None:
+        writer.save(run[4], 4)
+        writer.wait()
+        assert writer.info(3).object != old3 and old3 not in _data(writer)
+
+    spy = _Meanwhile(open_backend(store_url), 3, meanwhile)
+    reader = CheckpointStore(store_url, _backend=spy)
+    assert bits_equal(reader.load(load), run[load])
+    assert spy.then is None and writer.info(3).kind == "delta"
+    # the chain unchanged and an object gone: a clear error, no retry loop
+    writer.backend.delete(writer.info(2).object)
+    with pytest.raises((CheckpointNotFoundError, BaseMismatchError), match="missing"):
+        CheckpointStore(store_url).load(1)
 
 
 def test_drop_pending_keeps_a_step_whole_until_its_delete(store_url: str) -> None:
