@@ -28,7 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import triton
@@ -79,10 +79,12 @@ class Recorder:
     or loads meanwhile (a ``jit_post_compile_hook`` that calls the one installed before it, and is
     taken out at exit unless something installed another over it); :meth:`write` stores them."""
 
-    def __init__(self) -> None:
+    def __init__(self, loaded: Iterable[list[str]] = ()) -> None:
         self._ours = kernels()
         self._lock = threading.Lock()
-        self._entries: dict[str, list[str]] = {}
+        # ``loaded``: entries this process preloaded before the warm-up ran (Triton does not call the
+        # hook again for a kernel it holds): the record keeps them
+        self._entries: dict[str, list[str]] = {e[2]: list(e) for e in loaded}
         self._prev: Any = None
 
     def _hook(self, **kw: Any) -> Any:
@@ -160,11 +162,11 @@ def _read(path: Path) -> list[tuple[JITFunction, str]] | None:
     return out
 
 
-def preload(device: torch.device, path: Path) -> bool:
+def preload(device: torch.device, path: Path, loaded: list[list[str]] | None = None) -> bool:
     """Load every kernel of the record at ``path`` (:func:`record_path`) from Triton's disk cache
     into this process, on ``device``, ready to launch. False, having loaded nothing, when there is
     no record or it does not check; False too when Triton refuses an entry (the kernels loaded
-    before it stay loaded)."""
+    before it stay loaded, and are appended to ``loaded``: a :class:`Recorder` keeps them)."""
     entries = _read(path)
     if entries is None:
         return False
@@ -172,6 +174,8 @@ def preload(device: torch.device, path: Path) -> bool:
         with torch.cuda.device(device):
             for fn, data in entries:
                 kernel = fn.preload(data)
+                if loaded is not None:
+                    loaded.append([fn.fn.__module__, fn.fn.__qualname__, data])
                 # its binary loaded and its launcher made now rather than at its first launch (in a
                 # save); Triton does this lazily, through a method of its own (absent: left lazy)
                 init = getattr(kernel, "_init_handles", None)

@@ -181,7 +181,8 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
     note = on_stage or (lambda stage: None)
     cuda = device.type == "cuda"
     record = record_path(device, dtypes) if cuda else None
-    if record is not None and _kernel_record.preload(device, record):
+    preloaded: list[list[str]] = []  # (a record Triton refused part way: what it loaded before)
+    if record is not None and _kernel_record.preload(device, record, preloaded):
         for key in _stage_keys(dtypes):  # every kernel the stages below load is loaded
             for stage in ("plain", "delta", "decode"):
                 note((stage, key))
@@ -205,7 +206,7 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
                 _sequence(groups[key][0], groups[key][1], key, device, pool, note)
             stream.synchronize()
 
-        with _kernel_record.Recorder() as rec:
+        with _kernel_record.Recorder(preloaded) as rec:
             with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="s4w-warm-up-group") as par:
                 for f in [par.submit(one, key) for key in groups]:
                     f.result()

@@ -262,14 +262,24 @@ def test_a_record_that_does_not_check_loads_nothing(tmp_path, monkeypatch: pytes
 
 
 def test_a_record_that_triton_refuses_is_not_used(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(self: JITFunction, data: str) -> None:
-        raise RuntimeError("Specialization data is for another target")
+    """Triton refusing an entry part way: preload says False (the full warm-up runs), and the
+    entries it loaded before stay in the record the full warm-up writes (Triton calls no hook
+    for a kernel it already holds)."""
 
-    monkeypatch.setattr(JITFunction, "preload", refuse)
+    def refuse_the_second(self: JITFunction, data: str) -> None:
+        if data.endswith("2"):
+            raise RuntimeError("Specialization data is for another target")
+
+    monkeypatch.setattr(JITFunction, "preload", refuse_the_second)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     path = tmp_path / "rec.json"
-    path.write_text(json.dumps([_an_entry()]))
-    assert _kernel_record.preload(torch.device("cuda", 0), path) is False
+    first, second = _an_entry("_split_kernel"), _an_entry("_merge_kernel")
+    first[2], second[2] = "spec-1", "spec-2"
+    path.write_text(json.dumps([first, second]))
+    loaded: list[list[str]] = []
+    assert _kernel_record.preload(torch.device("cuda", 0), path, loaded) is False
+    assert loaded == [first]
+    assert _kernel_record.Recorder(loaded).entries == [first]
 
 
 def test_recorder_keeps_the_codecs_kernels_and_chains_the_hook_before_it(
