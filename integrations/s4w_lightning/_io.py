@@ -109,6 +109,8 @@ class _S4CheckpointIOImpl:
         self._stores = Stores(**{"profile": profile, "keyframe_every": keyframe_every, **self.store_options})
         self._saved: dict[str, SavedStep] = {}  # per store: the step last written, for its second names
         self._newest: dict[str, int] = {}  # per store: the newest step it held or was saved to from here
+        self._named: dict[str, int] = {}  # path -> the store step the save at that path stored or named
+        self._top_k: dict[tuple[str, str], set[str]] = {}  # (store, checkpoint callback) -> its kept paths
         self._lock = threading.RLock()
         # the pointers' callbacks reach the stores and the saved steps, not this plugin: a bound
         # method of it would make a reference cycle (plugin -> pointers -> plugin) that kept a
@@ -166,6 +168,7 @@ class _S4CheckpointIOImpl:
                     self.pointers.expect(url, step)
                     announced = step
                 if saved is not None and saved.step == step:  # a second name: a pointer with what differs
+                    self._named[path] = step
                     buf = io.BytesIO()
                     s4w_core.save(pack_objects(saved.skeleton(checkpoint)), buf, profile="portable")
                     announced = None  # the queued pointer settles it (or, skipped, the queue does)
@@ -177,6 +180,8 @@ class _S4CheckpointIOImpl:
                 extra = {"path": path, **meta, "writer": "s4w_lightning"}
                 state = pack_objects(checkpoint)
                 self._saved[url] = SavedStep(step, checkpoint)
+                self._announce_rotation(url, st, step, checkpoint)
+                self._named[path] = step
                 if self.async_save:
                     # the store's non-blocking save makes the state safe (GPU: one copy to reused pinned
                     # host buffers; CPU: a snapshot) and codes, writes and commits it on its own worker;
@@ -197,6 +202,32 @@ class _S4CheckpointIOImpl:
         finally:
             if announced is not None:
                 self.pointers.settle(url, announced)
+
+    def _announce_rotation(self, url: str, st: CheckpointStore, step: int, checkpoint: dict[str, Any]) -> None:
+        """Before saving ``step``: tell the store what a ``ModelCheckpoint`` that keeps the newest
+        steps (``monitor="step"``) removes. The checkpoint carries each callback's state as of
+        this save: a path that left its ``best_k_models`` is removed right after the save
+        (``drop_pending``: its step gets no more background work); once it keeps ``save_top_k``
+        files, its ``kth_best_model_path`` is removed after the next save (``expect_drop``: the
+        re-encoding of that step, due behind this save when it is the step just below, is held).
+        Callbacks with another monitor keep the top steps by a metric, which no save can
+        foresee: nothing is announced for them."""
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict):
+            return
+        for key, cb in states.items():
+            if not isinstance(cb, dict) or cb.get("monitor") != "step" or not isinstance(cb.get("best_k_models"), dict):
+                continue
+            kept = {norm_path(p) for p in cb["best_k_models"] if isinstance(p, (str, os.PathLike))}
+            before, self._top_k[(url, str(key))] = self._top_k.get((url, str(key)), set()), kept
+            for p in before - kept:
+                s = self._named.get(p)
+                if s is not None and s != step:
+                    st.drop_pending(s)
+            kth = cb.get("kth_best_model_path")
+            s = self._named.get(norm_path(kth)) if isinstance(kth, (str, os.PathLike)) and kth else None
+            if s is not None and s != step and norm_path(kth) in kept:
+                st.expect_drop(s)
 
     def _replaces(self, url: str, st: CheckpointStore, step: int) -> bool:
         """Whether a save of ``step`` may replace a step of the store with other values: a step
@@ -274,6 +305,7 @@ class _S4CheckpointIOImpl:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the file at ``path``; its store step goes too once no other file names it."""
+        self._named.pop(norm_path(path), None)
         self._queue.submit(self.pointers.remove if self.delta else self.files.remove, norm_path(path))
 
     def teardown(self) -> None:
