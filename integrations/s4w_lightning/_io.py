@@ -109,7 +109,9 @@ class _S4CheckpointIOImpl:
         self._stores = Stores(**{"profile": profile, "keyframe_every": keyframe_every, **self.store_options})
         self._saved: dict[str, SavedStep] = {}  # per store: the step last written, for its second names
         self._newest: dict[str, int] = {}  # per store: the newest step it held or was saved to from here
-        self._named: dict[str, int] = {}  # path -> the store step the save at that path stored or named
+        # path -> the store step the save at that path stored or named (kept after a remove: with
+        # Lightning's AsyncCheckpointIO a remove can come before the save that announces it)
+        self._named: dict[str, int] = {}
         self._top_k: dict[tuple[str, str], set[str]] = {}  # (store, checkpoint callback) -> its kept paths
         self._lock = threading.RLock()
         # the pointers' callbacks reach the stores and the saved steps, not this plugin: a bound
@@ -305,7 +307,6 @@ class _S4CheckpointIOImpl:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the file at ``path``; its store step goes too once no other file names it."""
-        self._named.pop(norm_path(path), None)
         self._queue.submit(self.pointers.remove if self.delta else self.files.remove, norm_path(path))
 
     def teardown(self) -> None:
