@@ -301,6 +301,16 @@ class Files:
                 return api.save(obj, fp, profile=profile)
         return api.save(obj, path, profile=profile)
 
+    def exists(self, path: str) -> bool:
+        """Is there a file at ``path``?"""
+        if is_s3(path):
+            d, name = split_path(path)
+            try:
+                return any(o.key == name for o in self.backend(d).list(name))
+            except CheckpointNotFoundError:
+                return False
+        return os.path.isfile(path)
+
     def remove(self, path: str) -> None:
         """Remove the file at ``path`` (none there: nothing to do)."""
         if is_s3(path):

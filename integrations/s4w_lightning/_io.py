@@ -113,7 +113,16 @@ class _S4CheckpointIOImpl:
         # Lightning's AsyncCheckpointIO a remove can come before the save that announces it)
         self._named: dict[str, int] = {}
         self._top_k: dict[tuple[str, str], set[str]] = {}  # (store, checkpoint callback) -> its kept paths
+        # Lightning's AsyncCheckpointIO calls save_checkpoint on its own thread, later than the
+        # remove_checkpoint of the same path may come on the trainer's: the paths whose save has
+        # begun (a remove waits for one in progress), and those removed before their save began
+        # (that save then writes nothing)
+        self._begun: set[str] = set()
+        self._saving: set[str] = set()
+        self._doomed: set[str] = set()
+        self._save_thread: int | None = None  # the thread the last save began on
         self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         # the pointers' callbacks reach the stores and the saved steps, not this plugin: a bound
         # method of it would make a reference cycle (plugin -> pointers -> plugin) that kept a
         # dropped plugin's stores and their host copy of the newest step alive until the cyclic GC
@@ -143,6 +152,22 @@ class _S4CheckpointIOImpl:
                 "S4CheckpointIO.save_checkpoint does not take storage_options; configure S4CheckpointIO(...) instead"
             )
         path = norm_path(path)
+        with self._cond:
+            if path in self._doomed:  # removed before this save began: superseded, nothing to write
+                self._doomed.discard(path)
+                log.debug("s4weights: %s was removed before its save began; not written", path)
+                return
+            self._begun.add(path)
+            self._saving.add(path)
+            self._save_thread = threading.get_ident()
+        try:
+            self._save(checkpoint, path)
+        finally:
+            with self._cond:
+                self._saving.discard(path)
+                self._cond.notify_all()
+
+    def _save(self, checkpoint: dict[str, Any], path: str) -> None:
         if not self.delta:
             state = pack_objects(snapshot(checkpoint) if self.async_save else checkpoint)
             self._queue.submit(self.files.save, path, state, self.profile)
@@ -306,8 +331,19 @@ class _S4CheckpointIOImpl:
         return unpack_objects(obj)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the file at ``path``; its store step goes too once no other file names it."""
-        self._queue.submit(self.pointers.remove if self.delta else self.files.remove, norm_path(path))
+        """Remove the file at ``path``; its store step goes too once no other file names it.  A
+        save of ``path`` in progress on another thread is waited for; while saves come on another
+        thread than this call (Lightning's AsyncCheckpointIO queues them on its own), a path never
+        saved here and not there yet is one whose save has not begun: that save writes nothing."""
+        path = norm_path(path)
+        with self._cond:
+            self._cond.wait_for(lambda: path not in self._saving)
+            # (saves on the caller's own thread: a missing file is only missing)
+            queued = self._save_thread != threading.get_ident()
+            if queued and path not in self._begun and not self.files.exists(path):
+                self._doomed.add(path)
+                return
+        self._queue.submit(self.pointers.remove if self.delta else self.files.remove, path)
 
     def teardown(self) -> None:
         """Finish queued saves and the stores' background work."""

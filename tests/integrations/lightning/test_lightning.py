@@ -192,6 +192,35 @@ def test_a_rotation_by_step_holds_the_reencodings_it_would_discard(tmp_path, mon
         assert not diff(S4CheckpointIO().load_checkpoint(ck / n), spy.saved[str(ck / n)]), n
 
 
+def test_lightnings_async_checkpoint_io_rotates_out_what_it_removes(tmp_path):
+    """Lightning's AsyncCheckpointIO saves on its own thread and calls remove_checkpoint on the
+    trainer's, so a remove can come while the save of that path is still queued (here every save
+    is slowed): the removed files and store steps go all the same, a queued save of a removed path
+    writes nothing, and what stays loads bit for bit."""
+    import threading
+    import time
+
+    pl = _pl(FLAVOURS[0])
+    saves: list[str] = []
+
+    class Slow(Spy):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            assert threading.current_thread() is not threading.main_thread()
+            time.sleep(0.3)
+            saves.append(os.path.basename(os.fspath(path)))
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    spy = Slow(store_options={"profile": "portable"})
+    _fit(pl, tmp_path, 8, pl.plugins.io.AsyncCheckpointIO(spy), save_top_k=2, monitor="step", mode="max")
+    spy.wait()
+    ck = tmp_path / "ck"
+    kept = sorted(n for n in os.listdir(ck) if n.endswith(".ckpt"))
+    assert kept == ["epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"], (kept, saves)
+    assert CheckpointStore(str(ck / ".s4w")).steps() == [6, 8]
+    for n in kept:
+        assert not diff(S4CheckpointIO().load_checkpoint(ck / n), spy.saved[str(ck / n)]), n
+
+
 @pytest.mark.parametrize("mode", ["own_async", "lightning_async", "inline"])
 def test_async_and_inline_resume_bit_exact(mode, tmp_path):
     pl = _pl(FLAVOURS[0])
