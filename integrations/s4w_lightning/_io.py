@@ -252,8 +252,9 @@ class _S4CheckpointIOImpl:
                 if s is not None and s != step:
                     st.drop_pending(s)
             kth = cb.get("kth_best_model_path")
-            s = self._named.get(norm_path(kth)) if isinstance(kth, (str, os.PathLike)) and kth else None
-            if s is not None and s != step and norm_path(kth) in kept:
+            kth = norm_path(kth) if isinstance(kth, (str, os.PathLike)) and kth else None
+            s = self._named.get(kth) if kth in kept else None
+            if s is not None and s != step:
                 st.expect_drop(s)
 
     def _replaces(self, url: str, st: CheckpointStore, step: int) -> bool:

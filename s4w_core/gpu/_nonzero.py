@@ -106,6 +106,15 @@ def gather_samples(
     return out
 
 
+def _cat_padded(xs: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """``xs`` (words on one device) back to back, each padded with zero words to a multiple of 8
+    (a whole bitmap byte, as a segment's split pads), and the padding of each."""
+    pads = [(-x.numel()) % 8 for x in xs]
+    if len(xs) == 1 and not pads[0]:
+        return xs[0], pads  # (no copy)
+    return torch.cat([t for x, p in zip(xs, pads) for t in ((x, x.new_zeros(p)) if p else (x,))]), pads
+
+
 #: sample elements estimated together by :func:`nonzero_choices_device` (bounds its device memory:
 #: about 50 bytes per 16-bit element, 80 per 32-bit one)
 _NZ_GROUP_ELEMS = 1 << 20
@@ -178,9 +187,9 @@ def nz_estimates(samples: list[torch.Tensor], w: int) -> torch.Tensor:
     dev = samples[0].device
     k = len(samples)
     m = torch.tensor([s.numel() for s in samples], dtype=torch.int64)
-    pad = (-m) % 8
     # each sample padded to whole bitmap bytes (padding words are zero: bitmap bits 0, as the split pads)
-    padded = torch.cat([t for s, p in zip(samples, pad.tolist()) for t in ((s, s.new_zeros(p)) if p else (s,))])
+    padded, pads = _cat_padded(samples)
+    pad = torch.tensor(pads, dtype=torch.int64)
     valid_len = m + pad
     sid = torch.repeat_interleave(
         torch.arange(k, dtype=torch.int32, device=dev), valid_len.to(dev), output_size=int(valid_len.sum())
@@ -261,11 +270,7 @@ def _split_many(words: list[torch.Tensor], w: int, seg: int) -> list[list[tuple[
     the group's bitmap and planes, the same bytes as a segment split alone."""
     dev = words[0].device
     lens = [x.numel() for x in words]
-    pads = [(-n) % 8 for n in lens]
-    if len(words) == 1 and not pads[0]:
-        flat = words[0]  # (one storage of whole bitmap bytes: no copy)
-    else:
-        flat = torch.cat([t for x, p in zip(words, pads) for t in ((x, x.new_zeros(p)) if p else (x,))])
+    flat, pads = _cat_padded(words)
     bitmap, split = nzt.split_nonzero_torch(flat, w, rot=True)  # the group's, as one segment's
     del flat
     planes = list(split)

@@ -25,7 +25,7 @@ import torch
 
 from s4w_core import choice
 from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1
-from s4w_core.gpu._nonzero import code_parts_device, plane_bytes, residual_words
+from s4w_core.gpu._nonzero import code_parts_device, gather_samples, plane_bytes, residual_words
 from s4w_core.planes import rowcol
 from s4w_core.workers import segments
 
@@ -67,7 +67,7 @@ def rowcol_estimates_device(
     # host samples (a DCP rank's staged shards, the store's host copies) moved in one copy, not one
     # synchronizing copy per storage
     host = [t for _i, r, b, *_ in cands for t in (r, b) if t is not None and t.device != dev]
-    moved = iter(_to_device(host, dev))
+    moved = iter(gather_samples([(t, [(0, t.numel())], 1) for t in host], dev))
     by_width: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
     for i, r, b, op, dtype, cols, n in cands:
         r = next(moved) if r.device != dev else r
@@ -80,14 +80,6 @@ def rowcol_estimates_device(
             scale = n / words.numel() / 8.0  # sample bits -> storage bytes
             out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
     return out
-
-
-def _to_device(xs: list[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
-    """1-D uint8 host tensors ``xs`` on ``dev``: concatenated on the host and moved in one copy."""
-    if not xs:
-        return []
-    flat = torch.cat(xs).to(dev)
-    return list(torch.split(flat, [x.numel() for x in xs]))
 
 
 def _rows(raw: torch.Tensor, rows: int, row_bytes: int, pick: list[int]) -> torch.Tensor:
