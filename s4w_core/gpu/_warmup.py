@@ -14,11 +14,11 @@ Nothing of the user's is touched, and the bytes any later save writes
 are the same (the kernels are deterministic; warming changes only when they are compiled). Triton
 keeps what it compiled in its on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
 and a warm-up on CUDA records which kernels it loaded (:mod:`s4w_core.gpu._kernel_record`), so a
-later process's warm-up loads those from that cache directly (Triton's ``preload``) instead of
-coding the synthetic steps again: loading them before the first save took 0.2-0.5 s off each warm
-first save in the framework benchmark, and loading them without the synthetic steps leaves the
-training loop the GIL time those steps' Python took (the first save then pays the first use of
-torch's and nvCOMP's own kernels, which the synthetic steps paid: ~0.3 s in that benchmark).
+later process's warm-up loads those from that cache directly (Triton's ``preload``) and codes
+only the synthetic plain step (the first use of torch's and nvCOMP's own kernels, which a first
+save would pay otherwise) instead of every synthetic step: loading the kernels before the first
+save took 0.2-0.5 s off each warm first save in the framework benchmark, and leaving out the other
+steps leaves the training loop the GIL time their Python took.
 :func:`s4w_core.gpu.warm_up` runs this on a background thread.
 """
 
@@ -183,7 +183,16 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
     record = record_path(device, dtypes) if cuda else None
     preloaded: list[list[str]] = []  # (a record Triton refused part way: what it loaded before)
     if record is not None and _kernel_record.preload(device, record, preloaded):
-        for key in _stage_keys(dtypes):  # every kernel the stages below load is loaded
+        # every Triton kernel the stages below load is loaded; what a first save would still pay
+        # is the first use of torch's and nvCOMP's own kernels (their modules load lazily): one
+        # plain step of the synthetic state, on one thread, pays it here
+        s0, _ = synthetic_states(device, dtypes)
+        with Pool(2, "s4w-warm-up") as pool, torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                _encode(_jobs(s0, None), pool)
+            stream.synchronize()
+        for key in _stage_keys(dtypes):
             for stage in ("plain", "delta", "decode"):
                 note((stage, key))
         return

@@ -151,8 +151,8 @@ def test_gpu_first_save_after_warm_up_compiles_nothing(tmp_path) -> None:
     """In a fresh process with an empty Triton cache: after warm_up(wait=True), a delta save and a
     load of a model-like state add no entry to the cache (nothing compiled) and load no kernel into
     the process, and the bytes equal those of a process that never warmed up; a later process on
-    the same cache: its warm-up loads the kernels the first one recorded (without coding synthetic
-    steps), which are every kernel the save and load use."""
+    the same cache: its warm-up loads the kernels the first one recorded (coding only the synthetic
+    plain step, not the delta steps), which are every kernel the save and load use."""
     script = r"""
 import json, os, sys, torch
 from s4w_core import gpu, CheckpointStore
@@ -161,10 +161,10 @@ cache = os.environ["TRITON_CACHE_DIR"]
 os.makedirs(cache, exist_ok=True)  # Triton makes it at its first compile
 from s4w_core.gpu import _warmup
 recorded = _warmup.record_path(torch.device("cuda", 0)).exists()
-if recorded:  # the warm-up must load the recorded kernels, not code synthetic steps
+if recorded:  # the warm-up must load the recorded kernels, not code the synthetic delta steps
     def no_steps(*a, **k):
         raise AssertionError("the warm-up coded its synthetic steps")
-    _warmup.synthetic_states = no_steps
+    _warmup._sequence = no_steps
 if warm:
     assert gpu.warm_up(wait=True) and gpu.warm_up_status()["cuda:0"] == "done", gpu.warm_up_status()
 before = sorted(os.listdir(cache))
@@ -203,7 +203,7 @@ print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     later = json.loads(p.stdout.strip().splitlines()[-1])
-    # it loaded the recorded kernels (no synthetic steps); nothing compiled, and nothing left for
+    # it loaded the recorded kernels (no synthetic delta steps); nothing compiled, and nothing left for
     # the first save to load: the record holds every kernel the full warm-up loaded
     assert later["recorded"], later
     assert later["new"] == [] and later["loads"] == 0, later
