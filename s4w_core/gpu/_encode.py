@@ -56,8 +56,9 @@ from s4w_core.gpu._coder import (
     encode_batch_device,
     encode_tensors_device,
 )
-from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_many, gather_samples, nonzero_choices_device
+from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_many, nonzero_choices_device
 from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_many, rowcol_choices_device
+from s4w_core.gpu._samples import gather_samples
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 

@@ -34,12 +34,13 @@ from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import NZ_TRANSFORMS, ROTL1
 from s4w_core.gpu import _nvcomp
+from s4w_core.gpu._samples import bounded_groups, gather_samples
 from s4w_core.jobs import dtype_from_name
 from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
 
 __all__ = ["NZ_MIN_ELEMS", "NZ_TRANSFORM", "check_and_merge", "code_parts_device", "decode_nonzero_device",
-           "decode_on_device", "fetch_chunks_device", "gather_samples", "encode_nonzero_many",
+           "decode_on_device", "fetch_chunks_device", "encode_nonzero_many",
            "nonzero_choices_device", "nz_estimates",
            "plane_bytes", "residual_words"]
 
@@ -68,42 +69,6 @@ def plane_bytes(words: torch.Tensor, w: int) -> list[torch.Tensor]:
     bits = 8 * w
     r = (words << 1) | ((words >> (bits - 1)) & 1)
     return [((r >> (8 * (w - 1 - j))) & 0xFF).to(torch.uint8) for j in range(w)]
-
-
-def gather_samples(
-    items: list[tuple[torch.Tensor, list[tuple[int, int]], int]], dev: torch.device
-) -> list[torch.Tensor]:
-    """The elements ``ranges`` of each byte tensor ``t`` (element width ``w``) of ``items`` ``(t,
-    ranges, w)``, concatenated per item, on ``dev``: a device tensor's gathered there, the host
-    tensors' gathered on the host and moved over in one copy for all of them (a host copy's sample
-    is many small ranges, a re-encoding's hundreds of storages: a transfer each would cost more
-    than the estimate)."""
-    out: list[torch.Tensor] = []
-    host: list[tuple[int, list[np.ndarray]]] = []
-    for k, (t, ranges, w) in enumerate(items):
-        if t.device.type == "cpu":
-            a = t.numpy()
-            host.append((k, [a[s0 * w : s1 * w] for s0, s1 in ranges]))
-            out.append(t[:0])  # replaced by its device copy below
-        else:
-            s = torch.cat([t[s0 * w : s1 * w] for s0, s1 in ranges] or [t[:0]])
-            out.append(s if s.device == dev else s.to(dev))
-    if host:
-        lens = [sum(p.size for p in parts) for _k, parts in host]
-        if dev.type == "cuda":  # gathered straight into pinned memory, moved without a host-side wait
-            stage = _nvcomp.host_empty(sum(lens))
-        else:
-            stage = torch.empty(max(sum(lens), 1), dtype=torch.uint8)
-        buf = stage.numpy()
-        at = 0
-        for _k, parts in host:
-            for p in parts:
-                buf[at : at + p.size] = p
-                at += p.size
-        flat = stage[:at].to(dev, non_blocking=True)
-        for (k, _parts), piece in zip(host, torch.split(flat, lens)):
-            out[k] = piece
-    return out
 
 
 def _cat_padded(xs: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -158,25 +123,11 @@ def nonzero_choices_device(
         if zeros >= choice.NZ_MIN_ZERO_FRAC * words.numel():
             by_width.setdefault(w, []).append((i, words))
     for w, cands in by_width.items():
-        for group in _groups(cands, _NZ_GROUP_ELEMS):
+        for group in bounded_groups(cands, _NZ_GROUP_ELEMS):
             stats = nz_estimates([wd for _i, wd in group], w).tolist()  # one read-back per group
             for (i, words), (zeros, plain_cost, nz_cost) in zip(group, stats):
                 m = words.numel()
                 out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
-    return out
-
-
-def _groups(items: list[tuple[int, torch.Tensor]], limit: int) -> list[list[tuple[int, torch.Tensor]]]:
-    """``items`` ``(i, tensor)`` cut, in order, into runs of at most ``limit`` elements (one item more
-    where a single item exceeds it)."""
-    out: list[list[tuple[int, torch.Tensor]]] = []
-    size = 0
-    for it in items:
-        if not out or size + it[1].numel() > limit:
-            out.append([])
-            size = 0
-        out[-1].append(it)
-        size += it[1].numel()
     return out
 
 

@@ -25,7 +25,8 @@ import torch
 
 from s4w_core import choice
 from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1
-from s4w_core.gpu._nonzero import code_parts_device, gather_samples, plane_bytes, residual_words
+from s4w_core.gpu._nonzero import code_parts_device, plane_bytes, residual_words
+from s4w_core.gpu._samples import bounded_groups, gather_samples
 from s4w_core.planes import rowcol
 from s4w_core.workers import segments
 
@@ -34,6 +35,10 @@ __all__ = ["RC_TRANSFORM", "encode_rowcol_many", "rowcol_choices_device", "rowco
 #: the row/column transform the GPU writer writes
 RC_TRANSFORM = next(k for k, v in RC_TRANSFORMS.items() if v == ROTL1)
 _ITYPE = {2: torch.int16, 4: torch.int32}
+#: sample elements estimated together by :func:`rowcol_estimates_device`: its temporaries take about
+#: 110 bytes per element (int64 indices and histogram keys), so a group bounds a save's extra device
+#: memory to ~115 MB (all of a GPT-2 151M state's samples at once, ~4.7 M elements: ~520 MB)
+_RC_GROUP_ELEMS = 1 << 20
 
 
 def rowcol_choices_device(
@@ -74,11 +79,12 @@ def rowcol_estimates_device(
         if b is not None and b.device != dev:
             b = next(moved)
         by_width.setdefault(dtype.itemsize, []).append((i, residual_words(r, b, op, dtype), cols, n))
-    for w, group in by_width.items():
-        plain, rc = _estimate_group(group, w, dev)
-        for (i, words, cols, n), pb, rb in zip(group, plain, rc):
-            scale = n / words.numel() / 8.0  # sample bits -> storage bytes
-            out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
+    for w, cands_w in by_width.items():
+        for group in bounded_groups(cands_w, _RC_GROUP_ELEMS):
+            plain, rc = _estimate_group(group, w, dev)
+            for (i, words, cols, n), pb, rb in zip(group, plain, rc):
+                scale = n / words.numel() / 8.0  # sample bits -> storage bytes
+                out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
     return out
 
 
@@ -101,7 +107,7 @@ def _estimate_group(
     """For samples of one width ``(item, words, cols, n)``: the order-0 bits of all planes of each,
     and with plane 0 less its row/column offsets -- every sample at once (a fixed number of
     kernels, whatever the number of storages: sums by ``index_add_``, histograms by one
-    ``bincount``), one read-back."""
+    ``bincount``), one read-back; the caller bounds the group (:data:`_RC_GROUP_ELEMS`)."""
     sizes = [int(words.numel()) for _i, words, _c, _n in group]
     cols = [c for _i, _w, c, _n in group]
     krows = [m // c for m, c in zip(sizes, cols)]

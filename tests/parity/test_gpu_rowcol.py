@@ -253,6 +253,27 @@ def test_rowcol_groups_on_gpu() -> None:
     assert_same(obj, s4w_core.load(data, map_location="cuda"))
 
 
+@pytest.mark.gpu
+def test_rowcol_choice_device_memory_is_bounded() -> None:
+    """The row/column choice over many candidates (160 storages, ~5 M sample elements: ~550 MB of
+    temporaries estimated at once) takes device memory for one group of samples, not for all."""
+    if not _gpu_available():
+        pytest.skip("needs a CUDA GPU (run on the device: see docs/DEVELOPING.md)")
+    from s4w_core.gpu import _rowcol
+
+    items: list[Any] = []
+    for i in range(160):
+        t = rc_like(torch.bfloat16, 256, 1024, i).cuda()
+        items.append((t.view(-1).view(torch.uint8), None, None, torch.bfloat16, 1024))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    picks = _rowcol.rowcol_choices_device(items, torch.device("cuda"))
+    extra = torch.cuda.max_memory_allocated() - before
+    assert all(picks)
+    assert extra < 160 * _rowcol._RC_GROUP_ELEMS, extra  # ~110 B an element of one group, and the samples
+
+
 def main(names: list[str]) -> int:
     from tests.parity._interpret_checks import run_checks
 

@@ -257,13 +257,19 @@ def _h_bits(x: np.ndarray) -> float:
     return max(float(-(p * np.log2(p)).sum()), 1e-3) * x.size
 
 
-def test_gpu_estimates_batched_match_one_by_one() -> None:
-    """The GPU writer's estimate (all storages at once: sums by index_add_, one bincount), run on
-    CPU tensors, equals a plain per-storage computation (numpy: planes of the sampled rows, the
-    offsets of :func:`rowcol.offsets_np`, order-0 entropies), for mixed widths, deltas and
-    storages that are no candidates."""
+@pytest.mark.parametrize("group_elems", [None, 1, 30_000])
+def test_gpu_estimates_batched_match_one_by_one(monkeypatch: pytest.MonkeyPatch, group_elems: int | None) -> None:
+    """The GPU writer's estimate (the storages of a group at once: sums by index_add_, one
+    bincount), run on CPU tensors, equals a plain per-storage computation (numpy: planes of the
+    sampled rows, the offsets of :func:`rowcol.offsets_np`, order-0 entropies), for mixed widths,
+    deltas and storages that are no candidates; whether the samples form one group, one group
+    each, or groups of a few."""
     from s4w_core import delta
+    from s4w_core.gpu import _rowcol
     from s4w_core.gpu._rowcol import rowcol_choices_device, rowcol_estimates_device
+
+    if group_elems is not None:
+        monkeypatch.setattr(_rowcol, "_RC_GROUP_ELEMS", group_elems)
 
     items: list[Any] = []
     for k, (dt, rows, cols) in enumerate([(torch.bfloat16, 300, 97), (torch.float32, 64, 130), (torch.bfloat16, 40, 700),
