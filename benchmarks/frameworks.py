@@ -789,18 +789,33 @@ _PRIME_IMPORTS = {"lightning": "lightning.pytorch", "hf": "transformers", "accel
 
 
 def _prime(frameworks: set[str], device: str) -> None:
-    """One throwaway process before the runs that imports what they import and starts the device: the
-    first process on a fresh machine reads the libraries from disk (seen: its setup 1.4 s longer than
-    the same run's later), which would land on whichever run came first -- the `none` run, whose wall
-    time every overhead is measured against."""
+    """One throwaway process before the runs that imports what they import and trains a tiny GPT-2
+    for a step on ``device``: the first process on a fresh machine reads the libraries from disk
+    (the Python packages, and cuBLAS / cuDNN at the first matmul), which would land on whichever
+    run came first -- the `none` run, whose wall time every overhead is measured against."""
     mods = list(dict.fromkeys(["torch", "transformers", "s4w_core", *sorted(_PRIME_IMPORTS[f] for f in frameworks if f in _PRIME_IMPORTS)]))
-    code = "; ".join([f"import {m}" for m in mods] + [f"torch.zeros(1, device={device!r})"])
     env = dict(os.environ, S4W_WARM_UP="0")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env.get("PYTHONPATH", "")])
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, check=False, capture_output=True, text=True)
-    print(f"[frameworks] primed ({', '.join(mods)}) in {time.perf_counter() - t:.1f} s"
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--prime", ",".join(mods), "--device", device],
+                       env=env, timeout=300, check=False, capture_output=True, text=True)
+    print(f"[frameworks] primed ({', '.join(mods)}, a tiny GPT-2 step) in {time.perf_counter() - t:.1f} s"
           + ("" if p.returncode == 0 else f": failed, {p.stderr[-300:]}"), file=sys.stderr, flush=True)
+
+
+def _prime_child(mods: list[str], device: str) -> int:
+    import importlib
+
+    import torch
+
+    for m in mods:
+        importlib.import_module(m)
+    model = gpt2({"n_layer": 2, "n_embd": 64, "n_head": 2, "ctx": 64}, "bf16", device)
+    x = torch.randint(0, 256, (2, 64), device=device)
+    model(input_ids=x, labels=x).loss.backward()
+    torch.optim.AdamW(model.parameters()).step()
+    sync(torch.device(device))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -827,9 +842,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch.set_num_threads in every run (default: 1 on the CPU, where more oversubscribe "
                     "a small shared machine; torch's own default on a GPU machine)")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--prime", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         return _child_main(*a.child)
+    if a.prime is not None:
+        return _prime_child(a.prime.split(","), a.device or "cuda")
 
     t_start = time.perf_counter()
     if a.smoke:
