@@ -189,6 +189,7 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         s0, _ = synthetic_states(device, dtypes)
         with Pool(2, "s4w-warm-up") as pool, torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.default_stream(device))  # the states' copies, made on that stream
             with torch.cuda.stream(stream):
                 _encode(_jobs(s0, None), pool)
             stream.synchronize()
@@ -211,6 +212,7 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
 
         def one(key: Any) -> None:
             stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.default_stream(device))  # the states' copies, made on that stream
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 _sequence(groups[key][0], groups[key][1], key, device, pool, note)
             stream.synchronize()
