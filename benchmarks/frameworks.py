@@ -784,40 +784,6 @@ def _run_subprocess(spec: dict[str, Any], env: dict[str, str], timeout: float, l
         return res
 
 
-#: the modules each framework's runs import (the priming process reads them once)
-_PRIME_IMPORTS = {"lightning": "lightning.pytorch", "hf": "transformers", "accelerate": "accelerate", "dcp": "torch.distributed.checkpoint"}
-
-
-def _prime(frameworks: set[str], device: str) -> None:
-    """One throwaway process before the runs that imports what they import and trains a tiny GPT-2
-    for a step on ``device``: the first process on a fresh machine reads the libraries from disk
-    (the Python packages, and cuBLAS / cuDNN at the first matmul), which would land on whichever
-    run came first -- the `none` run, whose wall time every overhead is measured against."""
-    mods = list(dict.fromkeys(["torch", "transformers", "s4w_core", *sorted(_PRIME_IMPORTS[f] for f in frameworks if f in _PRIME_IMPORTS)]))
-    env = dict(os.environ, S4W_WARM_UP="0")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env.get("PYTHONPATH", "")])
-    t = time.perf_counter()
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--prime", ",".join(mods), "--device", device],
-                       env=env, timeout=300, check=False, capture_output=True, text=True)
-    print(f"[frameworks] primed ({', '.join(mods)}, a tiny GPT-2 step) in {time.perf_counter() - t:.1f} s"
-          + ("" if p.returncode == 0 else f": failed, {p.stderr[-300:]}"), file=sys.stderr, flush=True)
-
-
-def _prime_child(mods: list[str], device: str) -> int:
-    import importlib
-
-    import torch
-
-    for m in mods:
-        importlib.import_module(m)
-    model = gpt2({"n_layer": 2, "n_embd": 64, "n_head": 2, "ctx": 64}, "bf16", device)
-    x = torch.randint(0, 256, (2, 64), device=device)
-    model(input_ids=x, labels=x).loss.backward()
-    torch.optim.AdamW(model.parameters()).step()
-    sync(torch.device(device))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", choices=("bf16", "fp32master"), default="bf16")
@@ -842,12 +808,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch.set_num_threads in every run (default: 1 on the CPU, where more oversubscribe "
                     "a small shared machine; torch's own default on a GPU machine)")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    ap.add_argument("--prime", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         return _child_main(*a.child)
-    if a.prime is not None:
-        return _prime_child(a.prime.split(","), a.device or "cuda")
 
     t_start = time.perf_counter()
     if a.smoke:
@@ -873,8 +836,6 @@ def main(argv: list[str] | None = None) -> int:
     caches: dict[str, str] = {}
     tag = "smoke" if a.smoke else "_".join([a.precision] + ([a.model] if a.model else []) + (["cpu"] if device == "cpu" else []))
     log_path = os.path.join(a.out, f"frameworks_{tag}.log")
-    if not a.smoke and plan:
-        _prime({fw for fw, *_ in plan}, device)
     with open(log_path, "w") as log:
         for fw, mode, cache, name in plan:
             run_dir = os.path.join(work, f"{fw}_{name}")
