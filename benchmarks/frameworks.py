@@ -14,7 +14,11 @@ the way docs/INTEGRATIONS.md tells users to, and runs side by side -- one proces
 * ``s4w``     -- the same plus s4weights as documented: ``Trainer(plugins=[S4CheckpointIO()])``,
   ``Trainer(callbacks=[S4Callback()])``, ``S4W_ACCELERATE=1`` + ``import s4w_accelerate``,
   ``dcp.async_save(state, storage_writer=S4StorageWriter(path))``; once with an empty
-  ``TRITON_CACHE_DIR`` (``cold``) and once more with the cache the cold run filled (``warm``).
+  ``TRITON_CACHE_DIR`` (``cold``) and once more with the cache the cold run filled (``warm``);
+  with ``--async-saves`` also the adapters' ``async_save=True`` (``s4w-async-warm``);
+* ``s4w-nofsync-*`` (``--no-fsync-runs``) -- the same with the default's durability: the store's
+  ``durable=False`` (temp file + rename, no fsync), the like-for-like comparison with the
+  frameworks' own files, which stay in the page cache.
 
 Per run: whole wall time (framework objects built, ``fit``/``train``/the loop, pending saves
 finished), checkpoint overhead (wall minus the ``none`` run's), time blocked in each save (inside
@@ -36,6 +40,7 @@ Usage (GPU machine, one precision per call, within 10 minutes)::
     python benchmarks/frameworks.py --precision bf16 --out runs/fw
     python benchmarks/frameworks.py --precision fp32master --out runs/fw --only lightning,hf
     python benchmarks/frameworks.py --smoke --out /tmp/fw_smoke
+    python benchmarks/frameworks.py --merge a/frameworks_bf16.json b/frameworks_bf16.json --out runs/fw
 """
 
 from __future__ import annotations
@@ -391,6 +396,12 @@ def phases(timer: SaveTimer, wall: float) -> dict[str, Any]:
     }
 
 
+def _store_options(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The store settings a run adds to the README's: ``durable=False`` for the runs with the
+    default's durability (``s4w-nofsync-*``)."""
+    return None if spec.get("durable", True) else {"durable": False}
+
+
 def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer) -> dict[str, Any]:
     import torch
 
@@ -436,7 +447,7 @@ def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sav
             ckpt.on_train_batch_end, lambda trainer, *a, **k: trainer.global_step % spec["every"] == 0)
         callbacks.append(ckpt)
     if mode == "s4w":
-        plugins.append(S4CheckpointIO(async_save=spec.get("async", False)))
+        plugins.append(S4CheckpointIO(async_save=spec.get("async", False), store_options=_store_options(spec)))
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
         precision="bf16-true" if precision == "bf16" else "bf16-mixed", max_steps=spec["steps"],
@@ -496,7 +507,7 @@ def run_hf(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer)
     t0 = time.perf_counter()
     callbacks: list[Any] = [GapOpen()]
     if mode == "s4w":
-        callbacks.append(S4Callback(async_save=spec.get("async", False)))
+        callbacks.append(S4Callback(async_save=spec.get("async", False), store_options=_store_options(spec)))
     callbacks.append(GapClose())
     args = TrainingArguments(
         output_dir=os.path.join(run_dir, "out"), max_steps=spec["steps"], per_device_train_batch_size=size["batch"],
@@ -547,6 +558,8 @@ def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sa
         os.environ["S4W_ACCELERATE"] = "1"
         if spec.get("async"):
             os.environ["S4W_ACCELERATE_ASYNC"] = "1"
+        if not spec.get("durable", True):
+            os.environ["S4W_ACCELERATE_DURABLE"] = "0"
         import s4w_accelerate
     t0 = time.perf_counter()
     if mode == "s4w":
@@ -593,6 +606,7 @@ def run_accelerate(spec: dict[str, Any], ds: TextDataset, device: Any, timer: Sa
             s4w_accelerate.disable()
             os.environ.pop("S4W_ACCELERATE", None)
             os.environ.pop("S4W_ACCELERATE_ASYNC", None)
+            os.environ.pop("S4W_ACCELERATE_DURABLE", None)
 
     return {"wall": wall, "model": model, "opt": opt, "resume": resume if mode != "none" else None, "finish": finish}
 
@@ -715,6 +729,9 @@ def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
         "state_bytes": state_bytes(r["model"], r["opt"]),
         "profile": prof,
         "phases": phases(timer, r["wall"]),
+        # each training step's end (host clock, seconds from the start of the wall time): the step
+        # times around the saves, for the overhead's "training" part
+        "step_ends_s": [round(t - timer.t0, 4) for t in timer.steps] if timer.t0 is not None else [],
     }
     left = files_of(spec["run_dir"])
     out["disk_bytes"] = sum(n for _p, n in left)
@@ -790,6 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/frameworks")
     ap.add_argument("--async-saves", action="store_true",
                     help="also an s4weights run (warm cache) with the adapters' async_save=True: Lightning, HF, Accelerate")
+    ap.add_argument("--no-fsync-runs", action="store_true",
+                    help="also s4weights runs (warm cache) with the default's durability, CheckpointStore(durable=False): "
+                    "s4w-nofsync-warm, and s4w-nofsync-async-warm with --async-saves (Lightning, HF, Accelerate)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="write one table from the results of several calls (frameworks_*.json, on the same machine) into --out")
     ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
     ap.add_argument("--model", choices=sorted(SIZES), default=None, help="model shape (default: the precision's)")
     ap.add_argument("--steps", type=int, default=60)
@@ -811,6 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.child:
         return _child_main(*a.child)
+    if a.merge:
+        return merge(a.merge, a.out)
 
     t_start = time.perf_counter()
     if a.smoke:
@@ -829,8 +853,13 @@ def main(argv: list[str] | None = None) -> int:
             if only and not any(o == fw or o == f"{fw}:{name}" or o == name for o in only):
                 continue
             plan.append((fw, mode, cache, name))
-        if a.async_saves and fw != "dcp" and not a.smoke and (not only or any(o in (fw, f"{fw}:s4w-async-warm") for o in only)):
-            plan.append((fw, "s4w", "warm", "s4w-async-warm"))  # the adapters' async_save=True (DCP's runs are async)
+        extra = (["s4w-async-warm"] if a.async_saves else []) + (  # the adapters' async_save=True (DCP's runs are async)
+            ["s4w-nofsync-warm"] + (["s4w-nofsync-async-warm"] if a.async_saves else []) if a.no_fsync_runs else [])
+        for name in extra if fw != "dcp" else []:
+            if a.smoke and "async" in name:
+                continue
+            if not only or any(o in (fw, f"{fw}:{name}") for o in only):
+                plan.append((fw, "s4w", "warm", name))
     fsyncs = FsyncCounter() if a.smoke else None
     results: list[dict[str, Any]] = []
     caches: dict[str, str] = {}
@@ -845,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
                     "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms, "profile_resume": a.profile_resume,
                     "resume_repeats": a.resume_repeats,
                     "torch_threads": a.torch_threads or (1 if device == "cpu" else None),
-                    "async": name == "s4w-async-warm"}
+                    "async": name.endswith("async-warm"), "durable": "nofsync" not in name}
             left = a.budget_s - (time.perf_counter() - t_start)
             row: dict[str, Any] = {"framework": fw, "run": name, "mode": mode, "triton_cache": cache}
             if left < 20:
@@ -887,13 +916,47 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"precision": a.precision, "smoke": a.smoke, "model": a.model, "size": size, "steps": a.steps, "every": a.every,
             "keep": a.keep, "device": device, "env": environment(device), "wall_s": time.perf_counter() - t_start,
             "command": " ".join(["python benchmarks/frameworks.py", *(sys.argv[1:] if argv is None else argv)])}
-    derive(results, a.precision)
-    with open(os.path.join(a.out, f"frameworks_{tag}.json"), "w") as f:
+    write_results(results, meta, a.out, tag)
+    return 0
+
+
+def write_results(results: list[dict[str, Any]], meta: dict[str, Any], out: str, tag: str) -> None:
+    derive(results, meta["precision"])
+    with open(os.path.join(out, f"frameworks_{tag}.json"), "w") as f:
         json.dump({"meta": meta, "runs": results}, f, indent=1)
     md = table(results, meta)
-    with open(os.path.join(a.out, f"frameworks_{tag}.md"), "w") as f:
+    with open(os.path.join(out, f"frameworks_{tag}.md"), "w") as f:
         f.write(md)
     print(md)
+
+
+def merge(paths: list[str], out: str) -> int:
+    """One table from several calls' results (the 10-minute limit of one command: e.g. Lightning
+    and HF in one call, Accelerate in the next, on the same machine). Each framework's runs must
+    come from one call: its ratios are against its own `none` and `default` runs."""
+    runs: list[dict[str, Any]] = []
+    metas: list[dict[str, Any]] = []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        got = {r["framework"] for r in d["runs"]}
+        if got & {r["framework"] for r in runs}:
+            raise SystemExit(f"{p}: {sorted(got & {r['framework'] for r in runs})} already came from another call")
+        runs += d["runs"]
+        metas.append(d["meta"])
+    keys = ("precision", "smoke", "model", "size", "steps", "every", "keep", "device")
+    if any(tuple(m[k] for k in keys) != tuple(metas[0][k] for k in keys) for m in metas):
+        raise SystemExit("the calls ran different settings: not one table")
+    gpus = {m["env"].get("gpu") for m in metas}
+    if len(gpus) > 1:
+        raise SystemExit(f"the calls ran on different devices {sorted(map(str, gpus))}: not one table")
+    meta = dict(metas[0])
+    meta["command"] = " + ".join(m.get("command", "") for m in metas)
+    meta["wall_s"] = sum(m.get("wall_s", 0.0) for m in metas)
+    meta["merged_from"] = [os.path.basename(p) for p in paths]
+    os.makedirs(out, exist_ok=True)
+    tag = os.path.basename(paths[0])[len("frameworks_"):-len(".json")]
+    write_results(runs, meta, out, tag)
     return 0
 
 
@@ -924,7 +987,10 @@ def derive(results: list[dict[str, Any]], precision: str) -> None:
     for r in results:
         if "error" in r:
             continue
-        r["durability"] = DURABILITY.get((r["framework"], r["mode"]), "no saves")
+        r["durability"] = (
+            "no fsync, as the default (CheckpointStore(durable=False): temp file + rename, no fsync)"
+            if r["mode"] == "s4w" and "nofsync" in r["run"] else DURABILITY.get((r["framework"], r["mode"]), "no saves")
+        )
         base = by.get((r["framework"], "none"))
         dflt = by.get((r["framework"], "default"))
         if base:
@@ -1028,9 +1094,9 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines += ["", "## Durability", ""]
     seen = set()
     for r in results:
-        if "error" in r or r["mode"] == "none" or (r["framework"], r["mode"]) in seen:
+        if "error" in r or r["mode"] == "none" or (r["framework"], r["durability"]) in seen:
             continue
-        seen.add((r["framework"], r["mode"]))
+        seen.add((r["framework"], r["durability"]))
         lines.append(f"- {r['framework']} {r['mode']}: {r['durability']}; measured {r['fsync_calls']} fsync calls, "
                      f"{r['fsync_s']:.2f} s in fsync")
     lines += ["", "## Where the s4weights runs' time goes (sampling profile, seconds)", ""]

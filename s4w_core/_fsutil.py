@@ -122,12 +122,13 @@ def fsync_dir(d: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str], prefix: str = ".s4w-") -> Iterator[IO[bytes]]:
+def atomic_write(path: str | os.PathLike[str], prefix: str = ".s4w-", *, durable: bool = True) -> Iterator[IO[bytes]]:
     """Yield a binary file; on normal exit its bytes appear at ``path`` atomically and durably.
 
     The data goes to a temporary file in the same directory (mode 0666 & ~umask, as ``open``
     would give), which is flushed, fsync'ed and renamed over ``path``; the directory is fsync'ed
     too. On an exception the temporary file is removed and ``path`` is untouched.
+    ``durable=False``: no fsync (atomic against the process dying, not against a power loss).
     """
     dest = os.fspath(path)
     d = os.path.dirname(os.path.abspath(dest))
@@ -136,15 +137,17 @@ def atomic_write(path: str | os.PathLike[str], prefix: str = ".s4w-") -> Iterato
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
-            yield EarlyWriteback(f)  # type: ignore[misc]
+            yield EarlyWriteback(f) if durable else f  # type: ignore[misc]
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, dest)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(d)
+    if durable:
+        fsync_dir(d)
 
 
 #: whether :func:`open_dir_nofollow` / :func:`atomic_write_at` work here (``O_NOFOLLOW`` and

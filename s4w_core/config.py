@@ -116,6 +116,7 @@ _DECLARED = (
     Knob("S4W_ACCELERATE", "str", "", "`1`/`true`: `import s4w_accelerate` enables the store beside the checkpoints; or a store URL", "adapters"),
     Knob("S4W_ACCELERATE_PROFILE", "choice", "auto", "the profile of the Accelerate adapter's saves", "adapters", PROFILES),
     Knob("S4W_ACCELERATE_ASYNC", "bool", False, "`1`: the Accelerate adapter compresses and writes in the background", "adapters"),
+    Knob("S4W_ACCELERATE_DURABLE", "bool", True, "`0`: the Accelerate adapter's store does not fsync (`CheckpointStore(durable=False)`: the durability of Accelerate's own files)", "adapters"),
 )
 #: every knob by name
 KNOBS: dict[str, Knob] = {k.name: k for k in _DECLARED}

@@ -34,7 +34,7 @@ import torch.distributed
 
 from s4w_core import api, gpu, pointer
 from s4w_core import checksum as ck
-from s4w_core._fsutil import atomic_write
+from s4w_core._fsutil import atomic_write, storage_errors
 from s4w_core.errors import CheckpointNotFoundError, FormatError, S4WError, StoreError, UnsupportedTypeError
 from s4w_core.store import CheckpointStore, open_backend
 
@@ -263,6 +263,8 @@ class Files:
 
     def __init__(self, store_options: dict[str, Any] | None = None) -> None:
         self.s3_options = {k: v for k, v in (store_options or {}).items() if k in S3_OPTIONS}
+        #: the stores' ``durable`` setting, for the files written beside them (pointer files)
+        self.durable = bool((store_options or {}).get("durable", True))
         self._backends: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -285,12 +287,13 @@ class Files:
             raise CheckpointNotFoundError(f"Checkpoint file not found: {path}") from None
 
     def write(self, path: str, data: bytes) -> None:
-        """Write ``data`` at ``path`` whole (locally: atomically and durably)."""
+        """Write ``data`` at ``path`` whole (locally: atomically, and durably unless the stores
+        are not: ``durable=False``)."""
         if is_s3(path):
             d, name = split_path(path)
             self.backend(d).put(name, data)
         else:
-            with atomic_write(path) as f:
+            with atomic_write(path, durable=self.durable) as f:
                 f.write(data)
 
     def save(self, path: str, obj: Any, profile: str) -> Any:
@@ -299,6 +302,9 @@ class Files:
             d, name = split_path(path)
             with self.backend(d).writer(name) as fp:
                 return api.save(obj, fp, profile=profile)
+        if not self.durable:
+            with storage_errors(path, "save the checkpoint"), atomic_write(path, durable=False) as f:
+                return api.save(obj, f, profile=profile)
         return api.save(obj, path, profile=profile)
 
     def exists(self, path: str) -> bool:

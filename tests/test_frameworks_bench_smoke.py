@@ -23,13 +23,14 @@ def test_frameworks_smoke(tmp_path):
     env["S4W_DISABLE_GPU"] = "1"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "frameworks.py"), "--smoke", "--out", str(tmp_path),
-         "--work", str(tmp_path / "work")],
+         "--work", str(tmp_path / "work"), "--no-fsync-runs"],
         env=env, capture_output=True, text=True, timeout=170,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads((tmp_path / "frameworks_smoke.json").read_text())
     runs = {(r["framework"], r["run"]): r for r in doc["runs"]}
-    assert set(runs) == {(fw, run) for fw in ("lightning", "hf", "accelerate", "dcp") for run in ("none", "default", "s4w-cold")}
+    assert set(runs) == {(fw, run) for fw in ("lightning", "hf", "accelerate", "dcp") for run in ("none", "default", "s4w-cold")} | {
+        (fw, "s4w-nofsync-warm") for fw in ("lightning", "hf", "accelerate")}
     for (fw, run), r in runs.items():
         assert "error" not in r, (fw, run, r.get("error"), r.get("log_tail"))
         assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["process_s"] > 0
@@ -55,6 +56,27 @@ def test_frameworks_smoke(tmp_path):
         assert "vs_default" in s4w and s4w["vs_default"]["disk_ratio"] > 0
         assert any(k.startswith(("s4w_core/", "integrations/")) for k, _ in
                    s4w["profile"]["main_s4w_s"] + s4w["profile"]["other_s4w_s"]), (fw, s4w["profile"])
+    for fw in ("lightning", "hf", "accelerate"):  # the default's durability: the store fsyncs nothing
+        r = runs[(fw, "s4w-nofsync-warm")]
+        assert r["fsync_calls"] == 0 and r["durability"].startswith("no fsync"), (fw, r["fsync_calls"])
     md = (tmp_path / "frameworks_smoke.md").read_text()
     assert "## Targets (issue #23)" in md and "lightning s4w-cold: resumed state bit-identical" in md
     assert "## Where the overhead lands" in md and "| hf | s4w-cold |" in md
+
+    # two calls' results (one framework each) merge into one table with the same rows
+    for fw in ("lightning", "hf"):
+        part = {"meta": doc["meta"], "runs": [r for r in doc["runs"] if r["framework"] == fw]}
+        (tmp_path / fw).mkdir()
+        (tmp_path / fw / "frameworks_smoke.json").write_text(json.dumps(part))
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "frameworks.py"), "--merge",
+         str(tmp_path / "lightning" / "frameworks_smoke.json"), str(tmp_path / "hf" / "frameworks_smoke.json"),
+         "--out", str(tmp_path / "merged")],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    merged = (tmp_path / "merged" / "frameworks_smoke.md").read_text()
+    for line in md.splitlines():
+        if line.startswith(("| lightning |", "| hf |")):
+            assert line in merged
+    assert "| accelerate |" not in merged

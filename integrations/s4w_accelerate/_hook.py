@@ -225,6 +225,7 @@ def enable_from_env(environ: knobs.Environ | None = None) -> bool:
     enable(
         None if v.lower() in ("1", "true", "yes", "on") else v,
         profile=knobs.get_str("S4W_ACCELERATE_PROFILE", environ),
+        store_options=None if knobs.get_bool("S4W_ACCELERATE_DURABLE", environ) else {"durable": False},
         async_save=knobs.get_bool("S4W_ACCELERATE_ASYNC", environ),
     )
     return True

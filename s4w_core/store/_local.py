@@ -1,5 +1,11 @@
 """Local-directory backend: temp file + fsync + rename for every object; pread/preadv for ranges.
 
+``durable=False`` drops the fsyncs (the temp file and the rename stay): a write is then atomic
+against the process dying, as before, but a power loss or an OS crash can lose the newest objects'
+bytes -- the durability of ``torch.save`` and of the frameworks' own checkpoint files, which leave
+their bytes in the page cache.  A step whose bytes were lost fails its checksums when read; it is
+never read as other bytes.
+
 The store's directory is created by its first write, not when the backend is opened: opening a
 mistyped path to read from it (``load_checkpoint("runs/typo")``) leaves nothing behind.  Object
 files get the mode ``open()`` would give (0666 less the umask: 0644 under umask 022), as files
@@ -47,12 +53,14 @@ FILE_MODE = 0o666 & ~_umask()
 class LocalBackend(Backend):
     """Objects are files under ``root``; keys map to relative paths."""
 
-    def __init__(self, root: str, *, create: bool = True) -> None:
+    def __init__(self, root: str, *, create: bool = True, durable: bool = True) -> None:
         """``create``: whether writes may create the directory (and the folders above it); it is
-        created by the first write either way, never by opening."""
+        created by the first write either way, never by opening.  ``durable``: fsync each object
+        and its directory before it counts as written (see the module's docstring)."""
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.create = create
+        self.durable = durable
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise StoreError(f"{self.root} is a file, not a directory: not a checkpoint store")
 
@@ -88,10 +96,12 @@ class LocalBackend(Backend):
     @contextlib.contextmanager
     def writer(self, key: str) -> Iterator[IO[bytes]]:
         with self._tmp(key) as (f, tmp, path):
-            yield EarlyWriteback(f)  # type: ignore[misc]  # the closing fsync waits for the last window only
+            # the closing fsync waits for the last window only
+            yield EarlyWriteback(f) if self.durable else f  # type: ignore[misc]
             try:
                 f.flush()
-                os.fsync(f.fileno())
+                if self.durable:
+                    os.fsync(f.fileno())
             except OSError as e:
                 raise StoreError(f"cannot write {path}: {e}") from e
         self._publish(tmp, path, replace=True)
@@ -113,14 +123,16 @@ class LocalBackend(Backend):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise StoreError(f"cannot publish {path}: {e}") from e
-        _fsync_dir(os.path.dirname(path))
+        if self.durable:
+            _fsync_dir(os.path.dirname(path))
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         with self._tmp(key) as (f, tmp, path):
             try:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.durable:
+                    os.fsync(f.fileno())
             except OSError as e:
                 raise StoreError(f"cannot write {path}: {e}") from e
         self._publish(tmp, path, replace=not if_absent)

@@ -105,6 +105,14 @@ class CheckpointStore(Writes):
         fast_keep_last: steps the fast tier keeps (the newest; never one ``url`` lacks);
             ``None`` keeps all.
         keyframe_copy: ignored, with a DeprecationWarning (the newest step is always whole).
+        durable: a save returns (or, non-blocking, completes) only once its bytes are on disk:
+            every object and commit record fsynced, then renamed into place (default True).
+            ``False`` keeps the temporary files and renames but drops the fsyncs, the durability
+            of ``torch.save`` and of the frameworks' own checkpoints (their bytes left in the page
+            cache): a process that dies still leaves a consistent store, but a power loss or an
+            OS crash can lose the newest steps -- and a step below them re-encoded as a delta
+            against them (a lost step fails its checksums when read, never reads as other bytes).
+            Local directories only: an S3 object is durable once written.
     Raises:
         StoreError: the local path is not a directory or cannot be created.
         BackendUnavailableError: ``s3://`` without s3torchconnector installed.
@@ -140,6 +148,7 @@ class CheckpointStore(Writes):
         fast_tier: str | os.PathLike[str] | None = None,
         fast_keep_last: int | None = 2,
         keyframe_copy: bool | None = None,
+        durable: bool = True,
         _backend: Backend | None = None,
         _fast_backend: Backend | None = None,
     ) -> None:
@@ -149,6 +158,8 @@ class CheckpointStore(Writes):
             raise ValueError(f"keyframe_every must be a positive integer, got {keyframe_every!r}")
         if profile not in pipeline.PROFILES:
             raise ValueError(f"profile must be one of {pipeline.PROFILES}, got {profile!r}")
+        if type(durable) is not bool:
+            raise ValueError(f"durable must be True or False, got {durable!r}")
         if profile != "portable":  # the GPU codec's kernels compiled before the first save needs them
             gpu.warm_up(when_cuda_used=True)
         self.url = os.fspath(url)
@@ -166,7 +177,8 @@ class CheckpointStore(Writes):
             if self.url.startswith("s3://"):
                 self.backend = open_backend(self.url, **{k: v for k, v in s3opts.items() if v is not None})
             else:
-                self.backend = open_backend(self.url, **s3opts)
+                self.backend = open_backend(self.url, durable=durable, **s3opts)
+        self.durable = durable
         self.keep_last = keep_last
         self.pinned = {check_step(s) for s in pinned}
         self.keyframe_every = keyframe_every
@@ -195,7 +207,7 @@ class CheckpointStore(Writes):
         self._pinned_pool = PinnedPool()
         self.tiers: _tiered.Tiers | None = None
         if fast_tier is not None or _fast_backend is not None:
-            fb = _fast_backend if _fast_backend is not None else open_backend(fast_tier)  # type: ignore[arg-type]
+            fb = _fast_backend if _fast_backend is not None else open_backend(fast_tier, durable=durable)  # type: ignore[arg-type]
             if fb.url == self.backend.url:
                 raise ValueError(f"fast_tier {fb.url!r} is the store's own location")
             self.tiers = _tiered.Tiers(fb, fast_keep_last)

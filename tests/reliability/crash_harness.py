@@ -163,7 +163,9 @@ def _worker(args: argparse.Namespace, fifo: str, seed: int, focus: str) -> None:
             emit(f"P re-end-{(e.extra or {}).get('outcome', '?')} re")
 
     obs.subscribe(on_event)
-    store = CheckpointStore(args.url, keep_last=args.keep_last, keyframe_every=args.keyframe_every)
+    store = CheckpointStore(
+        args.url, keep_last=args.keep_last, keyframe_every=args.keyframe_every, durable=args.durable
+    )
     inner = store.backend
 
     class Phases:
@@ -281,6 +283,7 @@ class _Zygote:
             str(args.keep_last),
             "--keyframe-every",
             str(args.keyframe_every),
+            *([] if getattr(args, "durable", True) else ["--no-fsync"]),
         ]
         env = dict(os.environ)
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -579,6 +582,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
         "keep_last": args.keep_last,
         "keyframe_every": args.keyframe_every,
         "max_delay_s": args.max_delay,
+        "durable": getattr(args, "durable", True),
         "kills_by_stage": dict(sorted(by_stage.items())),
         "targets_not_reached": missed,
         "kills_by_reencode_phase": dict(sorted(by_reencode.items())),
@@ -602,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-last", type=int, default=3)
     ap.add_argument("--keyframe-every", type=int, default=4)
     ap.add_argument("--max-delay", type=float, default=1.5, help="kill after uniform(0, this) seconds")
+    ap.add_argument("--no-fsync", dest="durable", action="store_false",
+                    help="CheckpointStore(durable=False): a killed process must still leave a consistent store")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)

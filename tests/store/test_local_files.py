@@ -57,3 +57,66 @@ def test_a_file_is_not_a_store(tmp_path: Path) -> None:
     f.write_text("x")
     with pytest.raises(s4w_core.StoreError, match="is a file, not a directory"):
         s4w_core.CheckpointStore(str(f))
+
+
+# ----------------------------------------------------------------------------- durable=False
+class _Fsyncs:
+    """Counts os.fsync calls (observes; every call still runs)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        real = os.fsync
+
+        def counted(fd: int) -> None:
+            self.n += 1
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", counted)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_store_fsyncs_unless_durable_is_false(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool) -> None:
+    """``durable=False`` drops every fsync of a save, its re-encoding and its retention (the bytes
+    stay in the page cache, as torch.save's do); the steps load bit-exactly either way, and no
+    temporary file is left."""
+    import torch
+
+    fs = _Fsyncs(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1 << 16, generator=g).to(torch.bfloat16)
+    states = []
+    for i in range(4):  # a few elements change per step: the deltas pay
+        w = w.clone()
+        w[torch.randint(0, w.numel(), (200,), generator=g)] += 1
+        states.append({"w": w, "step": i})
+    st = s4w_core.CheckpointStore(str(tmp_path / "s"), keep_last=3, durable=durable)
+    assert st.durable is durable
+    for i, s in enumerate(states):
+        st.save(s, i + 1)
+    st.wait()
+    assert [r.kind for r in st.list()] == ["delta", "delta", "keyframe"]  # re-encoded behind the saves
+    assert (fs.n > 0) is durable
+    st.close()
+    st = s4w_core.CheckpointStore(str(tmp_path / "s"))
+    for i in (1, 2, 3):
+        got = st.load(i + 1)
+        assert torch.equal(got["w"].view(torch.int16), states[i]["w"].view(torch.int16)) and got["step"] == i
+    assert st.backend.list_temporaries() == []  # type: ignore[attr-defined]
+    st.close()
+
+
+def test_pointer_files_follow_the_stores_durability(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from s4w_core import frameworks
+
+    fs = _Fsyncs(monkeypatch)
+    frameworks.Files({"durable": False}).write(str(tmp_path / "p.ckpt"), b"abc")
+    assert fs.n == 0 and (tmp_path / "p.ckpt").read_bytes() == b"abc"
+    assert [p.name for p in tmp_path.iterdir()] == ["p.ckpt"]
+    frameworks.Files().write(str(tmp_path / "q.ckpt"), b"abc")
+    assert fs.n == 2  # the file and its directory
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_durable_must_be_a_bool(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match="durable must be True or False"):
+        s4w_core.CheckpointStore(str(tmp_path / "s"), durable=bad)  # type: ignore[arg-type]

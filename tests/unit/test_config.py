@@ -212,8 +212,10 @@ def test_accelerate_reads_its_switches_from_an_injected_mapping(tmp_path, monkey
         assert s4w_accelerate.enable_from_env(env) is True
         cfg = s4w_accelerate.config()
         assert cfg is not None and (cfg.store, cfg.profile, cfg.async_save) == (store, "portable", True)
-        assert s4w_accelerate.enable_from_env({"S4W_ACCELERATE": "TRUE"}) is True
+        assert cfg.store_options is None  # durable: the default
+        assert s4w_accelerate.enable_from_env({"S4W_ACCELERATE": "TRUE", "S4W_ACCELERATE_DURABLE": "0"}) is True
         cfg = s4w_accelerate.config()
         assert cfg is not None and (cfg.store, cfg.profile, cfg.async_save) == (None, "auto", False)
+        assert cfg.store_options == {"durable": False}
     finally:
         s4w_accelerate.disable()
