@@ -770,35 +770,6 @@ def child(spec: dict[str, Any], fsyncs: FsyncCounter) -> dict[str, Any]:
 
 
 # ============================================================================ orchestration
-def prime_libraries() -> dict[str, Any]:
-    """Read torch's and the CUDA wheels' shared libraries once, before the first run: on a fresh
-    machine the first process otherwise reads the kernels it uses (cuBLAS' are in a ~0.5 GB
-    library, loaded lazily) from disk and every later one from the page cache, which made the
-    first run of a call (its framework's `none`) set up 1-1.5 s slower than the rest."""
-    import importlib.util
-
-    roots = []
-    for mod in ("torch", "nvidia", "triton"):
-        spec = importlib.util.find_spec(mod)
-        if spec is not None:
-            roots += list(spec.submodule_search_locations or [])
-    t, n, files = time.perf_counter(), 0, 0
-    buf = bytearray(16 << 20)
-    for root in roots:
-        for d, _dirs, names in os.walk(root):
-            for name in names:
-                if ".so" not in name:
-                    continue
-                try:
-                    with open(os.path.join(d, name), "rb", buffering=0) as f:
-                        while k := f.readinto(buf):
-                            n += k
-                    files += 1
-                except OSError:
-                    continue
-    return {"files": files, "bytes": n, "seconds": round(time.perf_counter() - t, 3)}
-
-
 def _child_main(spec_path: str, out_path: str) -> int:
     fsyncs = FsyncCounter()
     with open(spec_path) as f:
@@ -890,14 +861,30 @@ def main(argv: list[str] | None = None) -> int:
             if not only or any(o in (fw, f"{fw}:{name}") for o in only):
                 plan.append((fw, "s4w", "warm", name))
     fsyncs = FsyncCounter() if a.smoke else None
-    primed = prime_libraries() if device.startswith("cuda") else None
-    if primed:
-        print(f"[frameworks] libraries read ahead: {primed}", file=sys.stderr, flush=True)
     results: list[dict[str, Any]] = []
+    throwaway: dict[str, Any] | None = None
     caches: dict[str, str] = {}
     tag = "smoke" if a.smoke else "_".join([a.precision] + ([a.model] if a.model else []) + (["cpu"] if device == "cpu" else []))
     log_path = os.path.join(a.out, f"frameworks_{tag}.log")
     with open(log_path, "w") as log:
+        if plan and not a.smoke and device.startswith("cuda"):
+            # the first process of a call set up 1-1.5 s slower than every later one (whichever
+            # framework ran first; reading the libraries into the page cache first did not change
+            # it): a short `none` run of the first framework goes first, and is not reported
+            fw0 = plan[0][0]
+            run_dir = os.path.join(work, f"{fw0}_throwaway")
+            os.makedirs(run_dir, exist_ok=True)
+            spec0 = {"framework": fw0, "mode": "none", "precision": a.precision, "size": size, "steps": 5,
+                     "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
+                     "resume_repeats": 1, "torch_threads": a.torch_threads}
+            env0 = dict(os.environ)
+            env0["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env0.get("PYTHONPATH", "")])
+            t = time.perf_counter()
+            r0 = _run_subprocess(spec0, env0, 120.0, log)
+            throwaway = {"framework": fw0, "steps": 5, "process_s": round(time.perf_counter() - t, 2),
+                         "wall_s": r0.get("wall_s"), "error": r0.get("error")}
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"[frameworks] throwaway first run: {throwaway}", file=sys.stderr, flush=True)
         for fw, mode, cache, name in plan:
             run_dir = os.path.join(work, f"{fw}_{name}")
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -948,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"precision": a.precision, "smoke": a.smoke, "model": a.model, "size": size, "steps": a.steps, "every": a.every,
             "keep": a.keep, "device": device, "env": environment(device), "wall_s": time.perf_counter() - t_start,
             "command": " ".join(["python benchmarks/frameworks.py", *(sys.argv[1:] if argv is None else argv)]),
-            "libraries_read_ahead": primed}
+            "throwaway_run": throwaway}
     write_results(results, meta, a.out, tag)
     return 0
 
@@ -1079,9 +1066,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "overhead = wall - the `none` run's wall; written = /proc/self/io write_bytes (wchar where the file system "
         "counts none); resume = the median of the resumes run (each after zeroing the state); ratios against the same "
         "framework's `default`." + (
-            f" Before the first run, torch's and the CUDA libraries were read into the page cache "
-            f"({meta['libraries_read_ahead']['bytes'] / 1e9:.2f} GB in {meta['libraries_read_ahead']['seconds']:.1f} s), "
-            "so that the first run does not read them from disk alone." if meta.get("libraries_read_ahead") else ""),
+            f" A 5-step `none` run of {meta['throwaway_run']['framework']} went first and is not reported (the first "
+            "process of a call set up 1-1.5 s slower than the later ones)." if meta.get("throwaway_run") else ""),
         "",
         "| framework | run | wall s (process) | overhead s (process) | x default's overhead | CPU s (overhead, x) | blocked s/save (max) | disk MB (x) "
         "| written MB (x) | fsyncs (s) | peak RSS GB | peak GPU GB | resume s (x) | bit-identical |",
