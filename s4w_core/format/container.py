@@ -144,10 +144,6 @@ def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
 #: get it back while another thread runs Python -- per 512 KiB chunk that made an upload beside a
 #: busy thread 8x slower (``benchmarks/bench_s3_fetch.py --write``)
 _WRITE_BLOCK = 16 << 20
-#: chunks handed over together (:meth:`ContainerWriter.add_chunks`) at least this large are written
-#: from where they lie, not copied into the block first (a copy that holds the GIL: ~0.1 s per
-#: 0.6 GB save on the writer's thread, and that long a training thread beside it waits)
-_DIRECT_WRITE = 1 << 20
 #: the block starts this large and doubles as it fills, up to :data:`_WRITE_BLOCK`: a small
 #: container (a training state of a few MB) never allocates and touches 16 MiB (every save then
 #: left the block's pages resident: +16 MiB of peak RSS per saving thread)
@@ -218,28 +214,6 @@ class ContainerWriter:
         self._pos += n
         self.data_bytes += n
         return off, n, xxh3_hex_holding_gil(data)
-
-    def add_chunks(self, data: bytes | bytearray | memoryview, lengths: Sequence[int]) -> list[tuple[int, int, str]]:
-        """Append the chunks lying back to back in ``data`` (``lengths`` of them, in order): the
-        same bytes and manifest values as :meth:`add_chunk` of each in turn, but ``data`` is
-        written in one call from where it lies once it is :data:`_DIRECT_WRITE` bytes or more (a
-        GPU batch's chunks, copied to the host in file order)."""
-        view = memoryview(data).cast("B")
-        if sum(lengths) != view.nbytes or any(n < 0 for n in lengths):
-            raise ValueError(f"chunk lengths add up to {sum(lengths)}, not to the {view.nbytes} bytes given")
-        out: list[tuple[int, int, str]] = []
-        p = 0
-        for n in lengths:
-            out.append((self._pos + p, n, xxh3_hex_holding_gil(view[p : p + n])))
-            p += n
-        if view.nbytes >= _DIRECT_WRITE:
-            self._flush()
-            self._fp.write(view)
-        else:
-            self._write(view)
-        self._pos += view.nbytes
-        self.data_bytes += view.nbytes
-        return out
 
     def finish(self, manifest: dict[str, Any]) -> int:
         """Write manifest and trailer; returns the container's total size. The manifest is stored

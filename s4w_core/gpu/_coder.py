@@ -125,7 +125,7 @@ class Encoded:
     """A batch coded on the device, in ``out``: per chunk, as numpy arrays, its offset and length in
     ``out``, coded or raw, owner (sink job, chunk index). The raw chunks of planes after the first
     lie where the split wrote them, the others (coded chunks, and first planes stored raw) back to
-    back after them, 16-byte aligned (:meth:`packed_layout` says what to copy to the host)."""
+    back after them, 16-byte aligned (:meth:`host_layout` says what to copy to the host)."""
 
     out: torch.Tensor
     out_off: np.ndarray
@@ -147,22 +147,27 @@ class Encoded:
         names = np.where(self.piece_layout[m] == LAYOUT_PLAIN, PLAIN, ROTL1)
         return dict(zip(self.piece_ji[m].tolist(), names.tolist()))
 
-    def packed_layout(self) -> tuple[list[tuple[int, int, int]], np.ndarray]:
-        """The chunks back to back in chunk order, as they are written: the copies that make that
-        host buffer, ``(start, end, host offset)`` per run of chunks that also lie back to back
-        in ``out``, and each chunk's offset in it."""
+    def host_layout(self, gap: int = 1 << 16) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+        """What to copy to the host: the ranges of ``out`` that hold chunks -- chunks less than
+        ``gap`` bytes apart share one range, so the dead slots of the later planes' chunks that were
+        coded (their bytes went to the compacted part) are not copied -- as ``(start, end, host
+        offset)``, and each chunk's offset in that host copy."""
         n = len(self.out_off)
         if not n:
             return [], np.zeros(0, dtype=np.int64)
-        ln = self.out_len.astype(np.int64)
-        hoff = np.cumsum(ln) - ln
+        order = np.argsort(self.out_off, kind="stable")
+        a = self.out_off[order]
+        b = a + self.out_len[order]
         new = np.ones(n, dtype=bool)
-        new[1:] = self.out_off[1:] != self.out_off[:-1] + ln[:-1]
+        new[1:] = a[1:] > np.maximum.accumulate(b)[:-1] + gap
         first = np.nonzero(new)[0]
-        last = np.append(first[1:], n) - 1
-        a = self.out_off[first]
-        b = self.out_off[last] + ln[last]
-        return list(zip(a.tolist(), b.tolist(), hoff[first].tolist())), hoff
+        run_of = np.cumsum(new) - 1
+        run_a, run_b = a[first], np.maximum.reduceat(b, first)
+        size = run_b - run_a
+        pos = np.cumsum(size) - size
+        hoff = np.empty(n, dtype=np.int64)
+        hoff[order] = pos[run_of] + (a - run_a[run_of])
+        return list(zip(run_a.tolist(), run_b.tolist(), pos.tolist())), hoff
 
     @property
     def stored_bytes(self) -> int:

@@ -35,7 +35,6 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from s4w_core import checksum as ck
@@ -96,54 +95,11 @@ class _ChunkSink:
         return len(self.entries) - 1
 
     def write(self, items: list[tuple[int, int, str, Any]]) -> None:
-        """Append ``items``' chunks in order; a run of them lying back to back in one host buffer
-        (a batch copied to the host in file order) goes to the container in one call."""
-        i = 0
-        while i < len(items):
-            run, end = _contiguous_run(items, i)
-            if end - i == 1:
-                ji, ci, cid, data = items[i]
-                self.entries[ji]["chunks"][ci] = [cid, *self.writer.add_chunk(data)]
-            else:
-                got = self.writer.add_chunks(run, [memoryview(d).nbytes for _ji, _ci, _cid, d in items[i:end]])
-                for (ji, ci, cid, _d), placed in zip(items[i:end], got):
-                    self.entries[ji]["chunks"][ci] = [cid, *placed]
-            i = end
+        for ji, ci, cid, data in items:
+            self.entries[ji]["chunks"][ci] = [cid, *self.writer.add_chunk(data)]
 
     def done(self) -> bool:
         return all(c is not None for e in self.entries for c in e["chunks"])
-
-
-def _address(data: Any) -> tuple[int, int] | None:
-    """``(address, length)`` of a contiguous byte buffer, or None (not a buffer numpy can view)."""
-    try:
-        a = np.frombuffer(data, dtype=np.uint8)
-    except (TypeError, ValueError, BufferError):
-        return None
-    return a.ctypes.data, a.nbytes
-
-
-def _contiguous_run(items: list[tuple[int, int, str, Any]], i: int) -> tuple[Any, int]:
-    """The longest run of ``items`` from ``i`` whose chunks lie back to back in memory, as one
-    view of them (``items[i]``'s data alone when it is a run of one) and the index after it."""
-    first = items[i][3]
-    at = _address(first)
-    if at is None or not isinstance(first, memoryview) or not isinstance(first.obj, np.ndarray):
-        return first, i + 1
-    base: np.ndarray = first.obj  # the views of one batch are slices of one host buffer's array
-    start, end_addr = at[0], at[0] + at[1]
-    j = i + 1
-    while j < len(items):
-        d = items[j][3]
-        nxt = _address(d) if isinstance(d, memoryview) and d.obj is base else None
-        if nxt is None or nxt[0] != end_addr:
-            break
-        end_addr += nxt[1]
-        j += 1
-    if j == i + 1:
-        return first, j
-    off = start - base.ctypes.data
-    return memoryview(base.reshape(-1).view(np.uint8))[off : off + (end_addr - start)], j
 
 
 class _Writer:
@@ -515,11 +471,10 @@ def _run_batch(batch: Batch, prof: Profile, dev: torch.device, io: _Writer) -> d
     """Code ``batch`` and hand its chunks to the I/O thread; returns the transform of each
     plane-transformed storage (sink job) of the batch."""
     r = encode_batch_device(batch, prof, dev)
-    # the chunks' bytes to pinned host memory in the order they are written, back to back (one
-    # copy per run of chunks that also lie back to back on the device): the I/O thread appends
-    # the batch to the container in one write, without copying it again
-    runs, hoff = r.packed_layout()
-    host = _nvcomp.host_empty(int(r.out_len.sum()))
+    # the chunks' bytes to pinned host memory, one copy per run of chunks that lie together (not
+    # the dead slots of chunks coded elsewhere); the I/O thread appends them to the container
+    runs, hoff = r.host_layout()
+    host = _nvcomp.host_empty(sum(b - a for a, b, _h in runs))
     for a, b, h in runs:
         host[h : h + b - a].copy_(r.out[a:b], non_blocking=True)
     _nvcomp.synchronize(dev)

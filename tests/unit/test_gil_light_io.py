@@ -110,30 +110,3 @@ def test_a_write_error_is_raised_by_the_call_that_flushes() -> None:
     w.add_chunk(b"small")
     with pytest.raises(OSError, match="No space left"):
         w.finish({})
-
-
-@pytest.mark.parametrize("sizes", [[5, 0, 300], [700 << 10, 600 << 10, 1], [3 << 20], [0]])
-def test_add_chunks_writes_what_add_chunk_writes(sizes: list[int]) -> None:
-    """Chunks handed over back to back (a GPU batch) give the same file and manifest values as the
-    same chunks one by one; from ``_DIRECT_WRITE`` bytes on they reach the file in one write, from
-    where they lie."""
-    rng = np.random.default_rng(len(sizes))
-    before = rng.integers(0, 256, 1000, dtype=np.uint8).tobytes()
-    chunks = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-    one, many = _Recording(), _Recording()
-    w1, w2 = ContainerWriter(one), ContainerWriter(many)
-    got1 = [w1.add_chunk(before)] + [w1.add_chunk(c) for c in chunks] + [w1.add_chunk(b"tail")]
-    packed = memoryview(np.frombuffer(b"".join(chunks), dtype=np.uint8))
-    got2 = [w2.add_chunk(before)] + w2.add_chunks(packed, sizes) + [w2.add_chunk(b"tail")]
-    assert got1 == got2
-    manifest = {"x": "a manifest zstd makes smaller " * 20}  # (a tiny one is kept plain if never flushed)
-    assert w1.finish(manifest) == w2.finish(manifest)
-    assert one.getvalue() == many.getvalue()
-    if sum(sizes) >= ct._DIRECT_WRITE:  # noqa: SLF001
-        assert sum(sizes) in many.sizes
-
-
-def test_add_chunks_refuses_lengths_that_do_not_fill_the_buffer() -> None:
-    w = ContainerWriter(io.BytesIO())
-    with pytest.raises(ValueError, match="add up to 5, not to the 6 bytes"):
-        w.add_chunks(b"abcdef", [2, 3])
