@@ -956,6 +956,7 @@ def merge(paths: list[str], out: str) -> int:
     come from one call: its ratios are against its own `none` and `default` runs."""
     runs: list[dict[str, Any]] = []
     metas: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
     for p in paths:
         with open(p) as f:
             d = json.load(f)
@@ -964,6 +965,8 @@ def merge(paths: list[str], out: str) -> int:
             raise SystemExit(f"{p}: {sorted(got & {r['framework'] for r in runs})} already came from another call")
         runs += d["runs"]
         metas.append(d["meta"])
+        calls.append({"frameworks": sorted(got), "command": d["meta"].get("command"), "git": d["meta"]["env"].get("git"),
+                      "wall_s": d["meta"].get("wall_s"), "throwaway_run": d["meta"].get("throwaway_run")})
     keys = ("precision", "smoke", "model", "size", "steps", "every", "keep", "device")
     if any(tuple(m[k] for k in keys) != tuple(metas[0][k] for k in keys) for m in metas):
         raise SystemExit("the calls ran different settings: not one table")
@@ -974,6 +977,8 @@ def merge(paths: list[str], out: str) -> int:
     meta["command"] = " + ".join(m.get("command", "") for m in metas)
     meta["wall_s"] = sum(m.get("wall_s", 0.0) for m in metas)
     meta["merged_from"] = [os.path.basename(p) for p in paths]
+    meta["calls"] = calls
+    meta["throwaway_run"] = None  # per call, in ``calls``
     os.makedirs(out, exist_ok=True)
     tag = os.path.basename(paths[0])[len("frameworks_"):-len(".json")]
     write_results(runs, meta, out, tag)
@@ -1067,7 +1072,10 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "counts none); resume = the median of the resumes run (each after zeroing the state); ratios against the same "
         "framework's `default`." + (
             f" A 5-step `none` run of {meta['throwaway_run']['framework']} went first and is not reported (the first "
-            "process of a call set up 1-1.5 s slower than the later ones)." if meta.get("throwaway_run") else ""),
+            "process of a call set up 1-1.5 s slower than the later ones)." if meta.get("throwaway_run") else "") + (
+            " Merged from one call per framework group: " + "; ".join(
+                f"{', '.join(c['frameworks'])} ({'after a throwaway 5-step `none` run' if c.get('throwaway_run') else 'no throwaway run first'})"
+                for c in meta["calls"]) + "." if meta.get("calls") else ""),
         "",
         "| framework | run | wall s (process) | overhead s (process) | x default's overhead | CPU s (overhead, x) | blocked s/save (max) | disk MB (x) "
         "| written MB (x) | fsyncs (s) | peak RSS GB | peak GPU GB | resume s (x) | bit-identical |",
