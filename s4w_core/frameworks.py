@@ -264,7 +264,9 @@ class Files:
     def __init__(self, store_options: dict[str, Any] | None = None) -> None:
         self.s3_options = {k: v for k, v in (store_options or {}).items() if k in S3_OPTIONS}
         #: the stores' ``durable`` setting, for the files written beside them (pointer files)
-        self.durable = bool((store_options or {}).get("durable", True))
+        self.durable = (store_options or {}).get("durable", True)
+        if type(self.durable) is not bool:
+            raise ValueError(f"durable must be True or False, got {self.durable!r}")
         self._backends: dict[str, Any] = {}
         self._lock = threading.Lock()
 

@@ -118,5 +118,9 @@ def test_pointer_files_follow_the_stores_durability(tmp_path: Path, monkeypatch:
 
 @pytest.mark.parametrize("bad", ["no", 0, None])
 def test_durable_must_be_a_bool(tmp_path: Path, bad: object) -> None:
+    from s4w_core import frameworks
+
     with pytest.raises(ValueError, match="durable must be True or False"):
         s4w_core.CheckpointStore(str(tmp_path / "s"), durable=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="durable must be True or False"):  # an adapter's store_options
+        frameworks.Files({"durable": bad})
