@@ -810,6 +810,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fsync-runs", action="store_true",
                     help="also s4weights runs (warm cache) with the default's durability, CheckpointStore(durable=False): "
                     "s4w-nofsync-warm, and s4w-nofsync-async-warm with --async-saves (Lightning, HF, Accelerate)")
+    ap.add_argument("--throwaway-run", action=argparse.BooleanOptionalAction, default=None,
+                    help="a short `none` run of the first framework before the reported ones, not reported (default: "
+                    "on a GPU; the first process of a call sets up 1-1.5 s slower than the later ones)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="write one table from the results of several calls (frameworks_*.json, on the same machine) into --out")
     ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
@@ -867,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = "smoke" if a.smoke else "_".join([a.precision] + ([a.model] if a.model else []) + (["cpu"] if device == "cpu" else []))
     log_path = os.path.join(a.out, f"frameworks_{tag}.log")
     with open(log_path, "w") as log:
-        if plan and not a.smoke and device.startswith("cuda"):
+        if plan and (a.throwaway_run if a.throwaway_run is not None else (not a.smoke and device.startswith("cuda"))):
             # the first process of a call set up 1-1.5 s slower than every later one (whichever
             # framework ran first; reading the libraries into the page cache first did not change
             # it): a short `none` run of the first framework goes first, and is not reported

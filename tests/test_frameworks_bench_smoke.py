@@ -23,12 +23,14 @@ def test_frameworks_smoke(tmp_path):
     env["S4W_DISABLE_GPU"] = "1"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "frameworks.py"), "--smoke", "--out", str(tmp_path),
-         "--work", str(tmp_path / "work"), "--no-fsync-runs"],
+         "--work", str(tmp_path / "work"), "--no-fsync-runs", "--throwaway-run"],
         env=env, capture_output=True, text=True, timeout=170,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads((tmp_path / "frameworks_smoke.json").read_text())
     runs = {(r["framework"], r["run"]): r for r in doc["runs"]}
+    # the throwaway first run ran (a process of its own) and is not among the reported runs
+    assert doc["meta"]["throwaway_run"]["framework"] == "lightning" and doc["meta"]["throwaway_run"]["error"] is None
     assert set(runs) == {(fw, run) for fw in ("lightning", "hf", "accelerate", "dcp") for run in ("none", "default", "s4w-cold")} | {
         (fw, "s4w-nofsync-warm") for fw in ("lightning", "hf", "accelerate")}
     for (fw, run), r in runs.items():
