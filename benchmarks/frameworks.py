@@ -396,6 +396,11 @@ def phases(timer: SaveTimer, wall: float) -> dict[str, Any]:
     }
 
 
+def durable_run(name: str) -> bool:
+    """Whether the s4weights run ``name`` keeps the store's fsyncs (all but ``s4w-nofsync-*``)."""
+    return "nofsync" not in name
+
+
 def _store_options(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The store settings a run adds to the README's: ``durable=False`` for the runs with the
     default's durability (``s4w-nofsync-*``)."""
@@ -869,6 +874,16 @@ def main(argv: list[str] | None = None) -> int:
     caches: dict[str, str] = {}
     tag = "smoke" if a.smoke else "_".join([a.precision] + ([a.model] if a.model else []) + (["cpu"] if device == "cpu" else []))
     log_path = os.path.join(a.out, f"frameworks_{tag}.log")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env.get("PYTHONPATH", "")])
+
+    def spec_of(fw: str, mode: str, name: str, run_dir: str, steps: int) -> dict[str, Any]:
+        return {"framework": fw, "mode": mode, "precision": a.precision, "size": size, "steps": steps,
+                "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
+                "profile_resume": a.profile_resume, "resume_repeats": a.resume_repeats,
+                "torch_threads": a.torch_threads or (1 if device == "cpu" else None),
+                "async": name.endswith("async-warm"), "durable": durable_run(name)}
+
     with open(log_path, "w") as log:
         if plan and (a.throwaway_run if a.throwaway_run is not None else (not a.smoke and device.startswith("cuda"))):
             # the first process of a call set up 1-1.5 s slower than every later one (whichever
@@ -877,13 +892,8 @@ def main(argv: list[str] | None = None) -> int:
             fw0 = plan[0][0]
             run_dir = os.path.join(work, f"{fw0}_throwaway")
             os.makedirs(run_dir, exist_ok=True)
-            spec0 = {"framework": fw0, "mode": "none", "precision": a.precision, "size": size, "steps": 5,
-                     "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
-                     "resume_repeats": 1, "torch_threads": a.torch_threads}
-            env0 = dict(os.environ)
-            env0["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env0.get("PYTHONPATH", "")])
             t = time.perf_counter()
-            r0 = _run_subprocess(spec0, env0, 120.0, log)
+            r0 = _run_subprocess(spec_of(fw0, "none", "none", run_dir, 5), env, 120.0, log)
             throwaway = {"framework": fw0, "steps": 5, "process_s": round(time.perf_counter() - t, 2),
                          "wall_s": r0.get("wall_s"), "error": r0.get("error")}
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -892,11 +902,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = os.path.join(work, f"{fw}_{name}")
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(run_dir)
-            spec = {"framework": fw, "mode": mode, "precision": a.precision, "size": size, "steps": a.steps,
-                    "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms, "profile_resume": a.profile_resume,
-                    "resume_repeats": a.resume_repeats,
-                    "torch_threads": a.torch_threads or (1 if device == "cpu" else None),
-                    "async": name.endswith("async-warm"), "durable": "nofsync" not in name}
+            spec = spec_of(fw, mode, name, run_dir, a.steps)
             left = a.budget_s - (time.perf_counter() - t_start)
             row: dict[str, Any] = {"framework": fw, "run": name, "mode": mode, "triton_cache": cache}
             # a run is started only with the time the longest one so far took (a run killed by the
@@ -906,8 +912,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["error"] = f"skipped: over --budget-s ({left:.0f} s left, runs took up to {need:.0f} s)"
                 results.append(row)
                 continue
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "integrations"), env.get("PYTHONPATH", "")])
+            run_env = dict(env)
             if cache:
                 tc = caches.get(fw) if cache == "warm" else None
                 if tc is None:
@@ -916,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
                     if cache == "warm" and not a.smoke:  # no cold run before it: fill the cache first
                         subprocess.run([sys.executable, "-c", "import s4w_core.gpu as g; g.warm_up(wait=True)"],
                                        env={**env, "TRITON_CACHE_DIR": tc}, timeout=max(10.0, left - 20), check=False)
-                env["TRITON_CACHE_DIR"] = tc
+                run_env["TRITON_CACHE_DIR"] = tc
             print(f"[frameworks] {fw} {name} ...", file=sys.stderr, flush=True)
             log.write(f"==== {fw} {name}\n")
             if a.smoke:
@@ -930,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
 
                     res = {"error": f"{type(e).__name__}: {e}", "log_tail": traceback.format_exc()[-3000:]}
             else:
-                res = _run_subprocess(spec, env, max(20.0, left), log)
+                res = _run_subprocess(spec, run_env, max(20.0, left), log)
             row.update(res)
             results.append(row)
             print(f"[frameworks] {fw} {name}: " + (row.get("error") or f"wall {row['wall_s']:.2f} s, "
@@ -1020,7 +1025,7 @@ def derive(results: list[dict[str, Any]], precision: str) -> None:
             continue
         r["durability"] = (
             "no fsync, as the default (CheckpointStore(durable=False): temp file + rename, no fsync)"
-            if r["mode"] == "s4w" and "nofsync" in r["run"] else DURABILITY.get((r["framework"], r["mode"]), "no saves")
+            if r["mode"] == "s4w" and not durable_run(r["run"]) else DURABILITY.get((r["framework"], r["mode"]), "no saves")
         )
         base = by.get((r["framework"], "none"))
         dflt = by.get((r["framework"], "default"))

@@ -91,6 +91,7 @@ def save(
     profile: str = "auto",
     threads: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    durable: bool = True,
     _base_lookup: engine.BaseLookup | None = None,
 ) -> SaveReport:
     """Save a checkpoint (any nest of dict/list/tuple holding tensors and plain values), compressed.
@@ -104,6 +105,9 @@ def save(
             decodes only on a GPU) or ``"auto"`` (``fast`` when tensors are on a usable GPU).
         threads: CPU threads for coding (default: up to 8, the core count).
         extra: small JSON-able metadata stored in the manifest (``info()`` shows it).
+        durable: with a file path, fsync the file and its directory before returning (default);
+            ``False`` keeps the temp file and the rename but not the fsyncs (the durability of
+            ``torch.save``: atomic against the process dying, not against a power loss).
     Returns:
         A :class:`SaveReport` with raw/stored bytes and ratios per group, dtype and tensor kind.
     Raises:
@@ -129,7 +133,7 @@ def save(
             out_path = None
         else:
             out_path = os.fspath(path)  # type: ignore[arg-type]
-            with storage_errors(out_path, "save the checkpoint"), atomic_write(out_path) as f:
+            with storage_errors(out_path, "save the checkpoint"), atomic_write(out_path, durable=durable) as f:
                 tw = _TimedWriter(f)
                 manifest, size, prof = pipeline.encode(obj, tw, profile, threads, _base_lookup, extra)  # type: ignore[arg-type]
                 commit_s = time.perf_counter()

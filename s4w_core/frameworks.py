@@ -34,7 +34,7 @@ import torch.distributed
 
 from s4w_core import api, gpu, pointer
 from s4w_core import checksum as ck
-from s4w_core._fsutil import atomic_write, storage_errors
+from s4w_core._fsutil import atomic_write
 from s4w_core.errors import CheckpointNotFoundError, FormatError, S4WError, StoreError, UnsupportedTypeError
 from s4w_core.store import CheckpointStore, open_backend
 
@@ -304,10 +304,7 @@ class Files:
             d, name = split_path(path)
             with self.backend(d).writer(name) as fp:
                 return api.save(obj, fp, profile=profile)
-        if not self.durable:
-            with storage_errors(path, "save the checkpoint"), atomic_write(path, durable=False) as f:
-                return api.save(obj, f, profile=profile)
-        return api.save(obj, path, profile=profile)
+        return api.save(obj, path, profile=profile, durable=self.durable)
 
     def exists(self, path: str) -> bool:
         """Is there a file at ``path``?"""

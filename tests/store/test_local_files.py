@@ -105,6 +105,24 @@ def test_a_store_fsyncs_unless_durable_is_false(tmp_path: Path, monkeypatch: pyt
     st.close()
 
 
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_single_file_save_fsyncs_unless_durable_is_false(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool) -> None:
+    """``s4w_core.save(..., durable=False)`` (and the Lightning plugin's ``delta=False`` files, through
+    ``Files.save``): temp file and rename, no fsync; the file loads the same."""
+    import torch
+
+    from s4w_core import frameworks
+
+    fs = _Fsyncs(monkeypatch)
+    x = torch.arange(1000, dtype=torch.float32)
+    s4w_core.save({"x": x}, str(tmp_path / "a.s4w"), durable=durable)
+    frameworks.Files({"durable": durable}).save(str(tmp_path / "b.s4w"), {"x": x}, "portable")
+    assert (fs.n > 0) is durable
+    for name in ("a.s4w", "b.s4w"):
+        assert torch.equal(s4w_core.load(str(tmp_path / name))["x"], x)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.s4w", "b.s4w"]  # no temp file left
+
+
 def test_pointer_files_follow_the_stores_durability(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from s4w_core import frameworks
 
