@@ -220,7 +220,7 @@ def s4w_gpu_size(ts: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | N
     buf = io.BytesIO()
     orig = _encode.nonzero_choices_device
     if not nonzero:
-        _encode.nonzero_choices_device = lambda items, dev: [False] * len(items)  # type: ignore[assignment]
+        _encode.nonzero_choices_device = lambda items, dev, **kw: [False] * len(items)  # type: ignore[assignment]
     try:
         s4w_core.save(obj, buf, profile="fast", _base_lookup=lookup if b is not None else None)
     finally:

@@ -301,6 +301,13 @@ def _stage_bases(pieces: list[Piece], dev: torch.device) -> tuple[np.ndarray, di
     return addr, staged
 
 
+def _class_bounds(cls: np.ndarray) -> tuple[list[int], list[int]]:
+    """The row ranges ``[a, b)`` of each size class in ``cls`` (sorted)."""
+    edges = np.flatnonzero(np.diff(cls)) + 1
+    starts = [0, *edges.tolist()]
+    return starts, [*edges.tolist(), len(cls)]
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view."""
     return t if t.dtype == torch.uint8 and t.dim() == 1 else t.reshape(-1).view(torch.uint8)
@@ -351,8 +358,14 @@ class EncodePlan:
         local = np.arange(int(nch.sum()), dtype=np.int64) - np.repeat(np.cumsum(nch) - nch, nch)
         j_idx = local % w[piece_of]
         s0 = (local // w[piece_of]) * seg[piece_of]
+        lengths = np.minimum(seg[piece_of], ne[piece_of] - s0)
+        # the table holds the chunks by size class (in piece order within one): each class is coded
+        # by a coder call of its own, its output slots sized for its own longest chunk
+        cls = _nvcomp.slot_classes(lengths)
+        order = np.argsort(cls, kind="stable")
+        piece_of, local, j_idx, s0, lengths, cls = piece_of[order], local[order], j_idx[order], s0[order], lengths[order], cls[order]
         self.src_off = src_off = off[piece_of] + j_idx * stride + s0
-        self.lengths = lengths = np.minimum(seg[piece_of], ne[piece_of] - s0)
+        self.lengths = lengths
         self.piece_ji = np.array([p.ji for p in pieces], dtype=np.int64)
         self.owner_ji = self.piece_ji[piece_of]
         self.owner_ci = np.array([p.chunk0 for p in pieces], dtype=np.int64)[piece_of] + local
@@ -360,11 +373,22 @@ class EncodePlan:
         self.maxlen, self.total = int(lengths.max()), int(lengths.sum())
         self.c0 = int(w.max()) * stride
         self.out_bytes = self.c0 + int(((lengths + 15) // 16 * 16).sum())
-        self.coder = _nvcomp.codec(prof.algorithm, dev, _round(self.maxlen, 1 << 16), **dict(prof.opts))
-        self.cap = _nvcomp.max_compressed(self.coder, self.maxlen, dev)
-        self.comp_off = np.arange(n, dtype=np.int64) * self.cap
+        # per class: its table rows [a, b), its coder, the slot size, and the longest and total lengths
+        self.calls: list[tuple[int, int, Any, int, int, int]] = []
+        self.comp_off = np.empty(n, dtype=np.int64)
+        self.caps = np.empty(n, dtype=np.int64)
+        pos = 0
+        for a, b in zip(*_class_bounds(cls)):
+            longest = int(lengths[a:b].max())
+            coder = _nvcomp.codec(prof.algorithm, dev, _round(longest, 1 << 16), **dict(prof.opts))
+            cap = _nvcomp.max_compressed(coder, longest, dev)
+            self.comp_off[a:b] = pos + np.arange(b - a, dtype=np.int64) * cap
+            self.caps[a:b] = cap
+            pos += cap * (b - a)
+            self.calls.append((a, b, coder, cap, longest, int(lengths[a:b].sum())))
+        self.comp_bytes = pos
         # the compaction copies 16-byte granules where every chunk and slot is 16-byte aligned
-        self.words = dev.type == "cuda" and self.cap % 16 == 0 and not (src_off % 16).any()
+        self.words = dev.type == "cuda" and not (self.caps % 16).any() and not (src_off % 16).any()
         # the chunk table's host copy (pinned on a GPU): buffer addresses are added per run
         # columns of an even length: each starts 16-byte aligned (Triton specializes the kernels
         # that take them on pointer alignment; odd-length columns made it follow the chunk count)
@@ -417,7 +441,7 @@ class EncodePlan:
 
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.empty(self.out_bytes, dtype=torch.uint8, device=self.dev),
-                torch.empty(self.cap * self.n, dtype=torch.uint8, device=self.dev))
+                torch.empty(max(self.comp_bytes, 1), dtype=torch.uint8, device=self.dev))
 
     def _upload_cols(self, out: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
         """The chunk table with ``out``'s and ``comp``'s addresses, on the device in one copy (a
@@ -528,16 +552,19 @@ class EncodePlan:
             probe_gate(out, cols["length"], cols["src_off"], cols["first"], cols["gate"], PROBE_BYTES,
                        8.0 * (1.0 - probe_min_gain(bool(self.ops.any()))))
         mark("probe", dev)
-        if isinstance(self.coder, _nvcomp.AnsC):  # sizes and statuses stay on the device
-            self.coder.encode_cols(cols["in_ptr"], cols["gate"], cols["out_ptr"], cols["size"], cols["status"],
-                                   self.maxlen, self.total)
+        if isinstance(self.calls[0][2], _nvcomp.AnsC):  # sizes and statuses stay on the device
+            for lo, hi, coder, _cap, longest, summed in self.calls:
+                coder.encode_cols(cols["in_ptr"][lo:hi], cols["gate"][lo:hi], cols["out_ptr"][lo:hi],
+                                  cols["size"][lo:hi], cols["status"][lo:hi], longest, summed)
         else:  # nvCOMP's Python API (or a stand-in): the chunks to code are read back first
-            todo = np.nonzero(cols["gate"].cpu().numpy() > 0)[0]
-            if len(todo):
-                sizes = _nvcomp.encode_batch(self.coder, out, self.src_off[todo], self.lengths[todo], comp,
-                                             self.comp_off[todo], np.full(len(todo), self.cap, dtype=np.int64))
-                got = np.full(n, -1, dtype=np.int64)
-                got[todo] = sizes
+            gate = cols["gate"].cpu().numpy()
+            got = np.full(n, -1, dtype=np.int64)
+            for lo, hi, coder, _cap, _longest, _summed in self.calls:
+                todo = lo + np.nonzero(gate[lo:hi] > 0)[0]
+                if len(todo):
+                    got[todo] = _nvcomp.encode_batch(coder, out, self.src_off[todo], self.lengths[todo], comp,
+                                                     self.comp_off[todo], self.caps[todo])
+            if (got >= 0).any():
                 cols["size"].copy_(torch.from_numpy(got).to(dev, non_blocking=True))
         mark("nvcomp_encode", dev)
         # 3. per chunk on the device: coded only if smaller (first plane) or MIN_GAIN smaller (other

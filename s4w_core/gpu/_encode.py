@@ -58,7 +58,7 @@ from s4w_core.gpu._coder import (
 )
 from s4w_core.gpu._nonzero import NZ_TRANSFORM, encode_nonzero_many, nonzero_choices_device
 from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_many, rowcol_choices_device
-from s4w_core.gpu._samples import gather_samples
+from s4w_core.gpu._samples import gather_samples, runs_of
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 
@@ -180,22 +180,25 @@ DEVICE_DELTA_SAMPLE = 1 << 14
 
 
 def _choose_delta_ops(
-    cands: list[tuple[engine.StorageJob, str, int]], pool: ThreadPoolExecutor, dev: torch.device | None = None
+    cands: list[tuple[engine.StorageJob, str, int]],
+    pool: ThreadPoolExecutor,
+    dev: torch.device | None = None,
+    work: int | None = None,
 ) -> list[str | None]:
     """Per storage: plain coding, or the delta op (:mod:`s4w_core.delta`) whose residual planes
     have the smallest order-0 entropy on a sample -- the rule of :func:`engine.choose_delta_op`
     (an op must save :data:`engine.DELTA_MIN_GAIN`), computed on the device for every storage of
     the checkpoint at once: one sample gather, the split kernel per candidate op, one histogram
-    per (storage, plane), one small read-back. (The CPU writer estimates each storage on the host:
-    at checkpoint scale that cost ~1 s per save on the GPU path, where it blocks the caller.)"""
+    per (storage, plane), one small read-back; with ``work`` (the device memory a save of host
+    copies may take, :func:`~s4w_core.gpu._nvcomp.work_bytes`), a group of storages at a time
+    whose samples' temporaries fit in it. (The CPU writer estimates each storage on the host: at
+    checkpoint scale that cost ~1 s per save on the GPU path, where it blocks the caller.)"""
     if not cands:
         return []
     if dev is None:
         dev = next((j.raw.device for j, _t, _w in cands if j.raw.device.type != "cpu"), cands[0][0].raw.device)
     runs = choice.DELTA_RUNS
-    raw_items: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
-    base_items: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
-    counts: list[int] = []
+    samples: list[tuple[list[tuple[int, int]], int]] = []  # per candidate: its ranges, its sample elements
     for job, _transform, w in cands:
         assert job.base is not None
         if job.base.numel() != job.raw.numel():
@@ -204,14 +207,29 @@ def _choose_delta_ops(
         run = max(1, min(n, DEVICE_DELTA_SAMPLE) // runs)
         starts = sorted({(n - run) * k // (runs - 1) for k in range(runs)}) if n > run else [0]
         ln = min(n, run)
-        ranges = [(a, a + ln) for a in starts]
-        raw_items.append((job.raw, ranges, w))
-        base_items.append((job.base, ranges, w))
-        counts.append(len(starts) * ln)
+        samples.append(([(a, a + ln) for a in starts], len(starts) * ln))
+    if work is None:
+        groups = [list(range(len(cands)))]
+    else:  # ~16 bytes of temporaries per sample byte (both samples, the planes, int32 histogram keys)
+        sizes = [c * w for (_r, c), (_j, _t, w) in zip(samples, cands)]
+        groups = runs_of(list(range(len(cands))), sizes, max(1 << 20, work // 16))
+    out: list[str | None] = []
+    for group in groups:
+        out += _delta_choices([cands[k] for k in group], [samples[k] for k in group], dev)
+    return out
+
+
+def _delta_choices(
+    cands: list[tuple[engine.StorageJob, str, int]], samples: list[tuple[list[tuple[int, int]], int]], dev: torch.device
+) -> list[str | None]:
+    """:func:`_choose_delta_ops` for one group of candidates and their samples."""
+    counts = [c for _r, c in samples]
     # host copies (a re-encoding's) gathered on the host and moved in one copy
-    both = gather_samples(raw_items + base_items, dev)
-    raw_s = torch.cat(both[: len(cands)])
-    base_s = torch.cat(both[len(cands) :])
+    items: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
+    for part in ("raw", "base"):
+        items += [(getattr(job, part), r, w) for (job, _t, w), (r, _c) in zip(cands, samples)]
+    got = gather_samples(items, dev)
+    raw_s, base_s = got[: len(cands)], got[len(cands) :]
     # the planes of each candidate, back to back (plane stride = sample length: no padding)
     ws = [w for _j, _t, w in cands]
     off: list[int] = []
@@ -227,8 +245,7 @@ def _choose_delta_ops(
         buf = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
         by_width: dict[int, list[Any]] = {}
         for k, ((job, transform, w), c) in enumerate(zip(cands, counts)):
-            r = raw_s[off[k] : off[k] + c * w]
-            b = base_s[off[k] : off[k] + c * w]
+            r, b = raw_s[k], base_s[k]
             use = op if op in delta.ops_for(job.dtype, transform) else None
             if transform in PLANE_TRANSFORMS:
                 by_width.setdefault(w, []).append((r, b if use else None, off[k], c, use or "xor"))
@@ -296,7 +313,12 @@ def encode_storages(
     prof = PROFILES[profile]
     dev = _device_for(jobs)
     sink = _ChunkSink(writer)
-    budget = _nvcomp.batch_bytes(dev)
+    # host copies coded on the device (a non-blocking save, a re-encoding) run beside training: their
+    # device memory is bounded by the state's size (device storages: the default batch, between steps)
+    work = None
+    if any(not _on_device(j.raw) and _from_device(j) for j in jobs):
+        work = _nvcomp.work_bytes(sum(j.raw.numel() for j in jobs))
+    budget = _nvcomp.batch_bytes(dev, work)
     entries: list[dict[str, Any]] = []
     fold_slots: list[tuple[int, int]] = []  # (entry index, nbytes)
     fold_items: list[tuple[torch.Tensor, int]] = []
@@ -321,7 +343,7 @@ def encode_storages(
         # CPU writer's rule (the same estimate; at checkpoint scale ~1 s of CPU per re-encoding)
         on_dev = [(i, c) for i, c in cands if _device_resident(c[0]) or _from_device(c[0])]
         on_host = [(i, c) for i, c in cands if not (_device_resident(c[0]) or _from_device(c[0]))]
-        chosen = _choose_delta_ops([c for _, c in on_dev], pool, dev=dev) if on_dev else []
+        chosen = _choose_delta_ops([c for _, c in on_dev], pool, dev=dev, work=work) if on_dev else []
         ops: dict[int, str | None] = {i: op for (i, _), op in zip(on_dev, chosen)}
         if on_host:
             host_ops = engine.choose_delta_ops([c[0] for _, c in on_host], [c[1] for _, c in on_host])
@@ -331,7 +353,7 @@ def encode_storages(
         # which GPU-coded storages take the nonzero transform (one read-back for all of them)
         nz_jobs = [i for i, p in enumerate(plan) if not p[2] and p[0] in PLANE_TRANSFORMS]
         nz_items = [(jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype) for i in nz_jobs]
-        nz_pick = dict(zip(nz_jobs, nonzero_choices_device(nz_items, dev)))
+        nz_pick = dict(zip(nz_jobs, nonzero_choices_device(nz_items, dev, work=work)))
         # ... and which of the others the row/column transform (one read-back for all of them; a
         # storage with zeros enough for the nonzero transform keeps it: it codes those as runs)
         # (plain storages only: a delta's residual has its scales removed already)
@@ -339,7 +361,7 @@ def encode_storages(
         rc_items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]] = [
             (jobs[i].raw, None, None, jobs[i].dtype, jobs[i].cols) for i in rc_jobs
         ]
-        rc_pick = dict(zip(rc_jobs, rowcol_choices_device(rc_items, dev)))
+        rc_pick = dict(zip(rc_jobs, rowcol_choices_device(rc_items, dev, work=work)))
         batch = Batch()
         # the transform of each storage: the layout probe chooses it with the storage's first piece;
         # its later pieces (in later batches) take the same
@@ -354,6 +376,9 @@ def encode_storages(
         nz_group = _Group("nnz", io, budget, coded(encode_nonzero_many))
         moved: list[tuple[torch.Tensor, int]] = []  # device copies of host storages, not yet summed
         moved_bytes = 0
+        # device copies of host storages held by the batch and the two groups, together at most a
+        # batch budget (each alone would hold up to one: three budgets of copies beside training)
+        uploaded = {"batch": 0, "rowcol": 0, "nnz": 0}
 
         def fold_moved() -> None:
             nonlocal moved_bytes
@@ -362,6 +387,7 @@ def encode_storages(
             moved_bytes = 0
 
         def run(b: Batch) -> None:
+            uploaded["batch"] = 0
             for ji, tr in _run_batch(b, prof, dev, io).items():
                 if ji not in chosen_layout:
                     chosen_layout[ji] = tr
@@ -382,6 +408,17 @@ def encode_storages(
                 entries.append(entry)
                 continue
             raw = job.raw if job.raw.device == dev else job.raw.to(dev)
+            kind = "nnz" if nz_pick.get(jidx) else "rowcol" if rc_pick.get(jidx) else "batch"
+            if raw is not job.raw:
+                while any(uploaded.values()) and sum(uploaded.values()) + nbytes > budget:
+                    fullest = max(uploaded, key=lambda k: uploaded[k])
+                    if fullest == "batch":
+                        run(batch)
+                        batch = Batch()
+                    else:
+                        (rc_group if fullest == "rowcol" else nz_group).flush()
+                        uploaded[fullest] = 0
+                uploaded[kind] += nbytes
             n = nbytes // w
             seg = prof.segment_elems
             entry: dict[str, Any] = {  # type: ignore[no-redef]
@@ -420,6 +457,8 @@ def encode_storages(
                 ji = sink.add_job(entry, -(-n // seg) * (w + 1))
                 entries.append(entry)
                 nz_group.add(ji, entry, (raw, base, op, job.dtype), nbytes)
+                if not nz_group.members:  # flushed at its budget
+                    uploaded["nnz"] = 0
                 continue
             if rc_pick.get(jidx):
                 # the row/column variant (docs/FORMAT.md 4.5d): coded by the profile's coder with the
@@ -429,6 +468,8 @@ def encode_storages(
                 ji = sink.add_job(entry, -(-n // seg) * w)
                 entries.append(entry)
                 rc_group.add(ji, entry, (raw, base, op, job.dtype, job.cols), nbytes)
+                if not rc_group.members:  # flushed at its budget
+                    uploaded["rowcol"] = 0
                 continue
             nseg = -(-n // seg)
             ji = sink.add_job(entry, nseg * w)

@@ -34,7 +34,7 @@ from s4w_core.errors import ChecksumMismatchError, DecodeError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import NZ_TRANSFORMS, ROTL1
 from s4w_core.gpu import _nvcomp
-from s4w_core.gpu._samples import bounded_groups, gather_samples
+from s4w_core.gpu._samples import bounded_groups, gather_samples, runs_of
 from s4w_core.jobs import dtype_from_name
 from s4w_core.planes import nonzero as nzt
 from s4w_core.workers import segments
@@ -80,21 +80,29 @@ def _cat_padded(xs: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return torch.cat([t for x, p in zip(xs, pads) for t in ((x, x.new_zeros(p)) if p else (x,))]), pads
 
 
-#: sample elements estimated together by :func:`nonzero_choices_device` (bounds its device memory:
-#: about 50 bytes per 16-bit element, 80 per 32-bit one)
+#: sample elements gathered and estimated together by :func:`nonzero_choices_device` (bounds its
+#: device memory: about 50 bytes per 16-bit element, 80 per 32-bit one); with a ``work`` bound,
+#: ``work // _NZ_BYTES_PER_ELEM`` of them
 _NZ_GROUP_ELEMS = 1 << 20
+_NZ_BYTES_PER_ELEM = 96
 
 
 def nonzero_choices_device(
-    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]], dev: torch.device
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype]],
+    dev: torch.device,
+    *,
+    work: int | None = None,
 ) -> list[bool]:
     """Per storage ``(raw bytes, base, delta op, dtype)``: whether the GPU writer codes it with
-    :data:`NZ_TRANSFORM` -- the order-0 estimate on a sample (module docstring), every storage's
-    estimate on the device in a fixed number of kernels per group of samples, and one read-back
-    for the zero counts and one per group for the estimates."""
+    :data:`NZ_TRANSFORM` -- the order-0 estimate on a sample (module docstring). The samples are
+    gathered onto the device a group at a time (at most ``_NZ_GROUP_ELEMS`` sample elements, or what
+    ``work`` bytes of device memory hold, :func:`~s4w_core.gpu._nvcomp.work_bytes`); per group one
+    read-back of the zero counts and, for the storages with zeros enough to be candidates, one of
+    the estimates of each run of them."""
     out = [False] * len(items)
-    picked: list[tuple[int, int, str | None, torch.dtype]] = []
-    gathers: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
+    limit = _NZ_GROUP_ELEMS if work is None else max(1 << 16, min(_NZ_GROUP_ELEMS, work // _NZ_BYTES_PER_ELEM))
+    picked: list[tuple[int, int, str | None, torch.dtype, torch.Tensor, torch.Tensor | None, list[tuple[int, int]]]] = []
+    sizes: list[int] = []
     for i, (raw, base, op, dtype) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
@@ -102,33 +110,37 @@ def nonzero_choices_device(
             continue
         ranges = choice.delta_sample_ranges(n)
         with_base = base is not None and op is not None
-        picked.append((i, w, op if with_base else None, dtype))
-        gathers.append((raw, ranges, w))
-        if with_base:
-            assert base is not None
-            gathers.append((base, ranges, w))
-    if not picked:
-        return out
-    moved = iter(gather_samples(gathers, dev))
-    samples: list[tuple[int, torch.Tensor, int]] = []
-    for i, w, op, dtype in picked:
-        r = next(moved)
-        b = next(moved) if op is not None else None
-        samples.append((i, residual_words(r, b, op, dtype), w))
-    # the zero count first, for every sample at once (one read-back): the entropy estimates only
-    # for the storages with enough zeros to be candidates
-    zeros_of = torch.stack([(words == 0).sum() for _, words, _w in samples]).cpu().tolist()
-    by_width: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    for (i, words, w), zeros in zip(samples, zeros_of):
-        if zeros >= choice.NZ_MIN_ZERO_FRAC * words.numel():
-            by_width.setdefault(w, []).append((i, words))
-    for w, cands in by_width.items():
-        for group in bounded_groups(cands, _NZ_GROUP_ELEMS):
-            stats = nz_estimates([wd for _i, wd in group], w).tolist()  # one read-back per group
-            for (i, words), (zeros, plain_cost, nz_cost) in zip(group, stats):
-                m = words.numel()
-                out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
+        picked.append((i, w, op if with_base else None, dtype, raw, base if with_base else None, ranges))
+        sizes.append(sum(z - a for a, z in ranges))
+    for group in runs_of(picked, sizes, limit):
+        gathers: list[tuple[torch.Tensor, list[tuple[int, int]], int]] = []
+        for _i, w, _op, _dt, raw, base, ranges in group:
+            gathers.append((raw, ranges, w))
+            if base is not None:
+                gathers.append((base, ranges, w))
+        moved = iter(gather_samples(gathers, dev))
+        samples: list[tuple[int, torch.Tensor, int]] = []
+        for i, w, op, dtype, _raw, base, _ranges in group:
+            r = next(moved)
+            b = next(moved) if base is not None else None
+            samples.append((i, residual_words(r, b, op, dtype), w))
+        del moved, gathers
+        # the zero counts first (one read-back): the entropy estimates only for the storages with
+        # enough zeros to be candidates
+        zeros_of = torch.stack([(words == 0).sum() for _, words, _w in samples]).cpu().tolist()
+        by_width: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for (i, words, w), zeros in zip(samples, zeros_of):
+            if zeros >= choice.NZ_MIN_ZERO_FRAC * words.numel():
+                by_width.setdefault(w, []).append((i, words))
+        del samples
+        for w, cands in by_width.items():
+            for run in bounded_groups(cands, limit):
+                stats = nz_estimates([wd for _i, wd in run], w).tolist()  # one read-back per run
+                for (i, words), (zeros, plain_cost, nz_cost) in zip(run, stats):
+                    m = words.numel()
+                    out[i] = zeros >= choice.NZ_MIN_ZERO_FRAC * m and nz_cost < (1.0 - choice.NZ_MIN_GAIN) * plain_cost
     return out
+
 
 
 def nz_estimates(samples: list[torch.Tensor], w: int) -> torch.Tensor:
@@ -268,14 +280,23 @@ def code_parts_device(
     comp = src
     comp_off = np.zeros(len(parts), dtype=np.int64)
     if len(todo):
-        maxlen = int(lengths.max())
-        coder = _nvcomp.codec(algorithm, dev, _round(maxlen, 1 << 16), **opts)
-        cap = _nvcomp.max_compressed(coder, maxlen, dev)
-        comp = torch.empty(cap * len(todo), dtype=torch.uint8, device=dev)
-        comp_off[todo] = np.arange(len(todo), dtype=np.int64) * cap
-        got = _nvcomp.encode_batch(coder, src, src_off[todo], lengths[todo], comp, comp_off[todo],
-                                   np.full(len(todo), cap, dtype=np.int64))
-        sizes[todo] = np.asarray(list(got), dtype=np.int64)
+        # a coder call per size class, each chunk's slot sized for its class (_nvcomp.slot_classes)
+        cls = _nvcomp.slot_classes(lengths)
+        calls = []
+        pos = 0
+        for c in np.unique(cls[todo]).tolist():
+            idx = todo[cls[todo] == c]
+            longest = int(lengths[idx].max())
+            coder = _nvcomp.codec(algorithm, dev, _round(longest, 1 << 16), **opts)
+            cap = _nvcomp.max_compressed(coder, longest, dev)
+            comp_off[idx] = pos + np.arange(len(idx), dtype=np.int64) * cap
+            pos += cap * len(idx)
+            calls.append((idx, coder, cap))
+        comp = torch.empty(pos, dtype=torch.uint8, device=dev)
+        for idx, coder, cap in calls:
+            got = _nvcomp.encode_batch(coder, src, src_off[idx], lengths[idx], comp, comp_off[idx],
+                                       np.full(len(idx), cap, dtype=np.int64))
+            sizes[idx] = np.asarray(list(got), dtype=np.int64)
         coded[todo] = (sizes[todo] > 0) & (sizes[todo] < lengths[todo])
     out_len = np.where(coded, sizes, lengths)
     host_off = np.cumsum(out_len) - out_len

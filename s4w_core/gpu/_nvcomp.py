@@ -32,7 +32,10 @@ __all__ = [
     "host_empty",
     "synchronize",
     "batch_bytes",
+    "work_bytes",
     "max_compressed",
+    "SLOT_CLASSES",
+    "slot_classes",
 ]
 
 #: byte alignment of every chunk buffer we hand to nvCOMP (>= every codec's requirement).
@@ -133,13 +136,28 @@ def synchronize(device: torch.device) -> None:
 DEFAULT_BATCH_BYTES = 48 << 20
 
 
-def batch_bytes(device: torch.device) -> int:
-    """Raw bytes per batch: ``S4W_GPU_BATCH_BYTES`` or min(48 MiB, free device memory / 8)."""
+def batch_bytes(device: torch.device, work: int | None = None) -> int:
+    """Raw bytes per batch: ``S4W_GPU_BATCH_BYTES`` or min(48 MiB, free device memory / 8); with
+    ``work`` (:func:`work_bytes`), at most a sixth of it (a batch's working set is ~5x the batch)."""
     env = config.get_opt_int("S4W_GPU_BATCH_BYTES")
     if env is not None:
         return max(1 << 20, env)
     free, _total = torch.cuda.mem_get_info(device)
-    return max(16 << 20, min(DEFAULT_BATCH_BYTES, free // 8))
+    out = max(16 << 20, min(DEFAULT_BATCH_BYTES, free // 8))
+    return out if work is None else min(out, max(1 << 20, work // 6))
+
+
+#: a GPU save of host copies (a non-blocking save's pinned copies, a store's re-encoding: work that
+#: runs beside training steps, whose own peak it adds to) keeps its extra device memory near this
+#: fraction of the state's bytes, and at least :data:`WORK_MIN_BYTES`
+WORK_FRACTION = 0.1
+WORK_MIN_BYTES = 32 << 20
+
+
+def work_bytes(state_bytes: int) -> int:
+    """The device memory a GPU save of host copies of ``state_bytes`` may work in (batches,
+    samples, estimates): :data:`WORK_FRACTION` of the state, at least :data:`WORK_MIN_BYTES`."""
+    return max(WORK_MIN_BYTES, int(state_bytes * WORK_FRACTION))
 
 
 def codec(algorithm: str, device: torch.device, chunk_bytes: int, **opts: Any) -> Any:
@@ -400,6 +418,18 @@ def release() -> None:
 
 
 _max_comp: dict[tuple[int, int], int] = {}
+
+#: chunks of at most each of these lengths are coded by coder calls of their own (:func:`slot_classes`)
+SLOT_CLASSES = (1 << 12, 1 << 15, 1 << 17)
+
+
+def slot_classes(lengths: np.ndarray) -> np.ndarray:
+    """Each chunk's size class (0 for at most ``SLOT_CLASSES[0]`` bytes, ...). A coder call sizes
+    every chunk's output slot for its longest chunk (nvCOMP's batched API: each output buffer holds
+    the maximum compressed size of ``max_uncompressed_chunk_bytes``), so a batch codes each class in
+    a call of its own: a bias's 2 KiB plane chunk beside 512 KiB segments took a 512 KiB slot, and a
+    GPT-2's few hundred small storages some 300 MB of slots beside training."""
+    return np.searchsorted(np.asarray(SLOT_CLASSES, dtype=np.int64), np.asarray(lengths, dtype=np.int64))
 
 
 def max_compressed(c: Any, raw_len: int, device: torch.device) -> int:

@@ -26,7 +26,7 @@ import torch
 from s4w_core import choice
 from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1
 from s4w_core.gpu._nonzero import code_parts_device, plane_bytes, residual_words
-from s4w_core.gpu._samples import bounded_groups, gather_samples
+from s4w_core.gpu._samples import gather_samples, runs_of
 from s4w_core.planes import rowcol
 from s4w_core.workers import segments
 
@@ -39,50 +39,69 @@ _ITYPE = {2: torch.int16, 4: torch.int32}
 #: 110 bytes per element (int64 indices and histogram keys), so a group bounds a save's extra device
 #: memory to ~115 MB (all of a GPT-2 151M state's samples at once, ~4.7 M elements: ~520 MB)
 _RC_GROUP_ELEMS = 1 << 20
+#: ... and with a ``work`` bound (:func:`rowcol_estimates_device`), ``work // _RC_BYTES_PER_ELEM`` of them
+_RC_BYTES_PER_ELEM = 128
 
 
 def rowcol_choices_device(
-    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]], dev: torch.device
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]],
+    dev: torch.device,
+    *,
+    work: int | None = None,
 ) -> list[bool]:
     """Per storage ``(raw bytes, base, delta op, dtype, row length)``: whether the GPU writer codes
     it with :data:`RC_TRANSFORM` -- where :func:`rowcol_estimates_device` says it saves
     :data:`~s4w_core.choice.RC_MIN_GAIN`."""
-    return [e is not None and e[1] < (1.0 - choice.RC_MIN_GAIN) * e[0] for e in rowcol_estimates_device(items, dev)]
+    return [e is not None and e[1] < (1.0 - choice.RC_MIN_GAIN) * e[0]
+            for e in rowcol_estimates_device(items, dev, work=work)]
 
 
 def rowcol_estimates_device(
-    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]], dev: torch.device
+    items: list[tuple[torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int | None]],
+    dev: torch.device,
+    *,
+    work: int | None = None,
 ) -> list[tuple[float, float] | None]:
     """Per storage ``(raw bytes, base, delta op, dtype, row length)``: ``(plain, rowcol)``, the
     order-0 estimates in bytes of its planes and of its :data:`RC_TRANSFORM` chunks plus offsets, on
     a sample of rows (module docstring), or None where it is no candidate (no row length, too
-    small). Every storage's estimate is computed on the device, one read-back for all of them."""
+    small). The samples are taken, moved to the device (host samples in one copy per group, not a
+    synchronizing copy per storage) and estimated a group at a time: at most ``_RC_GROUP_ELEMS``
+    sample elements, or what ``work`` bytes of device memory hold
+    (:func:`~s4w_core.gpu._nvcomp.work_bytes`); one read-back per group."""
     out: list[tuple[float, float] | None] = [None] * len(items)
-    cands: list[tuple[int, torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int, int]] = []
-    for i, (raw, base, op, dtype, cols) in enumerate(items):
+    limit = _RC_GROUP_ELEMS if work is None else max(1 << 16, min(_RC_GROUP_ELEMS, work // _RC_BYTES_PER_ELEM))
+    cands: list[tuple[int, int, int, int, list[int]]] = []
+    sizes: list[int] = []
+    for i, (raw, _base, _op, dtype, cols) in enumerate(items):
         w = dtype.itemsize
         n = raw.numel() // w
         if not cols or w not in _ITYPE or n < choice.RC_MIN_ELEMS or n % cols or cols < 2 or n // cols < 2:
             continue
         rows = n // cols
         pick = choice.rowcol_sample_rows(rows, cols)
-        r = _rows(raw, rows, cols * w, pick)
-        b = _rows(base, rows, cols * w, pick) if base is not None and op is not None else None
-        cands.append((i, r, b, op, dtype, cols, n))
-    # host samples (a DCP rank's staged shards, the store's host copies) moved in one copy, not one
-    # synchronizing copy per storage
-    host = [t for _i, r, b, *_ in cands for t in (r, b) if t is not None and t.device != dev]
-    moved = iter(gather_samples([(t, [(0, t.numel())], 1) for t in host], dev))
-    by_width: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
-    for i, r, b, op, dtype, cols, n in cands:
-        r = next(moved) if r.device != dev else r
-        if b is not None and b.device != dev:
-            b = next(moved)
-        by_width.setdefault(dtype.itemsize, []).append((i, residual_words(r, b, op, dtype), cols, n))
-    for w, cands_w in by_width.items():
-        for group in bounded_groups(cands_w, _RC_GROUP_ELEMS):
-            plain, rc = _estimate_group(group, w, dev)
-            for (i, words, cols, n), pb, rb in zip(group, plain, rc):
+        cands.append((i, w, cols, n, pick))
+        sizes.append(len(pick) * cols)
+    for group in runs_of(cands, sizes, limit):
+        taken: list[tuple[int, torch.Tensor, torch.Tensor | None, str | None, torch.dtype, int, int]] = []
+        for i, w, cols, n, pick in group:
+            raw, base, op, dtype, _cols = items[i]
+            rows = n // cols
+            r = _rows(raw, rows, cols * w, pick)
+            b = _rows(base, rows, cols * w, pick) if base is not None and op is not None else None
+            taken.append((i, r, b, op, dtype, cols, n))
+        host = [t for _i, r, b, *_ in taken for t in (r, b) if t is not None and t.device != dev]
+        moved = iter(gather_samples([(t, [(0, t.numel())], 1) for t in host], dev))
+        by_width: dict[int, list[tuple[int, torch.Tensor, int, int]]] = {}
+        for i, r, b, op, dtype, cols, n in taken:
+            r = next(moved) if r.device != dev else r
+            if b is not None and b.device != dev:
+                b = next(moved)
+            by_width.setdefault(dtype.itemsize, []).append((i, residual_words(r, b, op, dtype), cols, n))
+        del taken, host, moved
+        for w, run in by_width.items():
+            plain, rc = _estimate_group(run, w, dev)
+            for (i, words, cols, n), pb, rb in zip(run, plain, rc):
                 scale = n / words.numel() / 8.0  # sample bits -> storage bytes
                 out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
     return out

@@ -17,9 +17,10 @@ import torch
 
 from s4w_core.gpu import _nvcomp
 
-__all__ = ["bounded_groups", "gather_samples"]
+__all__ = ["bounded_groups", "gather_samples", "runs_of"]
 
 _T = TypeVar("_T", bound=tuple)
+_I = TypeVar("_I")
 
 
 def gather_samples(
@@ -61,13 +62,18 @@ def gather_samples(
 def bounded_groups(items: list[_T], limit: int, at: int = 1) -> list[list[_T]]:
     """``items`` (tuples holding a sample tensor at index ``at``) cut, in order, into runs of at
     most ``limit`` sample elements (one item more where a single item exceeds it)."""
-    out: list[list[_T]] = []
-    size = 0
-    for it in items:
-        n = it[at].numel()
-        if not out or size + n > limit:
+    return runs_of(items, [it[at].numel() for it in items], limit)
+
+
+def runs_of(items: list[_I], sizes: list[int], limit: int) -> list[list[_I]]:
+    """``items`` cut, in order, into runs whose ``sizes`` add up to at most ``limit`` (one item
+    more where a single item exceeds it)."""
+    out: list[list[_I]] = []
+    total = 0
+    for it, n in zip(items, sizes):
+        if not out or total + n > limit:
             out.append([])
-            size = 0
+            total = 0
         out[-1].append(it)
-        size += n
+        total += n
     return out

@@ -46,37 +46,44 @@ __all__ = ["DEFAULT_DTYPES", "record_path", "run", "stage_key", "synthetic_state
 #: plane dtypes warmed when none are named: the two plane widths (bf16 and fp16 share the 2-byte kernels)
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 #: element counts per dtype: odd sizes and sizes of whole 16-byte words (the kernels' aligned and
-#: unaligned variants: a model's tensors are mostly the latter), one above a GPU segment; the
-#: smallest is still split into planes (scalars under ``jobs.PLANES_MIN_BYTES`` are not)
-_SIZES = (5, 1000, 4096, (1 << 16) + 5, 1 << 18, (1 << 20) + 7)
+#: unaligned variants: a model's tensors are mostly the latter), one above a GPU segment (2**19
+#: elements); the smallest is still split into planes (scalars under ``jobs.PLANES_MIN_BYTES`` are
+#: not). Small, so that a warm-up beside the first training steps takes little device memory.
+_SIZES = (5, 1000, 4096, (1 << 16) + 5, 1 << 18, (1 << 19) + 7)
 #: int64 element counts: 800 B (the writer's CPU path) and ~2 MiB (its GPU path)
 _INT_SIZES = (100, (1 << 18) + 3)
 
 
-def synthetic_states(device: torch.device, dtypes: Iterable[torch.dtype]) -> tuple[dict, dict]:
+def synthetic_states(device: torch.device, dtypes: Iterable[torch.dtype], *, second: bool = True) -> tuple[dict, dict]:
     """Two consecutive states like a training run's (weights that moved a little, a moment that
-    changed entirely, integer tensors), on ``device``."""
+    changed entirely, integer tensors), on ``device``; ``second=False``: the first only (the
+    second empty)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     s0: dict[str, torch.Tensor] = {}
     s1: dict[str, torch.Tensor] = {}
+
+    def put(s: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> None:
+        if second or s is s0:
+            s[key] = t.to(device)
+
     for dt in dtypes:
         name = str(dt).removeprefix("torch.")
         for n in _SIZES:
             w = torch.randn(n, generator=g)
-            s0[f"{name}/w{n}"] = w.to(dt).to(device)
-            s1[f"{name}/w{n}"] = (w * (1 + 1e-3 * torch.randn(n, generator=g))).to(dt).to(device)  # -> a delta
-            s0[f"{name}/m{n}"] = torch.randn(n, generator=g).to(dt).to(device)
-            s1[f"{name}/m{n}"] = torch.randn(n, generator=g).to(dt).to(device)  # -> plain
+            put(s0, f"{name}/w{n}", w.to(dt))
+            put(s1, f"{name}/w{n}", (w * (1 + 1e-3 * torch.randn(n, generator=g))).to(dt))  # -> a delta
+            put(s0, f"{name}/m{n}", torch.randn(n, generator=g).to(dt))
+            put(s1, f"{name}/m{n}", torch.randn(n, generator=g).to(dt))  # -> plain
         # an Adam moment with the zero rows of untouched embedding rows: the nonzero transform's
         # kernels, on save and on load (a resume's first load compiled them otherwise)
         n = 1 << 18
         for s in (s0, s1):
             z = torch.randn(n, generator=g)
             z[: n // 2] = 0
-            s[f"{name}/z{n}"] = z.to(dt).to(device)
+            put(s, f"{name}/z{n}", z.to(dt))
     for n in _INT_SIZES:
-        s0[f"int/{n}"] = torch.arange(n, device=device)
-        s1[f"int/{n}"] = torch.arange(n, device=device) + 1
+        put(s0, f"int/{n}", torch.arange(n))
+        put(s1, f"int/{n}", torch.arange(n) + 1)
     return s0, s1
 
 
@@ -186,7 +193,7 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         # every Triton kernel the stages below load is loaded; what a first save would still pay
         # is the first use of torch's and nvCOMP's own kernels (their modules load lazily): one
         # plain step of the synthetic state, on one thread, pays it here
-        s0, _ = synthetic_states(device, dtypes)
+        s0, _ = synthetic_states(device, dtypes, second=False)
         with Pool(2, "s4w-warm-up") as pool, torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.default_stream(device))  # the states' copies, made on that stream

@@ -485,7 +485,7 @@ def simulated_gpu(batch_bytes: int = 3 << 20, segment_elems: int | None = None) 
         (_nvcomp, "on_stream", lambda dev: contextlib.nullcontext()),
         (_nvcomp, "host_empty", lambda n: torch.empty(max(n, 1), dtype=torch.uint8)),
         (_nvcomp, "synchronize", lambda dev: None),
-        (_nvcomp, "batch_bytes", lambda dev: batch_bytes),
+        (_nvcomp, "batch_bytes", lambda dev, work=None: batch_bytes),
         (_nvcomp, "codec", lambda alg, dev, chunk, **o: alg),
         (_nvcomp, "max_compressed", lambda c, n, dev: n + n // 8 + 1024),
         (_nvcomp, "encode_batch", enc),
@@ -1087,6 +1087,79 @@ def pipeline_corrupt_chunk_refused_before_decoding() -> None:
         else:
             raise AssertionError("corrupt chunk not detected")
     assert not calls, "a GPU decoder saw bytes before the checksum was verified"
+
+
+@check
+def coder_slots_sized_by_class() -> None:
+    """A batch codes each size class of its chunks in a coder call of its own, every output slot
+    sized for its class's longest chunk (not the batch's): small storages beside full segments
+    take small slots, and the container still round-trips."""
+    import s4w_core
+    from s4w_core.gpu import _coder, _nvcomp
+
+    g = torch.Generator().manual_seed(3)
+    seg = 1 << 16
+    state = {f"bias{i}": torch.randn(96 + i, generator=g).to(torch.bfloat16) for i in range(40)}
+    state["ln"] = torch.randn(10_000, generator=g).to(torch.bfloat16)  # 10 KB planes: the 32 KiB class
+    state["w"] = torch.randn(3 * seg + 77, generator=g).to(torch.bfloat16)  # full segments and a tail
+    with simulated_gpu(batch_bytes=8 << 20, segment_elems=seg):
+        batch = _coder.Batch()
+        prof = _coder.PROFILES["fast"]
+        for i, t in enumerate(state.values()):
+            n = t.numel()
+            batch.pieces.append(_coder.Piece(i, t, None, None, t.dtype, "planes-rotl1", 2, 0, n, seg, 0))
+            batch.nbytes += 2 * n
+        plan = _coder.EncodePlan(batch, prof, torch.device("cpu"))
+        cls = _nvcomp.slot_classes(plan.lengths)
+        assert (np.diff(cls) >= 0).all(), "the chunk table is not grouped by size class"
+        assert len(plan.calls) == len(set(cls.tolist())) >= 3, plan.calls
+        ends = plan.comp_off + plan.caps
+        assert (plan.comp_off[1:] >= ends[:-1]).all() and int(ends[-1]) == plan.comp_bytes, "slots overlap"
+        need = np.array([_nvcomp.max_compressed(None, int(n), torch.device("cpu")) for n in plan.lengths])
+        for lo, hi, _c, cap, longest, _s in plan.calls:
+            assert longest == int(plan.lengths[lo:hi].max())
+            assert (plan.caps[lo:hi] == cap).all() and (need[lo:hi] <= cap).all(), "a slot below its chunk's bound"
+        uniform = plan.n * _nvcomp.max_compressed(None, plan.maxlen, torch.device("cpu"))
+        assert plan.comp_bytes < uniform / 2, (plan.comp_bytes, uniform)
+        enc = plan.run()
+        assert sorted(zip(enc.owner_ji.tolist(), enc.owner_ci.tolist())) == sorted(set(zip(enc.owner_ji.tolist(), enc.owner_ci.tolist())))
+        buf = io.BytesIO()
+        s4w_core.save(state, buf, profile="fast")
+        back, _m = _decode_all_gpu_sim(buf.getvalue())
+    assert_same(state, back)
+
+
+@check
+def delta_choices_same_in_groups() -> None:
+    """The GPU writer's delta-op choice, run a group of storages at a time (a save of host copies
+    bounds the device memory its samples take), chooses as it does for every storage at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from s4w_core import engine
+    from s4w_core.gpu import _encode
+
+    g = torch.Generator().manual_seed(4)
+    cands = []
+    for k in range(48):  # ~2.3 MB of samples: three groups of the 1 MiB least a bound makes
+        dt = (torch.bfloat16, torch.float32)[k % 2]
+        n = (20_000, 5_000, 70_000)[k % 3]
+        x = torch.randn(n, generator=g)
+        b = x + (1e-3 if k % 4 else 1.0) * torch.randn(n, generator=g)  # near (a delta pays) or far
+        raw, base = x.to(dt).view(torch.uint8), b.to(dt).view(torch.uint8)
+        job = engine.StorageJob(raw, dt, f"t{k}", "cuda:0", base, {"path": f"t{k}"})
+        cands.append((job, "planes-rotl1", dt.itemsize))
+    with ThreadPoolExecutor(2) as pool:
+        whole = _encode._choose_delta_ops(cands, pool, dev=torch.device("cpu"))
+        calls: list[int] = []
+        orig = _encode._delta_choices
+        _encode._delta_choices = lambda c, s, d: calls.append(len(c)) or orig(c, s, d)  # type: ignore[assignment]
+        try:
+            grouped = _encode._choose_delta_ops(cands, pool, dev=torch.device("cpu"), work=1)
+        finally:
+            _encode._delta_choices = orig  # type: ignore[assignment]
+    assert len(calls) >= 2 and sum(calls) == len(cands), calls
+    assert whole == grouped, (whole, grouped)
+    assert None in whole and {"xor", "sub"} & set(whole), whole
 
 
 def run_checks(checks: dict[str, Callable[[], None]], names: list[str]) -> int:

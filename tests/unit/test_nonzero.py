@@ -429,3 +429,29 @@ def test_gpu_nonzero_estimates_match_a_literal_reading(group: list[tuple[np.ndar
             assert plain == pytest.approx(sum(_entropy_bits(p) for p in planes), rel=1e-9, abs=1e-9)
             want = _entropy_bits(np.frombuffer(bm, dtype=np.uint8)) + sum(_entropy_bits(nzp[j]) for j in range(w))
             assert nz == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_gpu_nonzero_choices_the_same_in_bounded_groups() -> None:
+    """The GPU writer's choice gathers and estimates the samples a group at a time (bounded by
+    ``work``, the device memory it may take): the same choice per storage as all at once, for
+    storages with and without zero runs, with a delta base, and storages too small to sample."""
+    from s4w_core.gpu import _nonzero
+
+    g = torch.Generator().manual_seed(5)
+    items: list[Any] = []
+    for k in range(12):
+        n = [70_000, 300_000, 1_500_000, 1000][k % 4]
+        x = torch.randn(n, generator=g)
+        if k % 3 == 0:
+            x[: (n * 3) // 4] = 0  # zero rows: nonzero pays
+        dt = torch.bfloat16 if k % 2 else torch.float32
+        raw = x.to(dt).reshape(-1).view(torch.uint8)
+        base = None
+        op = None
+        if k % 5 == 1:
+            base, op = (x + 1e-3).to(dt).reshape(-1).view(torch.uint8), "xor"
+        items.append((raw, base, op, dt))
+    whole = _nonzero.nonzero_choices_device(items, torch.device("cpu"))
+    assert any(whole) and not all(whole)
+    for work in (1, 5 << 20):
+        assert _nonzero.nonzero_choices_device(items, torch.device("cpu"), work=work) == whole

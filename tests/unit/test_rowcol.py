@@ -56,6 +56,9 @@ def test_offsets_and_tile_match_spec_numpy_and_torch(case: tuple[np.ndarray, int
     assert t.tolist() == [(exp_row[i // cols] + exp_col[i % cols]) % 256 for i in range(s0, s1)]
     trow, tcol = rowcol.offsets_torch(torch.from_numpy(p0), cols)
     assert trow.numpy().tolist() == exp_row and tcol.numpy().tolist() == exp_col
+    for block in (1, cols, 3 * cols + 1):  # summed a block of rows at a time: the same bytes
+        brow, bcol = rowcol.offsets_torch(torch.from_numpy(p0), cols, block_elems=block)
+        assert brow.numpy().tolist() == exp_row and bcol.numpy().tolist() == exp_col
     assert rowcol.tile_torch(trow, tcol, s0, s1).numpy().tolist() == t.tolist()
 
 
@@ -257,13 +260,15 @@ def _h_bits(x: np.ndarray) -> float:
     return max(float(-(p * np.log2(p)).sum()), 1e-3) * x.size
 
 
-@pytest.mark.parametrize("group_elems", [None, 1, 30_000])
-def test_gpu_estimates_batched_match_one_by_one(monkeypatch: pytest.MonkeyPatch, group_elems: int | None) -> None:
+@pytest.mark.parametrize("group_elems,work", [(None, None), (1, None), (30_000, None), (None, 1)])
+def test_gpu_estimates_batched_match_one_by_one(
+    monkeypatch: pytest.MonkeyPatch, group_elems: int | None, work: int | None
+) -> None:
     """The GPU writer's estimate (the storages of a group at once: sums by index_add_, one
     bincount), run on CPU tensors, equals a plain per-storage computation (numpy: planes of the
     sampled rows, the offsets of :func:`rowcol.offsets_np`, order-0 entropies), for mixed widths,
     deltas and storages that are no candidates; whether the samples form one group, one group
-    each, or groups of a few."""
+    each, or groups of a few (``work``: the groups a bound on device memory makes)."""
     from s4w_core import delta
     from s4w_core.gpu import _rowcol
     from s4w_core.gpu._rowcol import rowcol_choices_device, rowcol_estimates_device
@@ -280,7 +285,7 @@ def test_gpu_estimates_batched_match_one_by_one(monkeypatch: pytest.MonkeyPatch,
     items.append((bits(moments(300, 97, torch.bfloat16, 0)), bits(base), "sub", torch.bfloat16, 97))
     items.append((bits(moments(300, 97, torch.bfloat16, 0)), None, None, torch.bfloat16, None))  # no row length
     items.append((bits(moments(10, 97, torch.bfloat16, 0)), None, None, torch.bfloat16, 97))  # too small
-    got = rowcol_estimates_device(items, torch.device("cpu"))
+    got = rowcol_estimates_device(items, torch.device("cpu"), work=work)
     for (raw, b, op, dt, cols), est in zip(items, got):
         w = dt.itemsize
         n = raw.numel() // w

@@ -425,7 +425,7 @@ class _Pipeline:
         self.on_stage: dict[int, Callable[[], None]] = {}
         self.on_decode: dict[int, Callable[[], None]] = {}
         self.stage_threads: set[str] = set()
-        monkeypatch.setattr(_nvcomp, "batch_bytes", lambda dev: 10)
+        monkeypatch.setattr(_nvcomp, "batch_bytes", lambda dev, work=None: 10)
         monkeypatch.setattr(_decode, "stage", self.stage)
         monkeypatch.setattr(_decode, "_decode_group", self.decode)
 
