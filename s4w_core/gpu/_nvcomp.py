@@ -127,7 +127,7 @@ def synchronize(device: torch.device) -> None:
     stream_for(device).synchronize()
 
 
-#: default raw bytes per batch. A batch's working set on the device is about 4x this (planes and
+#: default raw bytes per batch. A batch's working set on the device is about 5x this (planes and
 #: the compacted chunks, the coder's slots, staged delta bases), which is the fixed part of the
 #: bound on a save's extra device memory: 10% of the state + 256 MiB (docs/PERFORMANCE.md). 64 MiB
 #: measured +321 / +395 MiB for a save / save_async of a 1.82 GB state against +637 / +772 MiB at

@@ -48,9 +48,14 @@ def test_warm_up_sequence_on_the_simulated_gpu() -> None:
     """The warm-up's own sequence -- the GPU writer on a plain and a delta step, the GPU reader
     decoding both, every byte compared -- under Triton's interpreter with a stand-in for nvCOMP
     (tests/parity/_interpret_checks.simulated_gpu): what the device runs."""
-    s0, _s1 = _warmup.synthetic_states(torch.device("cpu"), _warmup.DEFAULT_DTYPES)
+    from s4w_core.gpu import _coder
+
+    s0, s1 = _warmup.synthetic_states(torch.device("cpu"), _warmup.DEFAULT_DTYPES)
     assert {v.dtype for v in s0.values()} == {torch.bfloat16, torch.float32, torch.int64}
-    assert any(v.numel() > 1 << 20 for v in s0.values())  # more than one GPU segment
+    assert any(v.numel() > _coder.PROFILES["fast"].segment_elems for v in s0.values())  # more than one GPU segment
+    only, none = _warmup.synthetic_states(torch.device("cpu"), _warmup.DEFAULT_DTYPES, second=False)
+    assert not none and only.keys() == s0.keys() and all(torch.equal(only[k], s0[k]) for k in s0)  # the same first state
+    assert s1.keys() == s0.keys()
     code = (
         "import torch\n"
         "from tests.parity._interpret_checks import simulated_gpu\n"
