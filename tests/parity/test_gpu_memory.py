@@ -21,17 +21,9 @@ from s4w_core.gpu import _coder, _decode, _encode, _nvcomp
 from s4w_core.gpu._nonzero import NZ_TRANSFORM
 from s4w_core.gpu._rowcol import RC_TRANSFORM
 from s4w_core.workers import Pool
+from tests.parity.test_gpu_roundtrip import _gpu_backend  # noqa: F401 - the GPU backend on, or a skip
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _gpu_backend(monkeypatch):
-    monkeypatch.delenv("S4W_DISABLE_GPU", raising=False)
-    import s4w_core.gpu as gpu
-
-    if not gpu.available():
-        pytest.skip(f"GPU backend unavailable: {gpu.unavailable_reason()}")
 
 
 def gpt_like(layers: int = 4, d: int = 512, seed: int = 0) -> dict[str, torch.Tensor]:
