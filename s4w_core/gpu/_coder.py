@@ -301,13 +301,6 @@ def _stage_bases(pieces: list[Piece], dev: torch.device) -> tuple[np.ndarray, di
     return addr, staged
 
 
-def _class_bounds(cls: np.ndarray) -> tuple[list[int], list[int]]:
-    """The row ranges ``[a, b)`` of each size class in ``cls`` (sorted)."""
-    edges = np.flatnonzero(np.diff(cls)) + 1
-    starts = [0, *edges.tolist()]
-    return starts, [*edges.tolist(), len(cls)]
-
-
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view."""
     return t if t.dtype == torch.uint8 and t.dim() == 1 else t.reshape(-1).view(torch.uint8)
@@ -361,9 +354,8 @@ class EncodePlan:
         lengths = np.minimum(seg[piece_of], ne[piece_of] - s0)
         # the table holds the chunks by size class (in piece order within one): each class is coded
         # by a coder call of its own, its output slots sized for its own longest chunk
-        cls = _nvcomp.slot_classes(lengths)
-        order = np.argsort(cls, kind="stable")
-        piece_of, local, j_idx, s0, lengths, cls = piece_of[order], local[order], j_idx[order], s0[order], lengths[order], cls[order]
+        order = np.argsort(_nvcomp.slot_classes(lengths), kind="stable")
+        piece_of, local, j_idx, s0, lengths = piece_of[order], local[order], j_idx[order], s0[order], lengths[order]
         self.src_off = src_off = off[piece_of] + j_idx * stride + s0
         self.lengths = lengths
         self.piece_ji = np.array([p.ji for p in pieces], dtype=np.int64)
@@ -373,20 +365,16 @@ class EncodePlan:
         self.maxlen, self.total = int(lengths.max()), int(lengths.sum())
         self.c0 = int(w.max()) * stride
         self.out_bytes = self.c0 + int(((lengths + 15) // 16 * 16).sum())
-        # per class: its table rows [a, b), its coder, the slot size, and the longest and total lengths
-        self.calls: list[tuple[int, int, Any, int, int, int]] = []
-        self.comp_off = np.empty(n, dtype=np.int64)
-        self.caps = np.empty(n, dtype=np.int64)
-        pos = 0
-        for a, b in zip(*_class_bounds(cls)):
-            longest = int(lengths[a:b].max())
-            coder = _nvcomp.codec(prof.algorithm, dev, _round(longest, 1 << 16), **dict(prof.opts))
-            cap = _nvcomp.max_compressed(coder, longest, dev)
-            self.comp_off[a:b] = pos + np.arange(b - a, dtype=np.int64) * cap
-            self.caps[a:b] = cap
-            pos += cap * (b - a)
-            self.calls.append((a, b, coder, cap, longest, int(lengths[a:b].sum())))
-        self.comp_bytes = pos
+        # per class (contiguous in the table): its rows [lo, hi), its coder, the slot size, and the
+        # longest and total lengths
+        classes, self.comp_off, self.comp_bytes = _nvcomp.class_slots(
+            prof.algorithm, dev, lengths, np.arange(n, dtype=np.int64), **dict(prof.opts)
+        )
+        self.calls: list[tuple[int, int, Any, int, int, int]] = [
+            (int(idx[0]), int(idx[-1]) + 1, coder, cap, longest, int(lengths[idx].sum()))
+            for idx, coder, cap, longest in classes
+        ]
+        self.caps = np.repeat([c[3] for c in self.calls], [c[1] - c[0] for c in self.calls]).astype(np.int64)
         # the compaction copies 16-byte granules where every chunk and slot is 16-byte aligned
         self.words = dev.type == "cuda" and not (self.caps % 16).any() and not (src_off % 16).any()
         # the chunk table's host copy (pinned on a GPU): buffer addresses are added per run

@@ -350,11 +350,11 @@ def encode_storages(
             ops.update({i: op for (i, _), op in zip(on_host, host_ops)})
         # storages coded on the CPU path: their delta ops chosen in one pass too
         engine.choose_delta_ops([j for j, p in zip(jobs, plan) if p[2] and j.base is not None])
-        # which GPU-coded storages take the nonzero transform (one read-back for all of them)
+        # which GPU-coded storages take the nonzero transform (a read-back per group of samples)
         nz_jobs = [i for i, p in enumerate(plan) if not p[2] and p[0] in PLANE_TRANSFORMS]
         nz_items = [(jobs[i].raw, jobs[i].base if ops.get(i) else None, ops.get(i), jobs[i].dtype) for i in nz_jobs]
         nz_pick = dict(zip(nz_jobs, nonzero_choices_device(nz_items, dev, work=work)))
-        # ... and which of the others the row/column transform (one read-back for all of them; a
+        # ... and which of the others the row/column transform (a read-back per group of samples; a
         # storage with zeros enough for the nonzero transform keeps it: it codes those as runs)
         # (plain storages only: a delta's residual has its scales removed already)
         rc_jobs = [i for i in nz_jobs if not nz_pick[i] and jobs[i].cols and ops.get(i) is None]

@@ -142,7 +142,6 @@ def nonzero_choices_device(
     return out
 
 
-
 def nz_estimates(samples: list[torch.Tensor], w: int) -> torch.Tensor:
     """Per sample (int16/int32 words of width ``w``, on one device), on the host: its zero count,
     the order-0 bits of its ``planes-rotl1`` planes and those of its nonzero split (the bitmap,
@@ -280,20 +279,10 @@ def code_parts_device(
     comp = src
     comp_off = np.zeros(len(parts), dtype=np.int64)
     if len(todo):
-        # a coder call per size class, each chunk's slot sized for its class (_nvcomp.slot_classes)
-        cls = _nvcomp.slot_classes(lengths)
-        calls = []
-        pos = 0
-        for c in np.unique(cls[todo]).tolist():
-            idx = todo[cls[todo] == c]
-            longest = int(lengths[idx].max())
-            coder = _nvcomp.codec(algorithm, dev, _round(longest, 1 << 16), **opts)
-            cap = _nvcomp.max_compressed(coder, longest, dev)
-            comp_off[idx] = pos + np.arange(len(idx), dtype=np.int64) * cap
-            pos += cap * len(idx)
-            calls.append((idx, coder, cap))
-        comp = torch.empty(pos, dtype=torch.uint8, device=dev)
-        for idx, coder, cap in calls:
+        # a coder call per size class, each chunk's slot sized for its class
+        calls, comp_off, total = _nvcomp.class_slots(algorithm, dev, lengths, todo, **opts)
+        comp = torch.empty(total, dtype=torch.uint8, device=dev)
+        for idx, coder, cap, _longest in calls:
             got = _nvcomp.encode_batch(coder, src, src_off[idx], lengths[idx], comp, comp_off[idx],
                                        np.full(len(idx), cap, dtype=np.int64))
             sizes[idx] = np.asarray(list(got), dtype=np.int64)

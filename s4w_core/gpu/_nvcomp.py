@@ -36,6 +36,7 @@ __all__ = [
     "max_compressed",
     "SLOT_CLASSES",
     "slot_classes",
+    "class_slots",
 ]
 
 #: byte alignment of every chunk buffer we hand to nvCOMP (>= every codec's requirement).
@@ -430,6 +431,27 @@ def slot_classes(lengths: np.ndarray) -> np.ndarray:
     a call of its own: a bias's 2 KiB plane chunk beside 512 KiB segments took a 512 KiB slot, and a
     GPT-2's few hundred small storages some 300 MB of slots beside training."""
     return np.searchsorted(np.asarray(SLOT_CLASSES, dtype=np.int64), np.asarray(lengths, dtype=np.int64))
+
+
+def class_slots(
+    algorithm: str, device: torch.device, lengths: np.ndarray, todo: np.ndarray, **opts: Any
+) -> tuple[list[tuple[np.ndarray, Any, int, int]], np.ndarray, int]:
+    """The output slots of the chunks ``todo`` (indices into ``lengths``), a coder call per size
+    class (:func:`slot_classes`): per class ``(its chunks, coder, slot size, longest chunk)``, in
+    class order; each chunk's slot offset (``todo``'s, the others 0); and the slots' total bytes."""
+    cls = slot_classes(lengths)
+    calls: list[tuple[np.ndarray, Any, int, int]] = []
+    off = np.zeros(len(lengths), dtype=np.int64)
+    pos = 0
+    for c in np.unique(cls[todo]).tolist():
+        idx = todo[cls[todo] == c]
+        longest = int(lengths[idx].max())
+        coder = codec(algorithm, device, -(-longest // (1 << 16)) * (1 << 16), **opts)
+        cap = max_compressed(coder, longest, device)
+        off[idx] = pos + np.arange(len(idx), dtype=np.int64) * cap
+        pos += cap * len(idx)
+        calls.append((idx, coder, cap, longest))
+    return calls, off, pos
 
 
 def max_compressed(c: Any, raw_len: int, device: torch.device) -> int:

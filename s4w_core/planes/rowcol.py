@@ -69,7 +69,7 @@ def offsets_np(p0: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 #: elements of plane 0 summed at a time by :func:`offsets_torch` (its int64 copy of them is the
-#: temporary: 8 MiB, where a 4 M-element moment at once took 32 MiB beside a background save)
+#: temporary: 8 MiB, where a whole plane at once took 8 bytes an element: 96 MB at a background save's peak)
 SUM_BLOCK_ELEMS = 1 << 20
 
 
