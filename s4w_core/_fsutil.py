@@ -13,7 +13,7 @@ from typing import IO, Any, Iterator, Sequence
 from s4w_core import config
 from s4w_core.errors import S4WError, StoreError, UnsafePathError
 
-__all__ = ["name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "NOFOLLOW_AT"]
+__all__ = ["name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "write_vectors", "IOV_MAX", "NOFOLLOW_AT"]
 
 #: bytes written between two writeback starts (``S4W_WRITEBACK_BYTES``; 0 turns it off)
 WRITEBACK_BYTES = config.get_int("S4W_WRITEBACK_BYTES")
@@ -26,8 +26,11 @@ class EarlyWriteback:
 
     Linux's ``posix_fadvise(POSIX_FADV_DONTNEED)`` on a written range starts asynchronous
     writeback of its dirty pages (and drops pages that are already clean); it changes no byte and
-    durability still comes from the caller's fsync. Elsewhere, or for a file without a
-    descriptor, it is a plain pass-through."""
+    durability still comes from the caller's fsync. Elsewhere, with ``window=0`` (a store that
+    does not fsync), or for a file without a descriptor, it is a plain pass-through.
+
+    :meth:`writev` writes many buffers where they lie, in one call (the container writer's
+    chunks, from the pinned memory they were copied to from the GPU)."""
 
     def __init__(self, f: IO[bytes], window: int | None = None) -> None:
         self._f = f
@@ -35,13 +38,28 @@ class EarlyWriteback:
         self._pos = 0
         self._started = 0
         try:
-            self._fd: int | None = f.fileno() if self._window > 0 and hasattr(os, "posix_fadvise") else None
+            self._fileno: int | None = f.fileno()
         except (AttributeError, OSError, ValueError):
-            self._fd = None
+            self._fileno = None
+        self._fd = self._fileno if self._window > 0 and hasattr(os, "posix_fadvise") else None
 
     def write(self, data: Any) -> int:
         n = self._f.write(data)
         n = len(memoryview(data).cast("B")) if n is None else n
+        self._wrote(n)
+        return n
+
+    def writev(self, views: Sequence[memoryview]) -> int:
+        """Write ``views`` in order from where they lie (:func:`write_vectors`; the file object's
+        buffer flushed first); returns the bytes written."""
+        if self._fileno is None:
+            return sum(self.write(v) for v in views)
+        self._f.flush()
+        n = write_vectors(self._fileno, views)
+        self._wrote(n)
+        return n
+
+    def _wrote(self, n: int) -> None:
         self._pos += n
         if self._fd is not None and self._pos - self._started >= self._window:
             self._f.flush()
@@ -50,10 +68,37 @@ class EarlyWriteback:
             except OSError:
                 self._fd = None  # not supported here: stop trying
             self._started = self._pos
-        return n
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
+
+
+#: buffers one ``os.writev`` call takes at most (POSIX's IOV_MAX; 1024 on Linux)
+IOV_MAX = 1024
+with contextlib.suppress(AttributeError, ValueError, OSError):
+    IOV_MAX = max(16, min(IOV_MAX, os.sysconf("SC_IOV_MAX")))
+
+
+def write_vectors(fd: int, views: Sequence[memoryview]) -> int:
+    """Write the byte views ``views`` to ``fd`` in order, with ``os.writev`` (the GIL released for
+    each call, up to :data:`IOV_MAX` buffers a call; a short write goes on from where it stopped);
+    ``os.write`` of each where there is no ``writev``. Returns the bytes written."""
+    total = 0
+    pending = [v for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        run = pending[i : i + IOV_MAX]
+        n = os.writev(fd, run) if hasattr(os, "writev") else os.write(fd, run[0])
+        if n <= 0:
+            raise OSError(errno.EIO, f"write of {sum(v.nbytes for v in run)} bytes wrote {n}")
+        total += n
+        for v in run:  # past the views written whole; a partly written one goes on from its rest
+            if n < v.nbytes:
+                pending[i] = v[n:]
+                break
+            n -= v.nbytes
+            i += 1
+    return total
 
 
 #: characters no name from a file or a caller may hold: NUL and the other C0 controls, DEL and the
@@ -137,7 +182,7 @@ def atomic_write(path: str | os.PathLike[str], prefix: str = ".s4w-", *, durable
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
-            yield EarlyWriteback(f) if durable else f  # type: ignore[misc]
+            yield EarlyWriteback(f, None if durable else 0)  # type: ignore[misc]
             f.flush()
             if durable:
                 os.fsync(f.fileno())

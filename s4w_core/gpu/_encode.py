@@ -95,8 +95,9 @@ class _ChunkSink:
         return len(self.entries) - 1
 
     def write(self, items: list[tuple[int, int, str, Any]]) -> None:
-        for ji, ci, cid, data in items:
-            self.entries[ji]["chunks"][ci] = [cid, *self.writer.add_chunk(data)]
+        placed = self.writer.add_chunks([data for _ji, _ci, _cid, data in items])
+        for (ji, ci, cid, _data), where in zip(items, placed):
+            self.entries[ji]["chunks"][ci] = [cid, *where]
 
     def done(self) -> bool:
         return all(c is not None for e in self.entries for c in e["chunks"])

@@ -195,6 +195,17 @@ class CancellableWriter:
             raise Cancelled
         return int(self._f.write(data))
 
+    @property
+    def writev(self) -> Callable[[Any], int] | None:
+        """The wrapped file's ``writev`` (a local file: chunks written where they lie), stopped once cancelled; ``None``
+        where it has none (the container writer then copies chunks into its write blocks)."""
+        return self._writev if callable(getattr(self._f, "writev", None)) else None
+
+    def _writev(self, views: Any) -> int:
+        if self._cancel.is_set():
+            raise Cancelled
+        return int(self._f.writev(views))
+
     def flush(self) -> None:
         self._f.flush()
 

@@ -97,7 +97,7 @@ class LocalBackend(Backend):
     def writer(self, key: str) -> Iterator[IO[bytes]]:
         with self._tmp(key) as (f, tmp, path):
             # the closing fsync waits for the last window only
-            yield EarlyWriteback(f) if self.durable else f  # type: ignore[misc]
+            yield EarlyWriteback(f, None if self.durable else 0)  # type: ignore[misc]
             try:
                 f.flush()
                 if self.durable:

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import IO, Any, Literal, Mapping, overload
+from typing import IO, Any, Callable, Literal, Mapping, overload
 
 from s4w_core import engine, obs, pipeline
 from s4w_core.errors import BaseMismatchError, ConflictError, S4WError, StoreError
@@ -51,6 +51,23 @@ class CountingWriter:
         self._p = progress
         self._where = where
         self.n = 0
+
+    @property
+    def writev(self) -> Callable[[Any], int] | None:
+        """The wrapped file's ``writev`` (a local file: chunks written where they lie), counted; ``None``
+        where it has none (the container writer then copies chunks into its write blocks)."""
+        return self._writev if callable(getattr(self._f, "writev", None)) else None
+
+    def _writev(self, views: Any) -> int:
+        try:
+            n = self._f.writev(views)  # type: ignore[attr-defined]
+        except OSError as e:
+            if isinstance(e, S4WError):
+                raise
+            raise StoreError(f"cannot write {self._where}: {e}") from e
+        self.n += n
+        self._p.update(n)
+        return int(n)
 
     def write(self, data: Any) -> int:
         try:

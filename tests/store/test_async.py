@@ -27,6 +27,7 @@ import torch
 
 import s4w_core
 from s4w_core import engine, hostmem, obs, pipeline
+from s4w_core._fsutil import EarlyWriteback
 from s4w_core.errors import (
     AsyncSaveError,
     ConflictError,
@@ -36,7 +37,7 @@ from s4w_core.errors import (
 )
 from s4w_core.skeleton import encode_tree
 from s4w_core.store import CheckpointStore, SaveHandle, open_backend
-from s4w_core.store._async import snapshot
+from s4w_core.store._async import CancellableWriter, Cancelled, snapshot
 from s4w_core.store._backend import Backend
 
 from .helpers import Crash, FaultyBackend, bits_equal, make_run
@@ -899,3 +900,16 @@ def test_a_held_tail_runs_only_once_something_waits_for_it() -> None:
     p.cancel_tail_of("re-encoding", 1)
     assert h.wait_done(5) and ran[-1] == "cancelled"
     p.stop()
+
+
+def test_cancellable_writer_passes_vector_writes_and_stops_them(tmp_path: Path) -> None:
+    cancel = threading.Event()
+    assert CancellableWriter(io.BytesIO(), cancel).writev is None  # nothing to hand vectors to
+    p = tmp_path / "o"
+    with open(p, "wb") as raw:
+        w = CancellableWriter(EarlyWriteback(raw, window=0), cancel)
+        assert w.writev([memoryview(b"ab"), memoryview(b"cd")]) == 4
+        cancel.set()
+        with pytest.raises(Cancelled):
+            w.writev([memoryview(b"ef")])
+    assert p.read_bytes() == b"abcd"
