@@ -62,7 +62,7 @@ from s4w_core.gpu._samples import gather_samples, runs_of
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
 
-__all__ = ["encode_storages", "encode_tensors_device", "PreparedEncode", "PROFILES", "MIN_GAIN"]
+__all__ = ["encode_storages", "encode_tensors_device", "host_work", "PreparedEncode", "PROFILES", "MIN_GAIN"]
 
 #: non-float storages up to this size take the CPU path (zstd) in the fast profile.
 SMALL_BYTES_STORAGE = 1 << 20
@@ -314,11 +314,16 @@ def encode_storages(
     prof = PROFILES[profile]
     dev = _device_for(jobs)
     sink = _ChunkSink(writer)
-    # host copies coded on the device (a non-blocking save, a re-encoding) run beside training: their
-    # device memory is bounded by the state's size (device storages: the default batch, between steps)
-    work = None
-    if any(not _on_device(j.raw) and _from_device(j) for j in jobs):
-        work = _nvcomp.work_bytes(sum(j.raw.numel() for j in jobs))
+    # where each storage is coded
+    plan: list[tuple[str, int, bool]] = []
+    for job in jobs:
+        nbytes = job.raw.numel()
+        transform, w = engine.transform_for(job.dtype, nbytes)
+        cpu_path = (profile == "portable" and (not _from_device(job) or transform == "bytes")) or (
+            profile == "fast" and transform == "bytes" and nbytes <= SMALL_BYTES_STORAGE
+        )
+        plan.append((transform, w, cpu_path))
+    work = host_work(jobs, [p[2] for p in plan])
     budget = _nvcomp.batch_bytes(dev, work)
     entries: list[dict[str, Any]] = []
     fold_slots: list[tuple[int, int]] = []  # (entry index, nbytes)
@@ -328,15 +333,7 @@ def encode_storages(
         stack.callback(io.close)  # on an error: stop the I/O thread (its error, if any, is dropped)
         stack.enter_context(_nvcomp.on_stream(dev))
         acc = torch.zeros(max(1, len(jobs)), dtype=torch.int64, device=dev)
-        # where each storage is coded, and the delta op of every GPU-coded storage (one transfer)
-        plan: list[tuple[str, int, bool]] = []
-        for job in jobs:
-            nbytes = job.raw.numel()
-            transform, w = engine.transform_for(job.dtype, nbytes)
-            cpu_path = (profile == "portable" and (not _from_device(job) or transform == "bytes")) or (
-                profile == "fast" and transform == "bytes" and nbytes <= SMALL_BYTES_STORAGE
-            )
-            plan.append((transform, w, cpu_path))
+        # the delta op of every GPU-coded storage (one transfer)
         cands = [(i, (job, plan[i][0], plan[i][1])) for i, job in enumerate(jobs) if job.base is not None and not plan[i][2]]
         # storages on the device, and host copies of GPU storages (the store's re-encoding of a step
         # from its pinned copy against the pinned copy of the step above): their samples estimated
@@ -507,6 +504,18 @@ def encode_storages(
     for i, nb in fold_slots:
         entries[i]["checksum"] = f"fold64:{fold64_finish(int(sums[i]), nb):016x}"
     return entries
+
+
+def host_work(jobs: list[engine.StorageJob], cpu_path: list[bool]) -> int | None:
+    """The device memory a GPU save may take (:func:`~s4w_core.gpu._nvcomp.work_bytes` of the
+    state) where it moves host storages to the device to code them -- a non-blocking save's pinned
+    copies, a store's re-encoding, DCP's staged copies (host tensors, whatever device they came
+    from): such a save runs beside training steps. ``None`` where every storage it codes on the GPU
+    lives there already (a blocking save, between steps: the default batch). ``cpu_path``: per job,
+    whether the CPU path codes it (nothing moved)."""
+    if any(not cpu and not _on_device(j.raw) for j, cpu in zip(jobs, cpu_path)):
+        return _nvcomp.work_bytes(sum(j.raw.numel() for j in jobs))
+    return None
 
 
 def _run_batch(batch: Batch, prof: Profile, dev: torch.device, io: _Writer) -> dict[int, str]:
