@@ -3,6 +3,7 @@ larger than raw; and the order-0 estimates the writers' choices use."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from s4w_core.codecs import DEFLATE, RAW, ZSTD, zstd_encode_plane
 
-__all__ = ["BITMAP", "ZSTD_PLANE", "choose_codec", "encode_chunk", "entropy_ratio", "estimate_bytes"]
+__all__ = ["BITMAP", "ZSTD_PLANE", "choose_codec", "encode_chunk", "entropy_ratio", "estimate_bytes", "order0_bytes"]
 
 #: elements of a plane sampled (with a stride) by :func:`entropy_ratio`
 SAMPLE = 1 << 16
@@ -32,6 +33,29 @@ def entropy_ratio(plane: np.ndarray) -> float:
     p = counts[counts > 0] / sample.size
     h = float(-(p * np.log2(p)).sum())
     return 8.0 / max(h, 1e-3)
+
+
+#: ``c * log2(c)`` for ``c`` up to this: the entropy of a histogram of at most this many bytes is
+#: one lookup per bin (:func:`order0_bytes`)
+_CLOGC_MAX = 1 << 13
+_CLOGC = np.arange(_CLOGC_MAX + 1, dtype=np.float64)
+_CLOGC[1:] *= np.log2(_CLOGC[1:])
+
+
+def order0_bytes(a: np.ndarray) -> float:
+    """Order-0 estimate of the coded bytes of the uint8 array ``a``, all of it (no stride: meant
+    for the small samples of the writers' cheap choices): its size times its entropy in bytes, at
+    least 1e-3 bits a byte (as :func:`entropy_ratio`)."""
+    n = a.size
+    if n == 0:
+        return 0.0
+    counts = np.bincount(a, minlength=256)
+    if n <= _CLOGC_MAX:
+        s = float(_CLOGC[counts].sum())
+    else:
+        c = counts[counts > 0]
+        s = float((c * np.log2(c)).sum())
+    return n * max(math.log2(n) - s / n, 1e-3) / 8.0
 
 
 def estimate_bytes(planes: torch.Tensor) -> float:
