@@ -287,6 +287,9 @@ _SWORD: dict[int, type[np.signedinteger[Any]]] = {2: np.int16, 4: np.int32}
 _BATCH_MAX_ELEMS = 1 << 13
 #: at most this many storages share one pass (bounds the histogram: 1.5 KiB of bins each for bf16)
 _BATCH_ITEMS = 64
+#: ... and samples of at most this many elements together (bounds the pass's index array: 1.5 MiB
+#: for bf16; a pass over 64 samples of 4096 elements took ~2x as long, in fresh pages)
+_BATCH_PASS_ELEMS = 1 << 15
 
 
 def _choose_batch(
@@ -305,20 +308,25 @@ def _choose_batch(
     are estimated on about :data:`ESTIMATE_SAMPLE_ELEMS` elements (the same stride rule), all in
     shared passes."""
     out: list[str | None] = [None] * len(items)
-    small: list[int] = []
-    samples: list[int] = []
+    passes: list[list[tuple[int, int]]] = [[]]  # (item, its sample size) per pass
+    elems = 0
     for i, it in enumerate(items):
         m = it[0].size // w
         sample = ESTIMATE_SAMPLE_ELEMS if estimate_small and it[0].size <= ESTIMATE_MAX_BYTES else SAMPLE
-        if m // max(1, m // sample) <= _BATCH_MAX_ELEMS:
-            small.append(i)
-            samples.append(sample)
-        else:
+        taken = m // max(1, m // sample)
+        if taken > _BATCH_MAX_ELEMS:
             out[i] = _choose_one(*it)
-    for a in range(0, len(small), _BATCH_ITEMS):
-        idx = small[a : a + _BATCH_ITEMS]
-        for i, op in zip(idx, _choose_pass([items[i] for i in idx], w, rot, samples[a : a + _BATCH_ITEMS])):
-            out[i] = op
+            continue
+        if len(passes[-1]) >= _BATCH_ITEMS or (passes[-1] and elems + taken > _BATCH_PASS_ELEMS):
+            passes.append([])
+            elems = 0
+        passes[-1].append((i, sample))
+        elems += taken
+    for group in passes:
+        if group:
+            chosen = _choose_pass([items[i] for i, _ in group], w, rot, [k for _, k in group])
+            for (i, _), op in zip(group, chosen):
+                out[i] = op
     return out
 
 
@@ -371,17 +379,18 @@ def _choose_pass(
     k_n = len(cands)
     per = k_n * w * 256  # histogram bins per sample
     total = x.size
-    seg = np.repeat(np.arange(len(items), dtype=np.int64) * per, lens)
-    idx = np.empty(total * k_n * w, dtype=np.int64)
-    pos = 0
+    # each byte of a (rotated) word, little-endian, is a byte of plane ``w - 1 - t`` (t: its place
+    # in the word): its bin is the byte plus the bins before its sample, candidate and plane
+    off = np.repeat(np.arange(len(items), dtype=np.intp) * per, lens * w)
+    off += np.tile(np.arange(w - 1, -1, -1, dtype=np.intp) * 256, total)
+    n_b = total * w
+    idx = np.empty(n_b * k_n, dtype=np.intp)
     for k, v in enumerate(cands):
         r = (v << word(1)) | (v >> word(bits - 1)) if rot else v
-        for j in range(w):
-            plane = (r >> word(8 * (w - 1 - j))) & word(0xFF) if w > 1 else r
-            np.add(seg, plane, out=idx[pos : pos + total])
-            if k or j:
-                idx[pos : pos + total] += (k * w + j) * 256
-            pos += total
+        dst = idx[k * n_b : (k + 1) * n_b]
+        np.add(off, np.ascontiguousarray(r).view(np.uint8), out=dst)
+        if k:
+            dst += k * w * 256
     counts = np.bincount(idx, minlength=per * len(items)).reshape(len(items), k_n, w, 256)
     p = counts / np.maximum(lens, 1)[:, None, None, None]
     with np.errstate(divide="ignore", invalid="ignore"):
