@@ -11,7 +11,16 @@ import torch
 
 from s4w_core.codecs import DEFLATE, RAW, ZSTD, zstd_encode_plane
 
-__all__ = ["BITMAP", "ZSTD_PLANE", "choose_codec", "encode_chunk", "entropy_ratio", "estimate_bytes", "order0_bytes"]
+__all__ = [
+    "BITMAP",
+    "ZSTD_PLANE",
+    "choose_codec",
+    "encode_chunk",
+    "entropy_ratio",
+    "estimate_bytes",
+    "order0_bytes",
+    "order0_counts_bytes",
+]
 
 #: elements of a plane sampled (with a stride) by :func:`entropy_ratio`
 SAMPLE = 1 << 16
@@ -50,10 +59,14 @@ def order0_bytes(a: np.ndarray) -> float:
     """Order-0 estimate of the coded bytes of the uint8 array ``a``, all of it (no stride: meant
     for the small samples of the writers' cheap choices): its size times its entropy in bytes, at
     least 1e-3 bits a byte (as :func:`entropy_ratio`)."""
-    n = a.size
+    return order0_counts_bytes(np.bincount(a, minlength=256)) if a.size else 0.0
+
+
+def order0_counts_bytes(counts: np.ndarray) -> float:
+    """:func:`order0_bytes` of the bytes whose histogram is ``counts`` (256 bins)."""
+    n = int(counts.sum())
     if n == 0:
         return 0.0
-    counts = np.bincount(a, minlength=256)
     if n <= _CLOGC_MAX:
         s = float(_CLOGC[counts].sum())
     else:
