@@ -30,7 +30,6 @@ __all__ = [
     "DELTA_SAMPLE_ELEMS",
     "ESTIMATE_MAX_BYTES",
     "ESTIMATE_SAMPLE_ELEMS",
-    "NZ_MIN_ELEMS",
     "NZ_MIN_GAIN",
     "estimate_ranges",
     "nonzero_estimates",
@@ -54,9 +53,6 @@ __all__ = [
 NZ_MIN_ZERO_FRAC = 1 / 64
 #: ... and used only if it codes the sample at least this fraction smaller than the plain transform
 NZ_MIN_GAIN = 0.02
-#: storages of fewer elements never take it (biases and norms: a few bytes at stake, where the
-#: check cost more than coding the storage)
-NZ_MIN_ELEMS = 1 << 10
 
 
 def nonzero_pays(
@@ -66,15 +62,14 @@ def nonzero_pays(
     the CPU bytes ``raw`` (with ``base`` and delta ``op``, or plain): measured by coding the
     sample of :func:`delta_sample_ranges` both ways with the chunk coder itself (its zstd finds
     zero runs that an entropy estimate does not see), after a cheap check that the sample has
-    zeros at all (:data:`NZ_MIN_ZERO_FRAC`); never for fewer than :data:`NZ_MIN_ELEMS`
-    elements. A storage of at most :data:`ESTIMATE_MAX_BYTES` is
-    coded so only where the order-0 estimates of both ways on a sample of its elements
-    (:func:`nonzero_estimates`) say the variant saves :data:`NZ_MIN_GAIN` as well (a delta's
-    residual with a few unchanged elements: the estimates a few bytes apart, no trial coding)."""
+    zeros at all (:data:`NZ_MIN_ZERO_FRAC`). A storage of at most :data:`ESTIMATE_MAX_BYTES` and
+    more than :data:`ESTIMATE_SAMPLE_ELEMS` elements is coded so only where the order-0 estimates
+    of both ways on a sample of its elements (:func:`nonzero_estimates`) say the variant saves
+    :data:`NZ_MIN_GAIN` as well (a delta's residual with a few unchanged elements: the estimates a
+    few bytes apart, no trial coding); a smaller one is its own sample, as cheap to code as to
+    estimate (and zstd sees the runs of a bias a step left mostly unchanged)."""
     w = plane_width(dtype)
-    if raw.numel() < NZ_MIN_ELEMS * w:
-        return False
-    if raw.numel() <= ESTIMATE_MAX_BYTES:
+    if ESTIMATE_SAMPLE_ELEMS * w < raw.numel() <= ESTIMATE_MAX_BYTES:
         est = nonzero_estimates(raw, base, dtype, transform, op)
         if est is None or est[1] >= (1.0 - NZ_MIN_GAIN) * est[0]:
             return False
@@ -309,7 +304,7 @@ def _choose_batch(
     items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]],
     w: int,
     rot: bool | None,
-    estimate_small: bool = False,
+    estimated: list[bool] | None = None,
 ) -> list[str | None]:
     """The rule of :func:`choose_delta_op` for many samples of the same plane width and rotation:
     per sample, the order-0 entropy of every plane of plain coding and of each delta op's residual
@@ -317,15 +312,15 @@ def _choose_batch(
     ``entropy_ratio`` does), all histograms of a pass in one ``bincount``. Small samples share a
     pass (a few numpy calls for up to :data:`_BATCH_ITEMS` storages instead of ~30 per storage: a
     training state's many biases and norms cost microseconds); large ones get a pass each.
-    ``estimate_small``: samples of at most :data:`ESTIMATE_MAX_BYTES` (the whole of a small storage)
-    are estimated on about :data:`ESTIMATE_SAMPLE_ELEMS` elements (the same stride rule), all in
-    shared passes."""
+    ``estimated``: per item, whether it is a sample of a storage of at most
+    :data:`ESTIMATE_MAX_BYTES` (then the whole storage), estimated on about
+    :data:`ESTIMATE_SAMPLE_ELEMS` elements (the same stride rule) in shared passes."""
     out: list[str | None] = [None] * len(items)
     passes: list[list[tuple[int, int]]] = [[]]  # (item, its sample size) per pass
     elems = 0
     for i, it in enumerate(items):
         m = it[0].size // w
-        sample = ESTIMATE_SAMPLE_ELEMS if estimate_small and it[0].size <= ESTIMATE_MAX_BYTES else SAMPLE
+        sample = ESTIMATE_SAMPLE_ELEMS if estimated is not None and estimated[i] else SAMPLE
         taken = m // max(1, m // sample)
         if taken > _BATCH_MAX_ELEMS:
             out[i] = _choose_one(*it)
@@ -466,6 +461,7 @@ def choose_delta_ops(
     trs = list(transforms) if transforms is not None else [None] * len(jobs)
     out: list[str | None] = [None] * len(jobs)
     groups: dict[tuple[int, bool | None], list[tuple[int, str, np.ndarray, np.ndarray]]] = {}
+    small = [estimate_small and job.raw.numel() <= ESTIMATE_MAX_BYTES for job in jobs]
     for i, (job, tr) in enumerate(zip(jobs, trs)):
         if job.base is None:
             continue
@@ -477,7 +473,9 @@ def choose_delta_ops(
         w = 1 if transform == "bytes" else plane_width(job.dtype)
         groups.setdefault((w, _rot_of(transform)), []).append((i, transform, *sample))
     for (w, rot), members in groups.items():
-        chosen = _choose_batch([(r, b, jobs[i].dtype, tr, None) for i, tr, r, b in members], w, rot, estimate_small)
+        items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]]
+        items = [(r, b, jobs[i].dtype, tr, None) for i, tr, r, b in members]
+        chosen = _choose_batch(items, w, rot, [small[i] for i, _tr, _r, _b in members])
         for (i, tr, _r, _b), op in zip(members, chosen):
             out[i] = op
             jobs[i].delta_choice = (tr, op)

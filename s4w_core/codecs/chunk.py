@@ -28,9 +28,12 @@ SAMPLE = 1 << 16
 LOW_ENTROPY_RATIO = 4
 #: exponent-plane chunks smaller than this are also tried with Huffman-only deflate (smaller wins).
 SMALL_PLANE = 1 << 16
-#: ... and are tried at level 3 only this many times smaller (below 1 bit a byte, where only matches
-#: go): between 4x and 8x, level 3 took 17 bytes off 59 chunks (1 MB of planes) of a small GPT's
-#: delta residuals, for 3.3 ms of CPU (benchmarks/bench_tensor_cost.py's state)
+#: ... and those of at least this many bytes are tried at level 3 only when
+#: :data:`LOW_ENTROPY_RATIO_SMALL` times smaller (below 1 bit a byte, where only matches go):
+#: between 4x and 8x, level 3 took 17 bytes off 35 such chunks (~1 MB of planes) of a small GPT's
+#: delta residuals for ~3 ms of CPU (benchmarks/bench_tensor_cost.py's state); smaller chunks (biases and
+#: norms) still try it at 4x, for a few microseconds each
+TINY_PLANE = 1 << 12
 LOW_ENTROPY_RATIO_SMALL = 8
 #: the plane index :func:`encode_chunk` is given for the bitmap chunk of a nonzero transform
 BITMAP = -1
@@ -101,7 +104,7 @@ def encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes]
             # below a Huffman code's 1 bit a byte with zstd's matches at its default level. (Not
             # the plane 0 of a row/column transform, FORMAT.md 4.5d: ~2 bits a byte of noise around
             # its offsets, where level 3 took 0.1 % off at 1.6x the time.)
-            if plane.size >= SMALL_PLANE or len(out) * LOW_ENTROPY_RATIO_SMALL < plane.size:
+            if not TINY_PLANE <= plane.size < SMALL_PLANE or len(out) * LOW_ENTROPY_RATIO_SMALL < plane.size:
                 assert ZSTD.encode_cpu is not None
                 z = ZSTD.encode_cpu(data)
                 if len(z) < len(out):

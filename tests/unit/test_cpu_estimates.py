@@ -83,8 +83,9 @@ def test_small_storages_choose_without_trial_coding(monkeypatch: pytest.MonkeyPa
 
 
 def test_estimated_choices_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small storages coded with the estimated variants (row/column, nonzero, each delta op) decode
-    bit-exactly, through a store's re-encoding as well; no trial coding was made for them."""
+    """Small storages coded with the estimated variants (row/column, each delta op) decode
+    bit-exactly, through a store's re-encoding as well; no trial coding was made for them (no
+    residual here has zeros enough for the nonzero variant's trial)."""
 
     def no_trials(*a: Any) -> Any:
         raise AssertionError("a small storage's choice coded a sample")
@@ -92,11 +93,12 @@ def test_estimated_choices_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(choice, "encode_chunk", no_trials)
     g = torch.Generator().manual_seed(4)
     w0 = (0.02 * torch.randn(96, 384, generator=g)).to(torch.bfloat16)
-    s0 = {"w": w0, "m": moments(96, 384, torch.bfloat16), "b": torch.zeros(96, dtype=torch.bfloat16)}
+    s0 = {"w": w0, "m": moments(96, 384, torch.bfloat16), "b": torch.randn(96, generator=g).to(torch.bfloat16)}
     s0["w"].view(-1)[:3] = torch.tensor([float("nan"), -0.0, float("inf")]).to(torch.bfloat16)
     s1 = {k: v.clone() for k, v in s0.items()}
     s1["w"] += (1e-3 * torch.randn(96, 384, generator=g)).to(torch.bfloat16)
     s1["m"] = moments(96, 384, torch.bfloat16, seed=5)
+    s1["b"] = torch.randn(96, generator=g).to(torch.bfloat16)
     buf = io.BytesIO()
     s4w_core.save(s0, buf)
     tr = {s["path"]: s["transform"] for s in split(buf.getvalue())[2]["storages"]}
@@ -115,12 +117,15 @@ def test_estimated_choices_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch)
         st.close()
 
 
-def test_nonzero_needs_enough_elements() -> None:
+def test_small_sparse_residual_still_takes_nonzero() -> None:
+    """A small storage whose residual is mostly zeros (a bias a fine-tune step barely moved) still
+    goes nz: the estimate lets the trial run, and the trial says it pays."""
     dt, rot = torch.bfloat16, "planes-rotl1"
-    z = torch.zeros(choice.NZ_MIN_ELEMS - 1, dtype=dt)
-    assert not choice.nonzero_pays(bits(z), None, dt, rot, None)
-    x, base = sparse_delta(choice.NZ_MIN_ELEMS * 8)
+    x, base = sparse_delta(384)
+    assert choice.nonzero_estimates(bits(x), bits(base), dt, rot, "xor") is not None
     assert choice.nonzero_pays(bits(x), bits(base), dt, rot, "xor")
+    dense = (0.02 * torch.randn(384)).to(dt)
+    assert not choice.nonzero_pays(bits(dense), None, dt, rot, None)
 
 
 def test_order0_bytes_is_the_entropy_estimate() -> None:
@@ -168,7 +173,7 @@ def _level3_calls(monkeypatch: pytest.MonkeyPatch, plane: np.ndarray, j: int = 1
     return len(calls)
 
 
-def test_small_planes_retry_level3_only_below_one_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mid_planes_retry_level3_only_below_one_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(1)
     # ~1.2 bits a byte under Huffman: 4x to 8x smaller
     mid = rng.choice(np.array([0, 1, 2], np.uint8), size=30_000, p=[0.8, 0.1, 0.1])
@@ -178,9 +183,13 @@ def test_small_planes_retry_level3_only_below_one_bit(monkeypatch: pytest.Monkey
     near_constant = np.zeros(30_000, np.uint8)
     near_constant[::997] = 3
     assert _level3_calls(monkeypatch, near_constant) == 1
-    # a plane of SMALL_PLANE bytes or more: at 4x, as before
+    # a plane of SMALL_PLANE bytes or more, or under TINY_PLANE (a bias): at 4x, as before
     big = rng.choice(np.array([0, 1, 2], np.uint8), size=chunk_mod.SMALL_PLANE, p=[0.8, 0.1, 0.1])
     assert _level3_calls(monkeypatch, big) == 1
+    tiny = rng.choice(np.array([0, 1, 2], np.uint8), size=chunk_mod.TINY_PLANE - 1, p=[0.8, 0.1, 0.1])
+    size = len(chunk_mod.zstd_encode_plane(tiny))
+    assert chunk_mod.LOW_ENTROPY_RATIO * size < tiny.size <= chunk_mod.LOW_ENTROPY_RATIO_SMALL * size
+    assert _level3_calls(monkeypatch, tiny) == 1
 
 
 def test_delta_choice_passes_split_by_elements_keep_choices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,6 +210,29 @@ def test_delta_choice_passes_split_by_elements_keep_choices(monkeypatch: pytest.
     monkeypatch.setattr(choice, "_BATCH_PASS_ELEMS", 1)
     assert choose(estimate_small=True) == whole and choose() == full
     assert set(full) - {None}  # some delta chosen
+
+
+def test_large_storages_keep_the_full_delta_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storage above ESTIMATE_MAX_BYTES whose delta sample is no larger (147,456 bf16 elements:
+    a 2**16-element sample, 128 KiB) is estimated on its whole sample, as before; a small one on
+    ~4096 elements, in a shared pass."""
+    one: list[int] = []
+    real_one = choice._choose_one
+
+    def spy(raw: np.ndarray, *a: Any) -> Any:
+        one.append(raw.size)
+        return real_one(raw, *a)
+
+    monkeypatch.setattr(choice, "_choose_one", spy)
+    g = torch.Generator().manual_seed(8)
+    jobs = []
+    for n in (384 * 384, 96 * 384):
+        b = (0.02 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        x = (b.float() + 1e-3 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        jobs.append(engine.StorageJob(bits(x), torch.bfloat16, f"t{n}", "cpu", bits(b), {}))
+    assert len(engine.delta_sample_ranges(384 * 384)) > 1
+    engine.choose_delta_ops(jobs, estimate_small=True)
+    assert one == [(1 << 16) * 2]  # the large one alone, on its whole sample
 
 
 def test_store_save_walks_the_state_once(monkeypatch: pytest.MonkeyPatch) -> None:
