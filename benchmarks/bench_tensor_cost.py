@@ -110,8 +110,13 @@ def main() -> int:
                 engine.choose_delta_ops(jobs)
 
             t_bat = best_of(batched, a.repeats) / len(jobs)
-            row = {"dtype": str(dt).removeprefix("torch."), "elems": n, "old_ms": t_old * 1e3, "new_ms": t_new * 1e3,
-                   "batched_ms": t_bat * 1e3}
+            row = {
+                "dtype": str(dt).removeprefix("torch."),
+                "elems": n,
+                "old_ms": t_old * 1e3,
+                "new_ms": t_new * 1e3,
+                "batched_ms": t_bat * 1e3,
+            }
             res["choose"].append(row)
             print(f"  {row['dtype']:>8} {n:>8}: {row['old_ms']:8.3f} | {row['new_ms']:8.3f} | {row['batched_ms']:8.3f}")
 
@@ -125,8 +130,11 @@ def main() -> int:
         tr.step()
     s1 = {k: v.detach().clone() for k, v in flat(tr.state()).items()}
     nparams = sum(p.numel() for p in tr.model.parameters())
-    jobs = [engine.StorageJob(v.reshape(-1).view(torch.uint8), v.dtype, k, "cpu", s0[k].reshape(-1).view(torch.uint8), {})
-            for k, v in s1.items() if v.numel() and v.dtype.is_floating_point]
+    jobs = [
+        engine.StorageJob(v.reshape(-1).view(torch.uint8), v.dtype, k, "cpu", s0[k].reshape(-1).view(torch.uint8), {})
+        for k, v in s1.items()
+        if v.numel() and v.dtype.is_floating_point
+    ]
     trs = [engine.transform_for(j.dtype, j.raw.numel())[0] for j in jobs]
     old = [old_choose(j, t) for j, t in zip(jobs, trs)]
     t_old = best_of(lambda: [old_choose(j, t) for j, t in zip(jobs, trs)], a.repeats)
@@ -139,13 +147,21 @@ def main() -> int:
 
     t_bat = best_of(batched_state, a.repeats)
     new = batched_state()
-    res["state"] = {"params": nparams, "storages": len(jobs), "old_ms_per_storage": t_old / len(jobs) * 1e3,
-                    "new_ms_per_storage": t_new / len(jobs) * 1e3, "batched_ms_per_storage": t_bat / len(jobs) * 1e3,
-                    "same_choices": old == new, "choices": {str(k): new.count(k) for k in set(new)}}
+    res["state"] = {
+        "params": nparams,
+        "storages": len(jobs),
+        "old_ms_per_storage": t_old / len(jobs) * 1e3,
+        "new_ms_per_storage": t_new / len(jobs) * 1e3,
+        "batched_ms_per_storage": t_bat / len(jobs) * 1e3,
+        "same_choices": old == new,
+        "choices": {str(k): new.count(k) for k in set(new)},
+    }
     st = res["state"]
-    print(f"2. a {nparams / 1e6:.2f} M-parameter bf16 GPT + AdamW, {len(jobs)} float storages: ms per storage "
-          f"old {st['old_ms_per_storage']:.3f}, new one-by-one {st['new_ms_per_storage']:.3f}, batched "
-          f"{st['batched_ms_per_storage']:.3f}; same choices: {st['same_choices']} {st['choices']}")
+    print(
+        f"2. a {nparams / 1e6:.2f} M-parameter bf16 GPT + AdamW, {len(jobs)} float storages: ms per storage "
+        f"old {st['old_ms_per_storage']:.3f}, new one-by-one {st['new_ms_per_storage']:.3f}, batched "
+        f"{st['batched_ms_per_storage']:.3f}; same choices: {st['same_choices']} {st['choices']}"
+    )
 
     tiny0 = {f"t{i}": torch.randn(64, generator=g).to(torch.bfloat16) for i in range(1000)}
     tiny1 = {k: (v.float() * (1 + 1e-3 * torch.randn(64, generator=g))).to(torch.bfloat16) for k, v in tiny0.items()}
@@ -163,7 +179,7 @@ def save_costs(s0: dict[str, torch.Tensor], s1: dict[str, torch.Tensor], repeats
         with tempfile.TemporaryDirectory() as d:
             orig_ops, orig_one = engine.choose_delta_ops, engine.choose_delta_op
             if chooser is not None:  # every storage estimated one by one, the old way
-                engine.choose_delta_ops = lambda jobs, transforms=None: [None] * len(list(jobs))  # type: ignore[assignment]
+                engine.choose_delta_ops = lambda jobs, transforms=None, **kw: [None] * len(list(jobs))  # type: ignore[assignment]
                 engine.choose_delta_op = lambda job, transform, ops=None: old_choose(job, transform)  # type: ignore[assignment]
             try:
                 store = CheckpointStore(d, keep_last=2)
@@ -183,11 +199,18 @@ def save_costs(s0: dict[str, torch.Tensor], s1: dict[str, torch.Tensor], repeats
             finally:
                 engine.choose_delta_ops, engine.choose_delta_op = orig_ops, orig_one
         n = len(s1)
-        out[label] = {"ms_per_tensor": min(totals) / n * 1e3, "save_ms_per_tensor": min(saves) / n * 1e3,
-                      "wall_ms_per_tensor": min(walls) / n * 1e3, "store_bytes": size, "tensors": n}
-        print(f"{'3' if n < 1000 else '4'}. [{label} chooser] save of {n} tensors: {min(totals) * 1e3:.1f} ms CPU with "
-              f"its re-encoding, {min(totals) / n * 1e3:.3f} ms per tensor (the save alone {min(saves) / n * 1e3:.3f} CPU, "
-              f"{min(walls) / n * 1e3:.3f} wall); store {size:,} bytes")
+        out[label] = {
+            "ms_per_tensor": min(totals) / n * 1e3,
+            "save_ms_per_tensor": min(saves) / n * 1e3,
+            "wall_ms_per_tensor": min(walls) / n * 1e3,
+            "store_bytes": size,
+            "tensors": n,
+        }
+        print(
+            f"{'3' if n < 1000 else '4'}. [{label} chooser] save of {n} tensors: {min(totals) * 1e3:.1f} ms CPU with "
+            f"its re-encoding, {min(totals) / n * 1e3:.3f} ms per tensor (the save alone {min(saves) / n * 1e3:.3f} CPU, "
+            f"{min(walls) / n * 1e3:.3f} wall); store {size:,} bytes"
+        )
     return out
 
 

@@ -92,6 +92,10 @@ def xxh3_hex_holding_gil(data: Buffer) -> str:
     1 GB). Larger buffers release it (hashing them takes longer than the wait). Not for threads
     that hash in parallel with each other (a load's readers): they would take turns."""
     if _HELD is not None:
+        if type(data) is bytes:  # a coded chunk: ctypes passes its buffer as it is (~4x faster)
+            if 0 < len(data) < _HOLD_GIL_BELOW:
+                return f"{_HELD(data, len(data)):016x}"  # type: ignore[arg-type]
+            return xxhash.xxh3_64_hexdigest(data)
         try:
             arr = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]
         except (TypeError, ValueError, BufferError):  # not a contiguous byte buffer

@@ -9,7 +9,15 @@ import numpy as np
 import torch
 
 from s4w_core import delta
-from s4w_core.codecs.chunk import BITMAP, SAMPLE, encode_chunk, entropy_ratio, estimate_bytes
+from s4w_core.codecs.chunk import (
+    BITMAP,
+    SAMPLE,
+    encode_chunk,
+    entropy_ratio,
+    estimate_bytes,
+    order0_bytes,
+    order0_counts_bytes,
+)
 from s4w_core.errors import BaseMismatchError
 from s4w_core.format.manifest import RC_TRANSFORMS
 from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
@@ -20,7 +28,11 @@ __all__ = [
     "DELTA_MIN_GAIN",
     "DELTA_RUNS",
     "DELTA_SAMPLE_ELEMS",
+    "ESTIMATE_MAX_BYTES",
+    "ESTIMATE_SAMPLE_ELEMS",
     "NZ_MIN_GAIN",
+    "estimate_ranges",
+    "nonzero_estimates",
     "NZ_MIN_ZERO_FRAC",
     "choose_delta_op",
     "choose_delta_op_sampled",
@@ -50,8 +62,17 @@ def nonzero_pays(
     the CPU bytes ``raw`` (with ``base`` and delta ``op``, or plain): measured by coding the
     sample of :func:`delta_sample_ranges` both ways with the chunk coder itself (its zstd finds
     zero runs that an entropy estimate does not see), after a cheap check that the sample has
-    zeros at all (:data:`NZ_MIN_ZERO_FRAC`)."""
+    zeros at all (:data:`NZ_MIN_ZERO_FRAC`). A storage of at most :data:`ESTIMATE_MAX_BYTES` and
+    more than :data:`ESTIMATE_SAMPLE_ELEMS` elements is coded so only where the order-0 estimates
+    of both ways on a sample of its elements (:func:`nonzero_estimates`) say the variant saves
+    :data:`NZ_MIN_GAIN` as well (a delta's residual with a few unchanged elements: the estimates a
+    few bytes apart, no trial coding); a smaller one is its own sample, as cheap to code as to
+    estimate (and zstd sees the runs of a bias a step left mostly unchanged)."""
     w = plane_width(dtype)
+    if ESTIMATE_SAMPLE_ELEMS * w < raw.numel() <= ESTIMATE_MAX_BYTES:
+        est = nonzero_estimates(raw, base, dtype, transform, op)
+        if est is None or est[1] >= (1.0 - NZ_MIN_GAIN) * est[0]:
+            return False
     ranges = delta_sample_ranges(raw.numel() // w)
     if not ranges:
         return False
@@ -72,6 +93,58 @@ def nonzero_pays(
     return nz_cost < (1.0 - NZ_MIN_GAIN) * plain_cost
 
 
+def estimate_ranges(n: int) -> list[tuple[int, int]]:
+    """Element ranges ``(start, stop)`` the estimates of a storage of ``n`` elements sample: all of
+    it up to :data:`ESTIMATE_SAMPLE_ELEMS`, else 8 runs spread over it making about that many
+    (runs, not a stride: the nonzero bitmap's runs of zeros are part of what is estimated)."""
+    if n <= ESTIMATE_SAMPLE_ELEMS:
+        return [(0, n)] if n else []
+    run = ESTIMATE_SAMPLE_ELEMS // 8
+    return [((n - run) * k // 7, (n - run) * k // 7 + run) for k in range(8)]
+
+
+def nonzero_estimates(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None
+) -> tuple[float, float] | None:
+    """``(planes, nonzero)``: order-0 estimates of the bytes of a sample (:func:`estimate_ranges`)
+    of ``raw`` (with ``base`` and delta ``op``, or plain) under the byte-plane ``transform`` and
+    under its nonzero variant (bitmap and planes of the nonzero elements); None where fewer than
+    :data:`NZ_MIN_ZERO_FRAC` of the sampled elements are zero."""
+    w = plane_width(dtype)
+    ranges = estimate_ranges(raw.numel() // w)
+    if not ranges:
+        return None
+    r, b = raw, base if op is not None else None
+    if len(ranges) > 1:  # numpy's concatenation of the runs (torch.cat costs ~10 us a call)
+        r = torch.from_numpy(np.concatenate([raw.numpy()[a * w : z * w] for a, z in ranges]))
+        if b is not None:
+            b = torch.from_numpy(np.concatenate([b.numpy()[a * w : z * w] for a, z in ranges]))
+    words = nzt.residual_words(r, dtype, b, op)
+    zeros = words.size - int(np.count_nonzero(words))
+    if zeros < NZ_MIN_ZERO_FRAC * words.size:
+        return None
+    plain = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=plane_rot(transform)).numpy()
+    counts = [np.bincount(plain[j], minlength=256) for j in range(w)]
+    plain_cost = sum(order0_counts_bytes(c) for c in counts)
+    # a zero element is a zero byte in every plane: the nonzero elements' planes have the same
+    # histograms less ``zeros`` zero bytes
+    for c in counts:
+        c[0] -= zeros
+    bitmap = np.packbits(words != 0, bitorder="little")  # nzt.split_nonzero's bitmap
+    return plain_cost, order0_bytes(bitmap) + sum(order0_counts_bytes(c) for c in counts)
+
+
+#: storages of at most this many bytes (a small model's weights and moments, and every bias and
+#: norm) make their choices -- the delta op on the CPU writer (:func:`choose_delta_ops`), the
+#: row/column and nonzero variants -- by order-0 estimates on a sample of about
+#: :data:`ESTIMATE_SAMPLE_ELEMS` elements instead of coding samples of up to 2**16 elements with the
+#: chunk coder: those trial codings cost several times the storage's own coding (a save and its
+#: re-encoding of a 0.5 M-parameter GPT's state, benchmarks/bench_tensor_cost.py), for choices
+#: whose bytes at stake are few
+ESTIMATE_MAX_BYTES = 128 << 10
+#: elements the estimates of a storage of at most :data:`ESTIMATE_MAX_BYTES` sample
+ESTIMATE_SAMPLE_ELEMS = 1 << 12
+
 #: storages of fewer elements never take the row/column transform (docs/FORMAT.md 4.5d)
 RC_MIN_ELEMS = 1 << 12
 #: ... which is used only where it makes the storage (the estimate of all its planes plus the
@@ -81,11 +154,11 @@ RC_MIN_GAIN = 0.02
 RC_SAMPLE_ELEMS = 1 << 15
 
 
-def rowcol_sample_rows(rows: int, cols: int) -> list[int]:
+def rowcol_sample_rows(rows: int, cols: int, elems: int = RC_SAMPLE_ELEMS) -> list[int]:
     """The rows (indices, in order) that the row/column probe samples from an ``rows x cols``
-    storage: all of them up to :data:`RC_SAMPLE_ELEMS` elements, else evenly spread rows making
-    about that many (at least 2)."""
-    k = max(2, min(rows, RC_SAMPLE_ELEMS // cols))
+    storage: all of them up to ``elems`` elements (:data:`RC_SAMPLE_ELEMS`), else evenly spread
+    rows making about that many (at least 2)."""
+    k = max(2, min(rows, elems // cols))
     if k >= rows:
         return list(range(rows))
     return sorted({(rows - 1) * i // (k - 1) for i in range(k)})
@@ -107,13 +180,16 @@ def rowcol_costs(
     None where the variant does not apply (no row length, fewer than :data:`RC_MIN_ELEMS`
     elements). On the rows of :func:`rowcol_sample_rows`, scaled to the storage: plane 0 coded
     with the chunk coder as it is and less its offsets; the other planes (the same both ways) coded
-    once where ``coded``, else estimated by their order-0 entropy (:func:`entropy_ratio`)."""
+    once where ``coded``, else estimated by their order-0 entropy (:func:`entropy_ratio`). A
+    storage of at most :data:`ESTIMATE_MAX_BYTES` is estimated on rows making about
+    :data:`ESTIMATE_SAMPLE_ELEMS` elements, every plane order-0 (``coded`` aside)."""
     w = plane_width(dtype)
     n = raw.numel() // w
     if not cols or n < RC_MIN_ELEMS or n % cols or n // cols < 2 or cols < 2:
         return None
     rows = n // cols
-    pick = rowcol_sample_rows(rows, cols)
+    small = raw.numel() <= ESTIMATE_MAX_BYTES
+    pick = rowcol_sample_rows(rows, cols, ESTIMATE_SAMPLE_ELEMS if small else RC_SAMPLE_ELEMS)
     if base is None or op is None:
         base, op = None, None
     if len(pick) == rows:
@@ -125,16 +201,21 @@ def rowcol_costs(
     words = nzt.residual_words(r, dtype, b, op)
     rot = plane_rot(transform)
     planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
-    # plane 0 coded both ways; the other planes, the same both ways, coded too where ``coded`` (the
-    # estimates of a delta's residual against the tensor alone), else estimated order-0 (the
-    # denominator of the gain only: a fraction of the time of coding them)
-    costs = [float(len(encode_chunk(transform, 0, planes[0])[1]))]
-    for j in range(1, w):
-        costs.append(len(encode_chunk(transform, j, planes[j])[1]) if coded else planes[j].size / entropy_ratio(planes[j]))
     p0 = planes[0]
     row, col = rowcol.offsets_np(p0, cols)
     q = p0 - rowcol.tile_np(row, col, 0, p0.size)
-    rc0 = len(encode_chunk(next(k for k, v in RC_TRANSFORMS.items() if v == transform), 0, q)[1])
+    if small:  # every plane, and plane 0 less its offsets, estimated order-0 (one histogram pass)
+        *costs, rc0 = [order0_bytes(a) for a in (*planes, q)]
+    else:
+        # plane 0 coded both ways; the other planes, the same both ways, coded too where ``coded``
+        # (the estimates of a delta's residual against the tensor alone), else estimated order-0
+        # (the denominator of the gain only: a fraction of the time of coding them)
+        costs = [float(len(encode_chunk(transform, 0, p0)[1]))]
+        for j in range(1, w):
+            costs.append(
+                len(encode_chunk(transform, j, planes[j])[1]) if coded else planes[j].size / entropy_ratio(planes[j])
+            )
+        rc0 = len(encode_chunk(next(k for k, v in RC_TRANSFORMS.items() if v == transform), 0, q)[1])
     scale = n / p0.size
     return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
 
@@ -214,29 +295,46 @@ _SWORD: dict[int, type[np.signedinteger[Any]]] = {2: np.int16, 4: np.int32}
 _BATCH_MAX_ELEMS = 1 << 13
 #: at most this many storages share one pass (bounds the histogram: 1.5 KiB of bins each for bf16)
 _BATCH_ITEMS = 64
+#: ... and samples of at most this many elements together (bounds the pass's index array: 1.5 MiB
+#: for bf16; a pass over 64 samples of 4096 elements took ~2x as long, in fresh pages)
+_BATCH_PASS_ELEMS = 1 << 15
 
 
 def _choose_batch(
-    items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]], w: int, rot: bool | None
+    items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]],
+    w: int,
+    rot: bool | None,
+    estimated: list[bool] | None = None,
 ) -> list[str | None]:
     """The rule of :func:`choose_delta_op` for many samples of the same plane width and rotation:
     per sample, the order-0 entropy of every plane of plain coding and of each delta op's residual
     (each plane estimated on at most :data:`SAMPLE` elements taken with a stride, as
     ``entropy_ratio`` does), all histograms of a pass in one ``bincount``. Small samples share a
     pass (a few numpy calls for up to :data:`_BATCH_ITEMS` storages instead of ~30 per storage: a
-    training state's many biases and norms cost microseconds); large ones get a pass each."""
+    training state's many biases and norms cost microseconds); large ones get a pass each.
+    ``estimated``: per item, whether it is a sample of a storage of at most
+    :data:`ESTIMATE_MAX_BYTES` (then the whole storage), estimated on about
+    :data:`ESTIMATE_SAMPLE_ELEMS` elements (the same stride rule) in shared passes."""
     out: list[str | None] = [None] * len(items)
-    small: list[int] = []
+    passes: list[list[tuple[int, int]]] = [[]]  # (item, its sample size) per pass
+    elems = 0
     for i, it in enumerate(items):
         m = it[0].size // w
-        if m // max(1, m // SAMPLE) <= _BATCH_MAX_ELEMS:
-            small.append(i)
-        else:
+        sample = ESTIMATE_SAMPLE_ELEMS if estimated is not None and estimated[i] else SAMPLE
+        taken = m // max(1, m // sample)
+        if taken > _BATCH_MAX_ELEMS:
             out[i] = _choose_one(*it)
-    for a in range(0, len(small), _BATCH_ITEMS):
-        idx = small[a : a + _BATCH_ITEMS]
-        for i, op in zip(idx, _choose_pass([items[i] for i in idx], w, rot)):
-            out[i] = op
+            continue
+        if len(passes[-1]) >= _BATCH_ITEMS or (passes[-1] and elems + taken > _BATCH_PASS_ELEMS):
+            passes.append([])
+            elems = 0
+        passes[-1].append((i, sample))
+        elems += taken
+    for group in passes:
+        if group:
+            chosen = _choose_pass([items[i] for i, _ in group], w, rot, [k for _, k in group])
+            for (i, _), op in zip(group, chosen):
+                out[i] = op
     return out
 
 
@@ -260,16 +358,19 @@ def _choose_one(
 
 
 def _choose_pass(
-    items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]], w: int, rot: bool | None
+    items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]],
+    w: int,
+    rot: bool | None,
+    samples: list[int],
 ) -> list[str | None]:
     word = _WORD[w]
     bits = 8 * w
     xs: list[np.ndarray] = []
     bs: list[np.ndarray] = []
     full: list[int] = []  # elements per sample (the cost's scale)
-    for raw, base, _dt, _tr, _ops in items:
+    for (raw, base, _dt, _tr, _ops), sample in zip(items, samples):
         m = raw.size // w
-        step = max(1, m // SAMPLE)  # entropy_ratio's stride
+        step = max(1, m // sample)  # entropy_ratio's stride
         xs.append(raw.view(word)[::step])
         bs.append(base.view(word)[::step])
         full.append(m)
@@ -286,17 +387,18 @@ def _choose_pass(
     k_n = len(cands)
     per = k_n * w * 256  # histogram bins per sample
     total = x.size
-    seg = np.repeat(np.arange(len(items), dtype=np.int64) * per, lens)
-    idx = np.empty(total * k_n * w, dtype=np.int64)
-    pos = 0
+    # each byte of a (rotated) word, little-endian, is a byte of plane ``w - 1 - t`` (t: its place
+    # in the word): its bin is the byte plus the bins before its sample, candidate and plane
+    off = np.repeat(np.arange(len(items), dtype=np.intp) * per, lens * w)
+    off += np.tile(np.arange(w - 1, -1, -1, dtype=np.intp) * 256, total)
+    n_b = total * w
+    idx = np.empty(n_b * k_n, dtype=np.intp)
     for k, v in enumerate(cands):
         r = (v << word(1)) | (v >> word(bits - 1)) if rot else v
-        for j in range(w):
-            plane = (r >> word(8 * (w - 1 - j))) & word(0xFF) if w > 1 else r
-            np.add(seg, plane, out=idx[pos : pos + total])
-            if k or j:
-                idx[pos : pos + total] += (k * w + j) * 256
-            pos += total
+        dst = idx[k * n_b : (k + 1) * n_b]
+        np.add(off, np.ascontiguousarray(r).view(np.uint8), out=dst)
+        if k:
+            dst += k * w * 256
     counts = np.bincount(idx, minlength=per * len(items)).reshape(len(items), k_n, w, 256)
     p = counts / np.maximum(lens, 1)[:, None, None, None]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -335,23 +437,31 @@ def _gather_sample(job: StorageJob, transform: str) -> tuple[np.ndarray, np.ndar
         if len(ranges) == 1:
             a, z = ranges[0]
             return rn[a * w : z * w], bn[a * w : z * w]
-        return (np.concatenate([rn[a * w : z * w] for a, z in ranges]),
-                np.concatenate([bn[a * w : z * w] for a, z in ranges]))
+        return (
+            np.concatenate([rn[a * w : z * w] for a, z in ranges]),
+            np.concatenate([bn[a * w : z * w] for a, z in ranges]),
+        )
     raw = torch.cat([job.raw[a * w : z * w].cpu() for a, z in ranges])
     base = torch.cat([job.base[a * w : z * w].cpu() for a, z in ranges])
     return raw.numpy(), base.numpy()
 
 
-def choose_delta_ops(jobs: Iterable[StorageJob], transforms: Iterable[str | None] | None = None) -> list[str | None]:
+def choose_delta_ops(
+    jobs: Iterable[StorageJob], transforms: Iterable[str | None] | None = None, *, estimate_small: bool = False
+) -> list[str | None]:
     """:func:`choose_delta_op` for many storages at once (those without a base give None), each
     choice also recorded on its job, where :func:`choose_delta_op` returns it when asked again for
     the same transform: writers call this once before coding a checkpoint's storages one by one.
     ``transforms``: per job, the transform it will be coded with (None: :func:`transform_for`'s default).
+    ``estimate_small``: storages of at most :data:`ESTIMATE_MAX_BYTES` are estimated on about
+    :data:`ESTIMATE_SAMPLE_ELEMS` elements (the CPU writer: the choice among plain, ``xor`` and
+    ``sub`` is rarely close, and where it is the bytes at stake are few).
     Raises BaseMismatchError if a base has a different size."""
     jobs = list(jobs)
     trs = list(transforms) if transforms is not None else [None] * len(jobs)
     out: list[str | None] = [None] * len(jobs)
     groups: dict[tuple[int, bool | None], list[tuple[int, str, np.ndarray, np.ndarray]]] = {}
+    small = [estimate_small and job.raw.numel() <= ESTIMATE_MAX_BYTES for job in jobs]
     for i, (job, tr) in enumerate(zip(jobs, trs)):
         if job.base is None:
             continue
@@ -363,7 +473,9 @@ def choose_delta_ops(jobs: Iterable[StorageJob], transforms: Iterable[str | None
         w = 1 if transform == "bytes" else plane_width(job.dtype)
         groups.setdefault((w, _rot_of(transform)), []).append((i, transform, *sample))
     for (w, rot), members in groups.items():
-        chosen = _choose_batch([(r, b, jobs[i].dtype, tr, None) for i, tr, r, b in members], w, rot)
+        items: list[tuple[np.ndarray, np.ndarray, torch.dtype, str, tuple[str, ...] | None]]
+        items = [(r, b, jobs[i].dtype, tr, None) for i, tr, r, b in members]
+        chosen = _choose_batch(items, w, rot, [small[i] for i, _tr, _r, _b in members])
         for (i, tr, _r, _b), op in zip(members, chosen):
             out[i] = op
             jobs[i].delta_choice = (tr, op)

@@ -185,7 +185,9 @@ def encode_storage_cpu(
                 if offsets is not None:
                     np.subtract(planes[0], rowcol.tile_np(*offsets, s0, s1), out=planes[0])
             calls.extend((entry["transform"] if rc else transform, j, planes[j]) for j in range(planes.shape[0]))
-        coded = (encode_chunk(*c) for c in calls) if nbytes <= INLINE_ENCODE_BYTES else ordered(pool, encode_chunk, calls)
+        coded = (
+            (encode_chunk(*c) for c in calls) if nbytes <= INLINE_ENCODE_BYTES else ordered(pool, encode_chunk, calls)
+        )
         for codec_id, data in coded:
             off, length, h = writer.add_chunk(data)
             entry["chunks"].append([codec_id, off, length, h])
@@ -194,8 +196,9 @@ def encode_storage_cpu(
 
 def encode_storages_cpu(jobs: list[StorageJob], writer: ContainerWriter, pool: Pool) -> list[dict[str, Any]]:
     """:func:`encode_storage_cpu` for each of ``jobs`` in order (the default transforms), the
-    delta ops of all of them chosen first in one pass (:func:`choose_delta_ops`)."""
-    choose_delta_ops(jobs)
+    delta ops of all of them chosen first in one pass (:func:`choose_delta_ops`, small storages
+    estimated on a sample)."""
+    choose_delta_ops(jobs, estimate_small=True)
     return [encode_storage_cpu(job, writer, pool) for job in jobs]
 
 
@@ -329,8 +332,7 @@ def decode_storage_cpu(
     def corrupt(i: int) -> ChecksumMismatchError:
         _c, off, length, _h = chunks[i]
         return ChecksumMismatchError(
-            f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: "
-            "checksum mismatch"
+            f"{name}: chunk {i} of tensor {entry['path']!r} (bytes {off}..{off + length}) is corrupt: checksum mismatch"
         )
 
     def check_raw_chunks() -> None:

@@ -3,6 +3,7 @@ larger than raw; and the order-0 estimates the writers' choices use."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,16 @@ import torch
 
 from s4w_core.codecs import DEFLATE, RAW, ZSTD, zstd_encode_plane
 
-__all__ = ["BITMAP", "ZSTD_PLANE", "choose_codec", "encode_chunk", "entropy_ratio", "estimate_bytes"]
+__all__ = [
+    "BITMAP",
+    "ZSTD_PLANE",
+    "choose_codec",
+    "encode_chunk",
+    "entropy_ratio",
+    "estimate_bytes",
+    "order0_bytes",
+    "order0_counts_bytes",
+]
 
 #: elements of a plane sampled (with a stride) by :func:`entropy_ratio`
 SAMPLE = 1 << 16
@@ -18,6 +28,13 @@ SAMPLE = 1 << 16
 LOW_ENTROPY_RATIO = 4
 #: exponent-plane chunks smaller than this are also tried with Huffman-only deflate (smaller wins).
 SMALL_PLANE = 1 << 16
+#: ... and those of at least this many bytes are tried at level 3 only when
+#: :data:`LOW_ENTROPY_RATIO_SMALL` times smaller (below 1 bit a byte, where only matches go):
+#: between 4x and 8x, level 3 took 17 bytes off 35 such chunks (~1 MB of planes) of a small GPT's
+#: delta residuals for ~3 ms of CPU (benchmarks/bench_tensor_cost.py's state); smaller chunks (biases and
+#: norms) still try it at 4x, for a few microseconds each
+TINY_PLANE = 1 << 12
+LOW_ENTROPY_RATIO_SMALL = 8
 #: the plane index :func:`encode_chunk` is given for the bitmap chunk of a nonzero transform
 BITMAP = -1
 
@@ -32,6 +49,33 @@ def entropy_ratio(plane: np.ndarray) -> float:
     p = counts[counts > 0] / sample.size
     h = float(-(p * np.log2(p)).sum())
     return 8.0 / max(h, 1e-3)
+
+
+#: ``c * log2(c)`` for ``c`` up to this: the entropy of a histogram of at most this many bytes is
+#: one lookup per bin (:func:`order0_bytes`)
+_CLOGC_MAX = 1 << 13
+_CLOGC = np.arange(_CLOGC_MAX + 1, dtype=np.float64)
+_CLOGC[1:] *= np.log2(_CLOGC[1:])
+
+
+def order0_bytes(a: np.ndarray) -> float:
+    """Order-0 estimate of the coded bytes of the uint8 array ``a``, all of it (no stride: meant
+    for the small samples of the writers' cheap choices): its size times its entropy in bytes, at
+    least 1e-3 bits a byte (as :func:`entropy_ratio`)."""
+    return order0_counts_bytes(np.bincount(a, minlength=256)) if a.size else 0.0
+
+
+def order0_counts_bytes(counts: np.ndarray) -> float:
+    """:func:`order0_bytes` of the bytes whose histogram is ``counts`` (256 bins)."""
+    n = int(counts.sum())
+    if n == 0:
+        return 0.0
+    if n <= _CLOGC_MAX:
+        s = float(_CLOGC[counts].sum())
+    else:
+        c = counts[counts > 0]
+        s = float((c * np.log2(c)).sum())
+    return n * max(math.log2(n) - s / n, 1e-3) / 8.0
 
 
 def estimate_bytes(planes: torch.Tensor) -> float:
@@ -60,10 +104,11 @@ def encode_chunk(transform: str, j: int, plane: np.ndarray) -> tuple[str, bytes]
             # below a Huffman code's 1 bit a byte with zstd's matches at its default level. (Not
             # the plane 0 of a row/column transform, FORMAT.md 4.5d: ~2 bits a byte of noise around
             # its offsets, where level 3 took 0.1 % off at 1.6x the time.)
-            assert ZSTD.encode_cpu is not None
-            z = ZSTD.encode_cpu(data)
-            if len(z) < len(out):
-                out = z
+            if not TINY_PLANE <= plane.size < SMALL_PLANE or len(out) * LOW_ENTROPY_RATIO_SMALL < plane.size:
+                assert ZSTD.encode_cpu is not None
+                z = ZSTD.encode_cpu(data)
+                if len(z) < len(out):
+                    out = z
         elif j == 0 and plane.size < SMALL_PLANE:
             # deflate's Huffman header is smaller than zstd's: 6-16% smaller exponent chunks under
             # 64 KiB (biases, norms, small models); mantissa planes gain < 1% there

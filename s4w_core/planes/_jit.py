@@ -140,6 +140,8 @@ def _get(wait: bool = False, nbytes: int = 0) -> dict[str, Any] | None:
     the CPU path has asked for :data:`START_AFTER_BYTES` of work; numpy does the work until then,
     so a small save or load never waits for numba."""
     global _started, _seen
+    if not wait and not _started and nbytes < COUNT_FROM_BYTES and _seen < START_AFTER_BYTES:
+        return None  # nothing to count or start (numpy does the work): no look at the environment
     if not config.get_bool("S4W_NUMBA"):
         return None
     if not _ready.is_set():

@@ -493,14 +493,20 @@ class Writes(Retention):
         stages = {} if stages is None else stages
         backend = self.tiers.fast if self.tiers is not None else self.backend
         prog = Progress(self.progress, f"save step {step}")
+        collected: pipeline.Collected | None = None
         try:
             if pre is None:
+                if not isinstance(state, pipeline.Collected) and self._caching():
+                    # collected once: the encoder codes it, and its storages and tree become the
+                    # cache below (not a second walk of the tree after the save)
+                    col = engine.Collector()
+                    collected = pipeline.Collected(col, encode_tree(state, col.add))
                 base, provider = self._plan(step, recs, keyframe)
                 key = data_key(step)
                 t = time.perf_counter()
                 with backend.writer(key) as f:
                     cw = CountingWriter(f, prog, backend.describe(key))
-                    manifest, size, prof = self._encode_into(state, cw, provider, step, extra)
+                    manifest, size, prof = self._encode_into(collected or state, cw, provider, step, extra)
                 stages["encode"] = time.perf_counter() - t  # the bytes stream out while encoding
             else:
                 base, key, manifest, size, prof = pre.base, pre.key, pre.manifest, pre.size, pre.profile
@@ -559,11 +565,9 @@ class Writes(Retention):
                 if self._cache is None:
                     self._pinned_pool.give(raws)
             else:
-                col = engine.Collector()
-                tree = encode_tree(state, col.add)
-                self._cache = self._base_copies(
-                    info.step, info.object, manifest, [j.raw for j in col.jobs], copy=not owned, source=state_source(tree, col)
-                )
+                assert collected is not None  # collected above: the store caches
+                raws, source = [j.raw for j in collected.col.jobs], state_source(collected.tree, collected.col)
+                self._cache = self._base_copies(info.step, info.object, manifest, raws, copy=not owned, source=source)
             stages["cache"] = stages.get("cache", 0.0) + time.perf_counter() - t
         cache = self._cache
         if prev is not None and reencode_out is not None:
