@@ -832,6 +832,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time each resume under cProfile and report its breakdown (the resume times then include the profiler)")
     ap.add_argument("--resume-repeats", type=int, default=3,
                     help="resumes per run, each after zeroing the state; their median is reported")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="every run this many times, round-robin (each run once, then again): the row reported is "
+                    "the repeat with the median wall time, every repeat's wall time beside it (`walls_s`); for "
+                    "machines whose run-to-run spread is the size of the defaults' overhead (a small model on a CPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 3 saves, all runs in this process")
     ap.add_argument("--device", default=None)
     ap.add_argument("--torch-threads", type=int, default=None,
@@ -898,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
                          "wall_s": r0.get("wall_s"), "error": r0.get("error")}
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"[frameworks] throwaway first run: {throwaway}", file=sys.stderr, flush=True)
-        for fw, mode, cache, name in plan:
+        for fw, mode, cache, name in [p for _rep in range(max(1, a.repeats)) for p in plan]:
             run_dir = os.path.join(work, f"{fw}_{name}")
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(run_dir)
@@ -943,12 +947,33 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
+    results = median_repeats(results)
     meta = {"precision": a.precision, "smoke": a.smoke, "model": a.model, "size": size, "steps": a.steps, "every": a.every,
             "keep": a.keep, "device": device, "env": environment(device), "wall_s": time.perf_counter() - t_start,
             "command": " ".join(["python benchmarks/frameworks.py", *(sys.argv[1:] if argv is None else argv)]),
-            "throwaway_run": throwaway}
+            "throwaway_run": throwaway, "repeats": max(1, a.repeats)}
     write_results(results, meta, a.out, tag)
     return 0
+
+
+def median_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (framework, run), in first-run order: where a run was repeated (``--repeats``),
+    the repeat with the median wall time (the lower of the two middle ones for an even count) among
+    those that measured, with every measured repeat's wall time in ``walls_s`` (run order); a run
+    none of whose repeats measured keeps its first error."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["framework"], r["run"]), []).append(r)
+    out = []
+    for reps in groups.values():
+        ok = [r for r in reps if "error" not in r]
+        if len(reps) == 1 or not ok:
+            out.append(reps[0])
+            continue
+        pick = dict(sorted(ok, key=lambda r: r["wall_s"])[(len(ok) - 1) // 2])
+        pick["walls_s"] = [round(r["wall_s"], 3) for r in ok]
+        out.append(pick)
+    return out
 
 
 def write_results(results: list[dict[str, Any]], meta: dict[str, Any], out: str, tag: str) -> None:
@@ -1068,6 +1093,12 @@ def _mb(b: float | None) -> str:
     return "n/a" if b is None else f"{b / 1e6:,.1f}"
 
 
+def _spread(r: dict[str, Any]) -> str:
+    """`` [min-max]`` of a repeated run's wall times (``--repeats``), else nothing."""
+    walls = r.get("walls_s") or []
+    return f" [{min(walls):.2f}-{max(walls):.2f}]" if len(walls) > 1 else ""
+
+
 def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     env = meta["env"]
     lines = [
@@ -1082,6 +1113,8 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "overhead = wall - the `none` run's wall; written = /proc/self/io write_bytes (wchar where the file system "
         "counts none); resume = the median of the resumes run (each after zeroing the state); ratios against the same "
         "framework's `default`." + (
+            f" Each run {meta['repeats']} times round-robin: the row is the repeat with the median wall time, "
+            "[min-max] of every repeat's beside it." if (meta.get("repeats") or 1) > 1 else "") + (
             f" A 5-step `none` run of {meta['throwaway_run']['framework']} went first and is not reported (the first "
             "process of a call set up 1-1.5 s slower than the later ones)." if meta.get("throwaway_run") else "") + (
             " Merged from one call per framework group: " + "; ".join(
@@ -1104,7 +1137,7 @@ def table(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             return f" ({v[k]:.2f}x)" if v.get(k) is not None else ""
 
         lines.append(
-            f"| {r['framework']} | {r['run']} | {r['wall_s']:.2f} ({_num(r.get('process_s'))}) | "
+            f"| {r['framework']} | {r['run']} | {r['wall_s']:.2f}{_spread(r)} ({_num(r.get('process_s'))}) | "
             f"{r.get('overhead_s', 0):.2f} ({_num(r.get('process_overhead_s'))}) | "
             f"{_num(v.get('overhead_ratio'))} | "
             f"{r['cpu_s']:.1f} ({r.get('cpu_overhead_s', 0):.1f}{x('cpu_overhead_ratio')}) | "

@@ -82,3 +82,22 @@ def test_frameworks_smoke(tmp_path):
         if line.startswith(("| lightning |", "| hf |")):
             assert line in merged
     assert "| accelerate |" not in merged
+
+
+def test_repeated_runs_report_the_median_repeat():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import frameworks
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    rows = []
+    for none, s4w in ((5.0, 4.0), (3.0, 1.0), (4.0, 6.0)):  # round-robin: (none, s4w) per repeat
+        rows += [{"framework": "hf", "run": "none", "wall_s": none}, {"framework": "hf", "run": "s4w", "wall_s": s4w}]
+    rows[-1] = {"framework": "hf", "run": "s4w", "error": "skipped: over --budget-s"}
+    rows.append({"framework": "dcp", "run": "none", "error": "failed"})
+    got = frameworks.median_repeats(rows)
+    assert [(r["framework"], r["run"]) for r in got] == [("hf", "none"), ("hf", "s4w"), ("dcp", "none")]
+    assert got[0]["wall_s"] == 4.0 and got[0]["walls_s"] == [5.0, 3.0, 4.0]  # the median, walls in run order
+    assert got[1]["wall_s"] == 1.0 and got[1]["walls_s"] == [4.0, 1.0]  # two measured (one skipped): the lower
+    assert got[2]["error"] == "failed" and "walls_s" not in got[2]
+    assert frameworks._spread(got[1]) == " [1.00-4.00]" and frameworks._spread({"wall_s": 1.0}) == ""
