@@ -322,6 +322,31 @@ class StoreCore:
         backend.put(commit_key(info.step), body, if_absent=not replace)
         self.forget_record(backend, commit_key(info.step))
 
+    def discard_unless_committed(self, backend: Backend, step: int, key: str, error: BaseException) -> bool:
+        """After the put of ``step``'s commit record on ``backend`` raised ``error``, for the new data
+        object ``key`` it was to name: True when the record names ``key`` after all (a put whose
+        answer was lost on the way back -- a reset connection, a timeout -- may have been applied:
+        the commit happened). Otherwise False, and ``key`` deleted where the record is known not to
+        name it; where the record cannot be read now (or ``error`` is an interrupt, not an
+        ``Exception``: no more requests then), ``key`` is left for :meth:`gc` -- never an object a
+        committed record may name."""
+        landed: bool | None = None
+        if isinstance(error, Exception):
+            self.forget_record(backend, commit_key(step))
+            try:
+                landed = parse_record(backend.get(commit_key(step)), commit_key(step), backend.url).object == key
+            except CheckpointNotFoundError:
+                landed = False
+            except S4WError as e:
+                log.warning("s4weights: %s: cannot tell whether step %d was committed (%s); %s is left to gc()",
+                            backend.url, step, e, key)  # fmt: skip
+        if landed is False:
+            try:
+                backend.delete(key)
+            except S4WError:
+                pass  # gc() reclaims it
+        return landed is True
+
     def all_objects(self) -> set[str]:
         """Every data object some commit record (on either tier) lists."""
         if self.tiers is None:

@@ -215,7 +215,13 @@ class Reencoder(Loads):
                     raise _Stale  # deleted, replaced or overtaken meanwhile
                 assert key is not None  # written above
                 info = replace_record(new_record(prev.step, key, size, m, prof, recs[new.step], prev.extra), created=prev.created)
-                self._put_record(backend, info, replace=True)  # the commit point
+                try:
+                    self._put_record(backend, info, replace=True)  # the commit point
+                except BaseException as e:
+                    done = self.discard_unless_committed(backend, prev.step, key, e)
+                    key = None  # deleted where unreferenced, else the record's or gc()'s
+                    if not done:
+                        raise
                 key = None  # the record owns it now
                 if self.tiers is not None:
                     _tiered.upload_missing(self)
@@ -304,13 +310,17 @@ class Reencoder(Loads):
             info = replace_record(
                 new_record(rec.step, key, size, m, prof, base, rec.extra), created=rec.created, hidden=rec.hidden
             )
-            self._put_record(backend, info, replace=True)
         except BaseException:
             try:
                 backend.delete(key)
             except S4WError:
                 pass  # gc() reclaims it
             raise
+        try:
+            self._put_record(backend, info, replace=True)
+        except BaseException as e:
+            if not self.discard_unless_committed(backend, rec.step, key, e):
+                raise
         if self.tiers is not None:
             _tiered.upload_missing(self)
         return info

@@ -534,15 +534,13 @@ class Writes(Retention):
         try:
             backend.put(commit_key(step), body, if_absent=not replace)  # the commit point
             self.forget_record(backend, commit_key(step))
-        except BaseException:
-            # the data object is unreferenced: remove it (best effort; gc() would too)
-            try:
-                backend.delete(key)
-            except S4WError:
-                pass
-            if pre is not None:
-                self._unpool(pre.cache)
-            raise
+        except BaseException as e:
+            # the data object is removed where the record does not name it; a put whose answer was
+            # lost but that was applied committed the step
+            if not self.discard_unless_committed(backend, step, key, e):
+                if pre is not None:
+                    self._unpool(pre.cache)
+                raise
         stages["commit"] = time.perf_counter() - t
         # this step's bytes become the cache: the base the step below is re-encoded against now,
         # and the bytes of this step when the next save re-encodes it

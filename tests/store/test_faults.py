@@ -239,3 +239,90 @@ def test_bad_arguments(tmp_path) -> None:  # type: ignore[no-untyped-def]
     f.write_bytes(b"x")
     with pytest.raises(StoreError, match="not a directory"):
         CheckpointStore(str(f))
+
+
+class _LostAnswer(FaultyBackend):
+    """A commit record's put whose answer never comes back (a reset connection, a timeout on an S3
+    PUT): ``lose(key, n)`` says whether the ``n``-th put of ``key`` (from 1) does that. ``applied``:
+    the backend applied it all the same (else it did not, and reading that record back fails
+    too: whether it landed cannot be told)."""
+
+    def __init__(self, inner, lose, applied: bool = True) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(inner, lambda verb, key: False)
+        self.lose, self.applied, self.puts = lose, applied, {}
+        self.lost: set[str] = set()
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        n = self.puts[key] = self.puts.get(key, 0) + 1
+        if not self.lose(key, n):
+            self.inner.put(key, data, if_absent=if_absent)
+            return
+        if self.applied:
+            self.inner.put(key, data, if_absent=if_absent)
+        self.lost.add(key)
+        raise StoreError(f"injected: the answer to the put of {key} was lost")
+
+    def get(self, key: str) -> bytes:
+        if not self.applied and key in self.lost:
+            raise StoreError(f"injected: cannot read {key}")
+        return self.inner.get(key)
+
+
+def test_a_commit_whose_answer_was_lost_is_a_commit(store_url: str) -> None:
+    run = make_run(2)
+    inner = open_backend(store_url)
+    st = CheckpointStore(store_url, profile="portable", _backend=_LostAnswer(inner, lambda k, n: k == "commits/step_000000000001.json"))
+    info = st.save(run[0], 1)  # the record landed: the save succeeded, its object kept
+    assert CheckpointStore(store_url).steps() == [1]
+    assert bits_equal(CheckpointStore(store_url).load(1), run[0])
+    assert info.object in {o.key for o in inner.list(DATA)}
+
+
+def test_a_reencoding_whose_commit_answer_was_lost_keeps_the_step(store_url: str) -> None:
+    # the step below a save is re-encoded as a delta and its record replaced (its second put): that
+    # put lands and its answer is lost -- the new object must stay (it is the step now), the old
+    # whole one go; before, the new one was deleted and the step pointed at nothing
+    run = make_run(3)
+    inner = open_backend(store_url)
+    st = CheckpointStore(store_url, profile="portable",
+                         _backend=_LostAnswer(inner, lambda k, n: k == "commits/step_000000000000.json" and n == 2))
+    st.save(run[0], 0)
+    st.save(run[1], 1)
+    st.wait()
+    rd = CheckpointStore(store_url)
+    assert rd.info(0).kind == "delta"  # the re-encoding's record landed
+    for i in (0, 1):
+        assert bits_equal(rd.load(i), run[i])
+    assert {o.key for o in inner.list(DATA)} == {r.object for r in rd.list()}  # nothing lost, nothing left
+
+
+def test_a_commit_that_cannot_be_told_leaves_its_object_to_gc(store_url: str) -> None:
+    # the put failed and its record cannot be read back: the save fails, its object stays (it might
+    # be named); the store loads, and gc() removes the object once it is known unreferenced
+    run = make_run(2)
+    inner = open_backend(store_url)
+    st = CheckpointStore(store_url, profile="portable")
+    st.save(run[0], 0)
+    st.wait()
+    unknown = _LostAnswer(inner, lambda k, n: k == "commits/step_000000000001.json", applied=False)
+    with pytest.raises(StoreError, match="lost"):
+        CheckpointStore(store_url, profile="portable", _backend=unknown).save(run[1], 1)
+    rd = CheckpointStore(store_url)
+    assert rd.steps() == [0] and bits_equal(rd.load(0), run[0])
+    left = {o.key for o in inner.list(DATA)} - {r.object for r in rd.list()}
+    assert len(left) == 1  # the failed save's object, not deleted blindly
+    rd.gc(grace_seconds=0)
+    assert {o.key for o in inner.list(DATA)} == {r.object for r in rd.list()}
+
+
+def test_a_commit_known_not_to_have_landed_removes_its_object(store_url: str) -> None:
+    run = make_run(2)
+    inner = open_backend(store_url)
+    st = CheckpointStore(store_url, profile="portable")
+    st.save(run[0], 0)
+    st.wait()
+    before = {o.key for o in inner.list("")}
+    failing = FaultyBackend(inner, lambda verb, key: verb == "put" and key == "commits/step_000000000001.json")
+    with pytest.raises(Crash):
+        CheckpointStore(store_url, profile="portable", _backend=failing).save(run[1], 1)
+    assert {o.key for o in inner.list("")} == before  # read back: no record, so the object went
