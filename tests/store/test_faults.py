@@ -17,6 +17,7 @@ from s4w_core.errors import (
     TruncatedError,
 )
 from s4w_core.store import CheckpointStore, open_backend
+from s4w_core.store._backend import Backend
 from s4w_core.store.records import DATA
 
 from .helpers import Crash, FaultyBackend, bits_equal, make_run
@@ -296,14 +297,17 @@ def test_a_reencoding_whose_commit_answer_was_lost_keeps_the_step(store_url: str
     assert {o.key for o in inner.list(DATA)} == {r.object for r in rd.list()}  # nothing lost, nothing left
 
 
+def _step_zero(store_url: str) -> tuple[list, Backend]:
+    """A store holding step 0 of a run (its states) and the store's own backend."""
+    run = make_run(2)
+    CheckpointStore(store_url, profile="portable").save(run[0], 0)
+    return run, open_backend(store_url)
+
+
 def test_a_commit_that_cannot_be_told_leaves_its_object_to_gc(store_url: str) -> None:
     # the put failed and its record cannot be read back: the save fails, its object stays (it might
     # be named); the store loads, and gc() removes the object once it is known unreferenced
-    run = make_run(2)
-    inner = open_backend(store_url)
-    st = CheckpointStore(store_url, profile="portable")
-    st.save(run[0], 0)
-    st.wait()
+    run, inner = _step_zero(store_url)
     unknown = _LostAnswer(inner, lambda k, n: k == "commits/step_000000000001.json", applied=False)
     with pytest.raises(StoreError, match="lost"):
         CheckpointStore(store_url, profile="portable", _backend=unknown).save(run[1], 1)
@@ -316,11 +320,7 @@ def test_a_commit_that_cannot_be_told_leaves_its_object_to_gc(store_url: str) ->
 
 
 def test_a_commit_known_not_to_have_landed_removes_its_object(store_url: str) -> None:
-    run = make_run(2)
-    inner = open_backend(store_url)
-    st = CheckpointStore(store_url, profile="portable")
-    st.save(run[0], 0)
-    st.wait()
+    run, inner = _step_zero(store_url)
     before = {o.key for o in inner.list("")}
     failing = FaultyBackend(inner, lambda verb, key: verb == "put" and key == "commits/step_000000000001.json")
     with pytest.raises(Crash):
