@@ -17,9 +17,10 @@ JSON text is bounded by :data:`MAX_MANIFEST_BYTES` like a stored one. Any other 
 rejected (:class:`UnsupportedVersionError`): a reader that predates a bit fails clearly. Files
 without the flag (every file written before it, and those whose manifest zstd does not shrink) keep
 plain JSON. The writer keeps the header in its first write block and sets the flag when it writes
-the manifest; only a writer that had to flush the header earlier (more than 16 MiB of chunks) sets
-it at that first flush and then always compresses (a JSON manifest zstd cannot shrink costs at most
-the frame's ~12 bytes there).
+the manifest; only a writer that had to flush the header earlier (more than 16 MiB of chunks, or
+chunks handed to a file's ``writev`` by :meth:`ContainerWriter.add_chunks`) sets it at that first
+flush and then always compresses (a JSON manifest zstd cannot shrink costs at most the frame's ~12
+bytes there).
 """
 
 from __future__ import annotations
