@@ -149,6 +149,9 @@ _WRITE_BLOCK = 16 << 20
 #: container (a training state of a few MB) never allocates and touches 16 MiB (every save then
 #: left the block's pages resident: +16 MiB of peak RSS per saving thread)
 _FIRST_BLOCK = 256 << 10
+#: chunks handed over together (:meth:`ContainerWriter.add_chunks`) of at least this many bytes go to a
+#: file that takes ``writev`` where they lie; fewer are gathered into the write block
+_DIRECT_BYTES = 1 << 20
 
 
 class ContainerWriter:
@@ -219,12 +222,14 @@ class ContainerWriter:
     def add_chunks(self, chunks: Sequence[bytes | bytearray | memoryview]) -> list[tuple[int, int, str]]:
         """:meth:`add_chunk` for each of ``chunks``, in order. A file object with ``writev(views)``
         (a local file, :class:`~s4w_core._fsutil.EarlyWriteback`) is handed them where they lie in
-        one call: no copy into the write block (a copy holding the GIL, of every byte a save
-        writes), and the GIL released for the whole write. Others take them as :meth:`add_chunk`."""
-        writev = getattr(self._fp, "writev", None)
-        if writev is None:
-            return [self.add_chunk(c) for c in chunks]
+        one call when they are :data:`_DIRECT_BYTES` or more: no copy into the write block (a copy
+        holding the GIL, of every byte a save writes), and the GIL released for the whole write.
+        Smaller hand-overs (a small storage's chunks), and other file objects, take them as
+        :meth:`add_chunk` (gathered into the block: no write, no GIL hand-off each)."""
         views = [memoryview(c).cast("B") for c in chunks]
+        writev = getattr(self._fp, "writev", None)
+        if writev is None or sum(v.nbytes for v in views) < _DIRECT_BYTES:
+            return [self.add_chunk(v) for v in views]
         self._flush()  # the header and any gathered bytes go first
         placed = []
         for v in views:

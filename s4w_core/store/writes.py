@@ -59,24 +59,20 @@ class CountingWriter:
         return self._writev if callable(getattr(self._f, "writev", None)) else None
 
     def _writev(self, views: Any) -> int:
-        try:
-            n = self._f.writev(views)  # type: ignore[attr-defined]
-        except OSError as e:
-            if isinstance(e, S4WError):
-                raise
-            raise StoreError(f"cannot write {self._where}: {e}") from e
-        self.n += n
-        self._p.update(n)
-        return int(n)
+        return self._counted(self._f.writev, views)  # type: ignore[attr-defined]
 
     def write(self, data: Any) -> int:
+        return self._counted(self._f.write, data)
+
+    def _counted(self, fn: Callable[[Any], int | None], data: Any) -> int:
+        """``fn(data)`` (a write), its bytes counted; an OS error a :class:`StoreError` naming the object."""
         try:
-            n = self._f.write(data)
+            n = fn(data)
         except OSError as e:
             if isinstance(e, S4WError):
                 raise
             raise StoreError(f"cannot write {self._where}: {e}") from e
-        n = len(data) if n is None else n
+        n = len(data) if n is None else int(n)
         self.n += n
         self._p.update(n)
         return n
