@@ -182,7 +182,6 @@ DEVICE_DELTA_SAMPLE = 1 << 14
 
 def _choose_delta_ops(
     cands: list[tuple[engine.StorageJob, str, int]],
-    pool: ThreadPoolExecutor,
     dev: torch.device | None = None,
     work: int | None = None,
 ) -> list[str | None]:
@@ -341,7 +340,7 @@ def encode_storages(
         # CPU writer's rule (the same estimate; at checkpoint scale ~1 s of CPU per re-encoding)
         on_dev = [(i, c) for i, c in cands if _device_resident(c[0]) or _from_device(c[0])]
         on_host = [(i, c) for i, c in cands if not (_device_resident(c[0]) or _from_device(c[0]))]
-        chosen = _choose_delta_ops([c for _, c in on_dev], pool, dev=dev, work=work) if on_dev else []
+        chosen = _choose_delta_ops([c for _, c in on_dev], dev=dev, work=work) if on_dev else []
         ops: dict[int, str | None] = {i: op for (i, _), op in zip(on_dev, chosen)}
         if on_host:
             host_ops = engine.choose_delta_ops([c[0] for _, c in on_host], [c[1] for _, c in on_host])

@@ -661,8 +661,8 @@ def pipeline_delta() -> None:
             if forced:  # the op the writer chose, replaced by ``forced`` on float storages
                 orig = _encode._choose_delta_ops
 
-                def force(cands: Any, pool: Any, f: str = forced, o: Any = orig, **kw: Any) -> list[Any]:
-                    ops = o(cands, pool, **kw)
+                def force(cands: Any, f: str = forced, o: Any = orig, **kw: Any) -> list[Any]:
+                    ops = o(cands, **kw)
                     return [f if op is not None and c[1] == "planes-rotl1" else op for c, op in zip(cands, ops)]
 
                 _encode._choose_delta_ops = force  # type: ignore[assignment]
@@ -1133,8 +1133,6 @@ def coder_slots_sized_by_class() -> None:
 def delta_choices_same_in_groups() -> None:
     """The GPU writer's delta-op choice, run a group of storages at a time (a save of host copies
     bounds the device memory its samples take), chooses as it does for every storage at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from s4w_core import engine
     from s4w_core.gpu import _encode
 
@@ -1148,15 +1146,14 @@ def delta_choices_same_in_groups() -> None:
         raw, base = x.to(dt).view(torch.uint8), b.to(dt).view(torch.uint8)
         job = engine.StorageJob(raw, dt, f"t{k}", "cuda:0", base, {"path": f"t{k}"})
         cands.append((job, "planes-rotl1", dt.itemsize))
-    with ThreadPoolExecutor(2) as pool:
-        whole = _encode._choose_delta_ops(cands, pool, dev=torch.device("cpu"))
-        calls: list[int] = []
-        orig = _encode._delta_choices
-        _encode._delta_choices = lambda c, s, d: calls.append(len(c)) or orig(c, s, d)  # type: ignore[assignment]
-        try:
-            grouped = _encode._choose_delta_ops(cands, pool, dev=torch.device("cpu"), work=1)
-        finally:
-            _encode._delta_choices = orig  # type: ignore[assignment]
+    whole = _encode._choose_delta_ops(cands, dev=torch.device("cpu"))
+    calls: list[int] = []
+    orig = _encode._delta_choices
+    _encode._delta_choices = lambda c, s, d: calls.append(len(c)) or orig(c, s, d)  # type: ignore[assignment]
+    try:
+        grouped = _encode._choose_delta_ops(cands, dev=torch.device("cpu"), work=1)
+    finally:
+        _encode._delta_choices = orig  # type: ignore[assignment]
     assert len(calls) >= 2 and sum(calls) == len(cands), calls
     assert whole == grouped, (whole, grouped)
     assert None in whole and {"xor", "sub"} & set(whole), whole

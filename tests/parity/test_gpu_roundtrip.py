@@ -200,7 +200,7 @@ def test_delta_on_gpu(monkeypatch, forced):
     if forced:  # the writer's choice, replaced by ``forced`` wherever it chose a delta
         orig = _encode._choose_delta_ops
         monkeypatch.setattr(
-            _encode, "_choose_delta_ops", lambda cands, pool, **kw: [forced if op else None for op in orig(cands, pool, **kw)]
+            _encode, "_choose_delta_ops", lambda cands, **kw: [forced if op else None for op in orig(cands, **kw)]
         )
     g = torch.Generator().manual_seed(31)
     w0 = torch.randn(1_000_000, generator=g).to(torch.bfloat16)
