@@ -818,6 +818,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throwaway-run", action=argparse.BooleanOptionalAction, default=None,
                     help="a short `none` run of the first framework before the reported ones, not reported (default: "
                     "on a GPU; the first process of a call sets up 1-1.5 s slower than the later ones)")
+    ap.add_argument("--keep-runs", action="store_true",
+                    help="leave each run's files (checkpoints, stores) under --work or the temp dir, to inspect them "
+                    "(e.g. `s4w stats` on a store: stored bytes per step and tensor group)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="write one table from the results of several calls (frameworks_*.json, on the same machine) into --out")
     ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
@@ -944,8 +947,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(f"[frameworks] {fw} {name}: " + (row.get("error") or f"wall {row['wall_s']:.2f} s, "
                   f"blocked {sum(row['blocked_s']):.2f} s over {row['saves']} saves"), file=sys.stderr, flush=True)
-            shutil.rmtree(run_dir, ignore_errors=True)
-    if not a.work:
+            if not a.keep_runs:
+                shutil.rmtree(run_dir, ignore_errors=True)
+    if a.keep_runs:
+        print(f"[frameworks] every run's files are kept under {work} (e.g. `s4w stats` on a store)", file=sys.stderr)
+    elif not a.work:
         shutil.rmtree(work, ignore_errors=True)
     results = median_repeats(results)
     meta = {"precision": a.precision, "smoke": a.smoke, "model": a.model, "size": size, "steps": a.steps, "every": a.every,
