@@ -87,7 +87,7 @@ def pipeline_rowcol() -> None:
             with simulated_gpu(segment_elems=seg), contextlib.ExitStack() as stack:
                 stack.enter_context(_as_gpu_host_copies())
                 orig_choose = _encode._choose_delta_ops
-                _encode._choose_delta_ops = lambda cands, pool, dev=None, work=None, o=op: [o] * len(cands)
+                _encode._choose_delta_ops = lambda cands, dev=None, work=None, o=op: [o] * len(cands)
                 try:
                     s4w_core.save({"v": v}, buf, profile="portable", _base_lookup=lookup)
                 finally:
