@@ -23,7 +23,7 @@ def test_frameworks_smoke(tmp_path):
     env["S4W_DISABLE_GPU"] = "1"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "frameworks.py"), "--smoke", "--out", str(tmp_path),
-         "--work", str(tmp_path / "work"), "--no-fsync-runs", "--throwaway-run"],
+         "--work", str(tmp_path / "work"), "--no-fsync-runs", "--throwaway-run", "--keep-runs"],
         env=env, capture_output=True, text=True, timeout=170,
     )
     assert p.returncode == 0, p.stderr[-3000:]
@@ -52,6 +52,9 @@ def test_frameworks_smoke(tmp_path):
         assert r["resume"]["bit_identical"], (fw, run, r["resume"])
         assert r["resume"]["tensors"] > 10
         assert len(r["resume_each_s"]) == 3 and r["resume_s"] == sorted(r["resume_each_s"])[1]  # the median of 3
+    # --keep-runs: every run's files stay, a store among them (what `s4w stats` inspects)
+    assert {p.name for p in (tmp_path / "work").iterdir()} >= {f"{fw}_{run}" for fw, run in runs}
+    assert (tmp_path / "work" / "accelerate_s4w-cold" / ".s4w" / "commits").is_dir()
     for fw in ("lightning", "hf", "accelerate", "dcp"):
         s4w = runs[(fw, "s4w-cold")]
         assert s4w["fsync_calls"] > 0  # the store commits durably; the table reports it
