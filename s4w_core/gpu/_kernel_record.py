@@ -26,6 +26,7 @@ import logging
 import os
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Iterable
@@ -37,12 +38,14 @@ from triton.runtime.jit import JITFunction
 from s4w_core.gpu import kernels as _gpu_kernels
 from s4w_core.planes import triton_kernels as _plane_kernels
 
-__all__ = ["Recorder", "kernels", "preload", "record_path"]
+__all__ = ["Recorder", "cache_dir", "kernels", "preload", "record_path"]
 
 _log = logging.getLogger("s4w_core.gpu")
 
 #: the modules that define the codec's Triton kernels
 _MODULES = (_gpu_kernels, _plane_kernels)
+#: threads that make the kernels' launchers (each waits on a C compiler in a child process)
+_LAUNCHER_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 #: a record larger than this is not read (a kernel's entry is ~2 KB; the codec has a few dozen)
 _MAX_RECORD_BYTES = 4 << 20
 
@@ -57,7 +60,7 @@ def kernels() -> dict[tuple[str, str], JITFunction]:
     return out
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     """Triton's on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``)."""
     knob = getattr(getattr(triton, "knobs", None), "cache", None)
     where = getattr(knob, "dir", None) or os.environ.get("TRITON_CACHE_DIR") or ""
@@ -71,7 +74,7 @@ def record_path(device: torch.device, tag: str = "") -> Path:
     h.update(repr((triton.__version__, torch.version.cuda, torch.cuda.get_device_capability(device), tag)).encode())
     for (module, name), fn in sorted(kernels().items()):
         h.update(f"{module}:{name}:{fn.cache_key}\n".encode())
-    return _cache_dir() / f"s4w-warm-up-{h.hexdigest()[:32]}.json"
+    return cache_dir() / f"s4w-warm-up-{h.hexdigest()[:32]}.json"
 
 
 class Recorder:
@@ -166,21 +169,34 @@ def preload(device: torch.device, path: Path, loaded: list[list[str]] | None = N
     """Load every kernel of the record at ``path`` (:func:`record_path`) from Triton's disk cache
     into this process, on ``device``, ready to launch. False, having loaded nothing, when there is
     no record or it does not check; False too when Triton refuses an entry (the kernels loaded
-    before it stay loaded, and are appended to ``loaded``: a :class:`Recorder` keeps them)."""
+    before it stay loaded, and are appended to ``loaded``: a :class:`Recorder` keeps them).
+
+    Each kernel's binary is loaded and its launcher made now rather than at its first launch (in a
+    save), through a method of Triton's own (absent: left lazy). Triton compiles each launcher
+    signature's C stub once per cache (a C compiler in a child process, 0.1-0.3 s each): where they
+    are not in the cache yet (kernels installed from a bundle), they are made on a few threads."""
     entries = _read(path)
     if entries is None:
         return False
     try:
+        inits = []
         with torch.cuda.device(device):
             for fn, data in entries:
                 kernel = fn.preload(data)
                 if loaded is not None:
                     loaded.append([fn.fn.__module__, fn.fn.__qualname__, data])
-                # its binary loaded and its launcher made now rather than at its first launch (in a
-                # save); Triton does this lazily, through a method of its own (absent: left lazy)
                 init = getattr(kernel, "_init_handles", None)
                 if callable(init):
-                    init()
+                    inits.append(init)
+            if inits:
+                inits[0]()  # the first alone: it makes the driver's own module, once per process
+
+        def on_device(init: Any) -> None:
+            with torch.cuda.device(device):
+                init()
+
+        with ThreadPoolExecutor(max_workers=_LAUNCHER_THREADS, thread_name_prefix="s4w-preload") as pool:
+            list(pool.map(on_device, inits[1:]))
     except Exception as e:  # noqa: BLE001 - another Triton's format: the full warm-up instead
         _log.debug("s4w_core.gpu: the warm-up record for %s did not load: %s", device, e)
         return False

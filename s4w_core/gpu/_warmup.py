@@ -37,11 +37,11 @@ from s4w_core.format.container import FORMAT_VERSION, ContainerReader, Container
 from s4w_core.format.manifest import validate_manifest
 from s4w_core.gpu import _decode as _decode_mod
 from s4w_core.gpu import _encode as _encode_mod
-from s4w_core.gpu import _kernel_record
+from s4w_core.gpu import _kernel_record, bundle
 from s4w_core.planes import triton_kernels as _plane_kernels
 from s4w_core.workers import Pool
 
-__all__ = ["DEFAULT_DTYPES", "record_path", "run", "stage_key", "synthetic_states"]
+__all__ = ["DEFAULT_DTYPES", "record_path", "run", "stage_key", "stage_keys", "synthetic_states"]
 
 #: plane dtypes warmed when none are named: the two plane widths (bf16 and fp16 share the 2-byte kernels)
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
@@ -164,14 +164,14 @@ def stage_key(dtype: torch.dtype) -> Any:
     return "bytes"
 
 
-def _stage_keys(dtypes: Iterable[torch.dtype]) -> list[Any]:
+def stage_keys(dtypes: Iterable[torch.dtype]) -> list[Any]:
     return sorted({stage_key(dt) for dt in dtypes} | {"bytes"}, key=str)
 
 
 def record_path(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES) -> Path:
     """Where :func:`run` on a CUDA ``device`` records the kernels it loaded (for ``dtypes``), and
     where a later process's :func:`run` finds them (:mod:`s4w_core.gpu._kernel_record`)."""
-    return _kernel_record.record_path(device, repr(_stage_keys(dtypes)))
+    return _kernel_record.record_path(device, repr(stage_keys(dtypes)))
 
 
 def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
@@ -182,12 +182,17 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
     ``on_stage((stage, key))`` is called as each group finishes a stage: ``("plain", 2)`` once the
     2-byte kernels of a plain save are compiled, then ``("delta", 2)``, then ``("decode", 2)`` (keys
     from :func:`stage_key`). On CUDA the kernels those steps loaded are recorded (:func:`record_path`);
-    where a record is found, the warm-up loads its kernels instead and reports every stage done.
+    where a record is found, the warm-up loads its kernels instead and reports every stage done; where
+    none is, the package's kernels compiled ahead for this Triton and GPU become it, if they apply
+    (:func:`s4w_core.gpu.bundle.install`).
     Raises what the codec raises, or RuntimeError if a byte differs."""
     dtypes = tuple(dtypes)
     note = on_stage or (lambda stage: None)
     cuda = device.type == "cuda"
     record = record_path(device, dtypes) if cuda else None
+    if record is not None and not record.exists():  # a first warm-up here: the package's compiled kernels, if they apply
+        major, minor = torch.cuda.get_device_capability(device)
+        bundle.install(major * 10 + minor, record, stage_keys(dtypes))
     preloaded: list[list[str]] = []  # (a record Triton refused part way: what it loaded before)
     if record is not None and _kernel_record.preload(device, record, preloaded):
         # every Triton kernel the stages below load is loaded; what a first save would still pay
@@ -200,7 +205,7 @@ def run(device: torch.device, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
             with torch.cuda.stream(stream):
                 _encode(_jobs(s0, None), pool)
             stream.synchronize()
-        for key in _stage_keys(dtypes):
+        for key in stage_keys(dtypes):
             for stage in ("plain", "delta", "decode"):
                 note((stage, key))
         return

@@ -168,8 +168,8 @@ def _get(wait: bool = False, nbytes: int = 0) -> dict[str, Any] | None:
 
 def enabled(wait: bool = True) -> bool:
     """numba is importable, not switched off (``S4W_NUMBA=0``) and its kernels are ready (waits for
-    them by default; ``wait=False`` only asks)."""
-    return _get(wait) is not None
+    them by default; ``wait=False`` only asks). Reads ``S4W_NUMBA`` at every call."""
+    return config.get_bool("S4W_NUMBA") and _get(wait) is not None
 
 
 _UINT: dict[int, Any] = {2: np.uint16, 4: np.uint32}

@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction
 
 import s4w_core
 from s4w_core import gpu
-from s4w_core.gpu import _kernel_record, _warmup
+from s4w_core.gpu import _kernel_record, _warmup, bundle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -150,15 +150,10 @@ def test_a_save_waits_only_for_the_stages_it_needs(monkeypatch: pytest.MonkeyPat
     assert _warmup.stage_key(torch.int64) == "bytes" and _warmup.stage_key(torch.float64) == "bytes"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not gpu.available(), reason=gpu.unavailable_reason() or "no GPU")
-def test_gpu_first_save_after_warm_up_compiles_nothing(tmp_path) -> None:
-    """In a fresh process with an empty Triton cache: after warm_up(wait=True), a delta save and a
-    load of a model-like state add no entry to the cache (nothing compiled) and load no kernel into
-    the process, and the bytes equal those of a process that never warmed up; a later process on
-    the same cache: its warm-up loads the kernels the first one recorded (coding only the synthetic
-    plain step, not the delta steps), which are every kernel the save and load use."""
-    script = r"""
+#: a process's warm-up (``argv[1] == "1"``), then a delta save and a load into a store at ``argv[2]``; it
+#: prints what they added to the Triton cache and loaded. ``argv[3] == "bundle"``: the warm-up must not
+#: code its synthetic steps even where no record was there before it (the package's bundle installs one)
+_FIRST_SAVE = r"""
 import json, os, sys, torch
 from s4w_core import gpu, CheckpointStore
 warm = sys.argv[1] == "1"
@@ -166,7 +161,7 @@ cache = os.environ["TRITON_CACHE_DIR"]
 os.makedirs(cache, exist_ok=True)  # Triton makes it at its first compile
 from s4w_core.gpu import _warmup
 recorded = _warmup.record_path(torch.device("cuda", 0)).exists()
-if recorded:  # the warm-up must load the recorded kernels, not code the synthetic delta steps
+if recorded or sys.argv[3:] == ["bundle"]:  # the warm-up must load recorded kernels, not code the synthetic steps
     def no_steps(*a, **k):
         raise AssertionError("the warm-up coded its synthetic steps")
     _warmup._sequence = no_steps
@@ -187,9 +182,21 @@ after = sorted(os.listdir(cache))
 print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before), "loads": len(loads),
                   "recorded": recorded, "records_now": _warmup.record_path(torch.device("cuda", 0)).exists()}))
 """
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason=gpu.unavailable_reason() or "no GPU")
+def test_gpu_first_save_after_warm_up_compiles_nothing(tmp_path) -> None:
+    """In a fresh process with an empty Triton cache: after warm_up(wait=True), a delta save and a
+    load of a model-like state add no entry to the cache (nothing compiled) and load no kernel into
+    the process, and the bytes equal those of a process that never warmed up; a later process on
+    the same cache: its warm-up loads the kernels the first one recorded (coding only the synthetic
+    plain step, not the delta steps), which are every kernel the save and load use."""
+    script = _FIRST_SAVE
     outs = {}
     for warm in ("1", "0"):
-        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton{warm}"), S4W_WARM_UP=warm)
+        # the compile path: no kernels installed from the package's bundle (test_gpu_kernel_bundle_...)
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton{warm}"), S4W_WARM_UP=warm, S4W_KERNEL_BUNDLE="0")
         env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
         p = subprocess.run([sys.executable, "-c", script, warm, str(tmp_path / f"store{warm}")], env=env,
                            capture_output=True, text=True, timeout=600)
@@ -202,7 +209,7 @@ print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)
     assert outs["1"]["loads"] == 0, outs["1"]  # ... and they were in this process already
     assert outs["0"]["new"] and outs["0"]["loads"], outs["0"]  # (without it they compile: the checks can fail)
     # a later process on the same cache: its warm-up loads what the first one compiled; nothing new
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton1"), S4W_WARM_UP="1")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton1"), S4W_WARM_UP="1", S4W_KERNEL_BUNDLE="0")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, "-c", script, "1", str(tmp_path / "store2")], env=env,
                        capture_output=True, text=True, timeout=600)
@@ -216,6 +223,38 @@ print(json.dumps({"new": sorted(set(after) - set(before)), "warmed": len(before)
         m1 = s4w_core.CheckpointStore(str(tmp_path / "store1")).info(step)
         m0 = s4w_core.CheckpointStore(str(tmp_path / "store0")).info(step)
         assert (m1.stored_bytes, m1.delta_ops, m1.kind) == (m0.stored_bytes, m0.delta_ops, m0.kind), (step, m1, m0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason=gpu.unavailable_reason() or "no GPU")
+def test_gpu_kernel_bundle_makes_a_cold_warm_up_load_only(tmp_path) -> None:
+    """With an empty Triton cache and the package's bundle for this Triton and GPU: the warm-up
+    installs and loads the bundle's kernels (it codes no synthetic step: the stand-in for them
+    raises), after which a delta save and a load compile nothing and load no kernel; the bytes
+    equal those of a process that compiled its kernels (no warm-up, no bundle)."""
+    import triton
+
+    major, minor = torch.cuda.get_device_capability()
+    if not bundle.bundle_path(triton.__version__, major * 10 + minor).exists():
+        pytest.skip(f"no kernel bundle in the package for Triton {triton.__version__} on sm{major}{minor}")
+    outs = {}
+    for run, extra in (("bundle", {"S4W_WARM_UP": "1", "S4W_KERNEL_BUNDLE": "1"}),
+                       ("compiled", {"S4W_WARM_UP": "0", "S4W_KERNEL_BUNDLE": "0"})):
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton-{run}"), **extra)
+        env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+        warm = extra["S4W_WARM_UP"]
+        p = subprocess.run([sys.executable, "-c", _FIRST_SAVE, warm, str(tmp_path / f"store-{run}"), run], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[run] = json.loads(p.stdout.strip().splitlines()[-1])
+    b = outs["bundle"]
+    assert not b["recorded"] and b["records_now"] and b["warmed"] > 0, b  # installed by the warm-up
+    assert b["new"] == [] and b["loads"] == 0, b  # every kernel the save and load use came with it
+    assert outs["compiled"]["new"] and outs["compiled"]["loads"], outs["compiled"]  # (the check can fail)
+    for step in (1, 2):
+        mb = s4w_core.CheckpointStore(str(tmp_path / "store-bundle")).info(step)
+        mc = s4w_core.CheckpointStore(str(tmp_path / "store-compiled")).info(step)
+        assert (mb.stored_bytes, mb.delta_ops, mb.kind) == (mc.stored_bytes, mc.delta_ops, mc.kind), (step, mb, mc)
 
 
 # ----------------------------------------------------------------------------- the kernel record
