@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 import s4w_core.config
-from s4w_core import api, obs, pipeline
+from s4w_core import api, gpu, obs, pipeline
 from s4w_core.dcp.run import (
     RunRoot,
     cleanup_orphans,
@@ -277,6 +277,8 @@ class S4StorageWriter(FolderCheckpoint, StorageWriter):
     ) -> None:
         super().__init__()
         s4w_core.config.check_profile(profile)
+        if profile != "portable":  # the GPU codec's kernels compiled (or loaded) before the first save needs them
+            gpu.warm_up(when_cuda_used=True)
         if stage_to not in ("device", "cpu"):
             raise ValueError(f"stage_to must be 'device' or 'cpu', got {stage_to!r}")
         self.profile = profile

@@ -44,6 +44,22 @@ def test_cpu_device_is_not_warmed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gpu.warm_up("cpu") is False
 
 
+def test_the_entry_points_that_save_on_the_gpu_start_the_warm_up(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store and DCP's writer start the warm-up when made (it waits for the process to use CUDA),
+    so a first save finds the kernels compiled or loaded; not with the portable profile (CPU only)."""
+    pytest.importorskip("torch.distributed.checkpoint")
+    from s4w_core.dcp import S4StorageWriter
+
+    calls: list[dict] = []
+    monkeypatch.setattr(gpu, "warm_up", lambda *a, **k: calls.append(k) or True)
+    s4w_core.CheckpointStore(str(tmp_path / "store"))
+    S4StorageWriter(str(tmp_path / "dcp"))
+    assert calls == [{"when_cuda_used": True}] * 2
+    s4w_core.CheckpointStore(str(tmp_path / "store2"), profile="portable")
+    S4StorageWriter(str(tmp_path / "dcp2"), profile="portable")
+    assert len(calls) == 2
+
+
 def test_warm_up_sequence_on_the_simulated_gpu() -> None:
     """The warm-up's own sequence -- the GPU writer on a plain and a delta step, the GPU reader
     decoding both, every byte compared -- under Triton's interpreter with a stand-in for nvCOMP
