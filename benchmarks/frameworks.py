@@ -820,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
                     "on a GPU; the first process of a call sets up 1-1.5 s slower than the later ones)")
     ap.add_argument("--keep-runs", action="store_true",
                     help="leave each run's files (checkpoints, stores) under --work or the temp dir, to inspect them "
-                    "(e.g. `s4w stats` on a store: stored bytes per step and tensor group)")
+                    "(e.g. `s4w stats` on a store: stored bytes per step and tensor group); with --repeats, each "
+                    "repeat's in FRAMEWORK_RUN_rN")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="write one table from the results of several calls (frameworks_*.json, on the same machine) into --out")
     ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
@@ -905,8 +906,9 @@ def main(argv: list[str] | None = None) -> int:
                          "wall_s": r0.get("wall_s"), "error": r0.get("error")}
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"[frameworks] throwaway first run: {throwaway}", file=sys.stderr, flush=True)
-        for fw, mode, cache, name in [p for _rep in range(max(1, a.repeats)) for p in plan]:
-            run_dir = os.path.join(work, f"{fw}_{name}")
+        for rep, (fw, mode, cache, name) in [(r, p) for r in range(max(1, a.repeats)) for p in plan]:
+            # (with --keep-runs and --repeats, each repeat's files in a folder of its own)
+            run_dir = os.path.join(work, f"{fw}_{name}" + (f"_r{rep}" if a.keep_runs and a.repeats > 1 else ""))
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(run_dir)
             spec = spec_of(fw, mode, name, run_dir, a.steps)
