@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 import zipfile
 from collections import defaultdict
 from pathlib import Path
@@ -28,6 +31,7 @@ from s4w_core.gpu import kernels as gpu_kernels  # noqa: E402
 
 ARCH = 90
 KEYS = ["2", "4", "bytes"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _TargetOnly:
@@ -117,6 +121,32 @@ def test_a_bundle_installs_into_an_empty_cache_and_triton_finds_it(tmp_path: Pat
     before = _files(fresh)
     assert not bundle.install(ARCH, record, ["2"], where=out.parent)  # a record exists: nothing to do
     assert _files(fresh) == before
+
+
+def test_processes_installing_at_once_leave_one_complete_copy(tmp_path: Path, built: Any) -> None:
+    """Ranks of one node warm up together: four processes installing the same bundle into one empty
+    cache all succeed, and leave each file once, complete, and no temporary file."""
+    out, entries = built
+    fresh = tmp_path / "fresh"
+    record = fresh / "s4w-warm-up-x.json"
+    code = (
+        "import sys; from pathlib import Path; from s4w_core.gpu import bundle\n"
+        f"print(bundle.install({ARCH}, Path(sys.argv[1]), {KEYS!r}, where=Path(sys.argv[2])))\n"
+    )
+    env = dict(os.environ, TRITON_CACHE_DIR=str(fresh))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(record), str(out.parent)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
+    assert [r[0].strip() for r in results] == ["True"] * 4
+    with zipfile.ZipFile(out) as zf:
+        index = bundle.read_index(zf)
+        want = {f"{e['dir']}/{name}": zf.read(f"cache/{e['dir']}/{name}") for e in index["entries"] for name in e["files"]}
+    got = {f for f in _files(fresh) if "/" in f and "__grp__" not in f}
+    assert got == set(want) and all((fresh / f).read_bytes() == want[f] for f in got)
+    assert not [f for f in _files(fresh) if f.endswith(".tmp")]
+    assert json.loads(record.read_text()) == entries
 
 
 def _rewrite(src: Path, edit: Callable[[dict[str, Any], dict[str, bytes]], None]) -> None:
