@@ -102,6 +102,7 @@ def sources_digest() -> str:
 
 
 def bundle_path(triton_version: str, arch: int, where: Path = BUNDLES) -> Path:
+    """Where the bundle for Triton ``triton_version`` and architecture ``arch`` lies in ``where``."""
     return where / f"triton-{triton_version}-sm{arch}.zip"
 
 
