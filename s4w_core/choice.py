@@ -3,6 +3,7 @@ the sampled estimates shared by the CPU and GPU writers."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -40,6 +41,8 @@ __all__ = [
     "delta_pays",
     "delta_sample_ranges",
     "nonzero_pays",
+    "nonzero_trial",
+    "NonzeroTrial",
     "RC_MIN_ELEMS",
     "RC_MIN_GAIN",
     "RC_SAMPLE_ELEMS",
@@ -55,9 +58,30 @@ NZ_MIN_ZERO_FRAC = 1 / 64
 NZ_MIN_GAIN = 0.02
 
 
+@dataclass(frozen=True)
+class NonzeroTrial:
+    """What :func:`nonzero_trial` found: whether the nonzero variant pays and, where its trial
+    coded the whole storage as one segment, the chunks of the way chosen -- ``(codec id, bytes)``
+    in the container's order (the nonzero way: its bitmap first) -- with the count of nonzero
+    elements (the nonzero way), so that the writer does not code the storage again."""
+
+    pays: bool
+    chunks: tuple[tuple[str, bytes], ...] | None = None
+    nnz: int = 0
+
+
 def nonzero_pays(
     raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None
 ) -> bool:
+    """Whether the nonzero variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5c) pays for
+    the CPU bytes ``raw`` (with ``base`` and delta ``op``, or plain): :func:`nonzero_trial`."""
+    return nonzero_trial(raw, base, dtype, transform, op).pays
+
+
+def nonzero_trial(
+    raw: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype, transform: str, op: str | None,
+    *, one_segment: bool = False,
+) -> NonzeroTrial:
     """Whether the nonzero variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5c) pays for
     the CPU bytes ``raw`` (with ``base`` and delta ``op``, or plain): measured by coding the
     sample of :func:`delta_sample_ranges` both ways with the chunk coder itself (its zstd finds
@@ -67,15 +91,17 @@ def nonzero_pays(
     of both ways on a sample of its elements (:func:`nonzero_estimates`) say the variant saves
     :data:`NZ_MIN_GAIN` as well (a delta's residual with a few unchanged elements: the estimates a
     few bytes apart, no trial coding); a smaller one is its own sample, as cheap to code as to
-    estimate (and zstd sees the runs of a bias a step left mostly unchanged)."""
+    estimate (and zstd sees the runs of a bias a step left mostly unchanged). ``one_segment``:
+    the writer codes ``raw`` as one segment; where the sample is then all of it, the trial's
+    chunks of the way chosen are returned (the same bytes the writer would code)."""
     w = plane_width(dtype)
     if ESTIMATE_SAMPLE_ELEMS * w < raw.numel() <= ESTIMATE_MAX_BYTES:
         est = nonzero_estimates(raw, base, dtype, transform, op)
         if est is None or est[1] >= (1.0 - NZ_MIN_GAIN) * est[0]:
-            return False
+            return NonzeroTrial(False)
     ranges = delta_sample_ranges(raw.numel() // w)
     if not ranges:
-        return False
+        return NonzeroTrial(False)
     r = torch.cat([raw[a * w : z * w] for a, z in ranges]) if len(ranges) > 1 else raw
     b = None
     if base is not None and op is not None:
@@ -83,14 +109,16 @@ def nonzero_pays(
     words = nzt.residual_words(r, dtype, b, op)
     zeros = words.size - int(np.count_nonzero(words))
     if zeros < NZ_MIN_ZERO_FRAC * words.size:
-        return False
+        return NonzeroTrial(False)
     rot = plane_rot(transform)
     plain = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
-    plain_cost = sum(len(encode_chunk(transform, j, plain[j])[1]) for j in range(w))
+    plain_chunks = [encode_chunk(transform, j, plain[j]) for j in range(w)]
     bitmap, planes = nzt.split_nonzero(words, w, rot=rot)
-    nz_cost = len(encode_chunk(transform, BITMAP, bitmap)[1])
-    nz_cost += sum(len(encode_chunk(transform, j, planes[j])[1]) for j in range(w))
-    return nz_cost < (1.0 - NZ_MIN_GAIN) * plain_cost
+    nz_chunks = [encode_chunk(transform, BITMAP, bitmap)] + [encode_chunk(transform, j, planes[j]) for j in range(w)]
+    pays = sum(len(c[1]) for c in nz_chunks) < (1.0 - NZ_MIN_GAIN) * sum(len(c[1]) for c in plain_chunks)
+    if not (one_segment and ranges == [(0, raw.numel() // w)]):
+        return NonzeroTrial(pays)
+    return NonzeroTrial(pays, tuple(nz_chunks if pays else plain_chunks), int(planes.shape[1]) if pays else 0)
 
 
 def estimate_ranges(n: int) -> list[tuple[int, int]]:

@@ -35,6 +35,7 @@ from s4w_core.choice import (
     delta_pays,
     delta_sample_ranges,
     nonzero_pays,
+    nonzero_trial,
     rowcol_choice,
     rowcol_pays,
 )
@@ -126,7 +127,8 @@ def encode_storage_cpu(
     bf16/fp16/fp32, else ``bytes``; a byte-plane transform becomes its row/column variant
     ``rc-...`` where :func:`rowcol_choice` says so for the job's row length ``job.cols`` (which may
     also drop the delta, where the variant alone codes smaller), else its nonzero
-    variant ``nz-...`` where :func:`nonzero_pays`), or the transform to write (``"planes"``,
+    variant ``nz-...`` where :func:`nonzero_trial` says it pays: where its trial coded the whole
+    storage, its chunks are written as they are), or the transform to write (``"planes"``,
     ``"planes-rotl1"``, ``"bytes"``); ValueError if it does not apply to the storage's dtype and size."""
     segment_elems = segment_elems or SEGMENT_ELEMS
     raw = job.raw.cpu() if job.raw.device.type != "cpu" else job.raw
@@ -163,10 +165,20 @@ def encode_storage_cpu(
         del p0
         entry["transform"] = next(k for k, v in RC_TRANSFORMS.items() if v == transform)
         entry["rowcol"] = rowcol.key(job.cols, *offsets)
-    nz = not rc and chosen and transform in PLANE_TRANSFORMS and nonzero_pays(raw, base, job.dtype, transform, op)
+    trial = None
+    if not rc and chosen and transform in PLANE_TRANSFORMS:
+        trial = nonzero_trial(raw, base, job.dtype, transform, op, one_segment=n <= segment_elems)
+    nz = trial is not None and trial.pays
     if nz:  # the nonzero-element variant of the transform (docs/FORMAT.md 4.5c)
         entry["transform"] = next(k for k, v in NZ_TRANSFORMS.items() if v == transform)
         entry["nnz"] = []
+    if trial is not None and trial.chunks is not None:  # the trial coded all of it, the way chosen
+        if nz:
+            entry["nnz"].append(trial.nnz)
+        for codec_id, data in trial.chunks:
+            off, length, h = writer.add_chunk(data)
+            entry["chunks"].append([codec_id, off, length, h])
+        return entry
 
     # encode segments in windows so memory stays bounded while all threads are busy
     window = max(2, pool.workers)  # sized to the pool

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import s4w_core
+from s4w_core.choice import NonzeroTrial
 from tests.parity._interpret_checks import assert_same, moments_like
 
 pytestmark = pytest.mark.gpu
@@ -96,7 +97,7 @@ def test_sparse_fp32_delta_nonzero_on_gpu() -> None:
 def test_cpu_written_nonzero_read_by_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from s4w_core import engine
 
-    monkeypatch.setattr(engine, "nonzero_pays", lambda *a: True)
+    monkeypatch.setattr(engine, "nonzero_trial", lambda *a, **k: NonzeroTrial(True))
     m = moments_like(torch.bfloat16, 1000, 384, seed=2)
     buf = io.BytesIO()
     s4w_core.save({"m": m}, buf, profile="portable")

@@ -15,6 +15,7 @@ import torch
 
 import s4w_core
 from s4w_core import checksum, engine
+from s4w_core.choice import NonzeroTrial
 from tests.unit.helpers import bits, forge
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +102,7 @@ def test_reference_reader_nonzero(
     """The nonzero transforms (FORMAT.md 4.5c), plain and as deltas, decode in the reference reader:
     segments whose bitmaps end mid-byte, an all-zero segment, -0.0 (a nonzero pattern)."""
     monkeypatch.setattr(engine, "SEGMENT_ELEMS", 1003)
-    monkeypatch.setattr(engine, "nonzero_pays", lambda *a: True)
+    monkeypatch.setattr(engine, "nonzero_trial", lambda *a, **k: NonzeroTrial(True))
     if tr == "nz-planes":
         monkeypatch.setattr(engine, "transform_for", lambda dt, nb, transform=None: ("planes", dt.itemsize))
     if op is not None:

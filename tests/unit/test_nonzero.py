@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import s4w_core
 from s4w_core import engine
+from s4w_core.choice import NonzeroTrial
 from s4w_core.errors import DecodeError, ManifestError
 from s4w_core.format.container import ContainerReader
 from s4w_core.format.manifest import NZ_TRANSFORMS, validate_manifest
@@ -115,7 +116,7 @@ def _entry(blob: bytes) -> dict[str, Any]:
 @pytest.mark.parametrize("tr", list(NZ_TRANSFORMS))
 def test_container_roundtrip_nonzero(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tr: str) -> None:
     monkeypatch.setattr(engine, "SEGMENT_ELEMS", 4093)  # several segments, bitmaps ending mid-byte
-    monkeypatch.setattr(engine, "nonzero_pays", lambda *a: True)
+    monkeypatch.setattr(engine, "nonzero_trial", lambda *a, **k: NonzeroTrial(True))
     if tr == "nz-planes":
         monkeypatch.setattr(engine, "transform_for", lambda dt, nb, transform=None: ("planes", dt.itemsize))
     x = sparse_rows(dtype)
@@ -182,7 +183,7 @@ def test_old_style_entries_unchanged() -> None:
 # ----------------------------------------------------------------------------- manifests
 def _nz_blob(monkeypatch: pytest.MonkeyPatch) -> bytes:
     monkeypatch.setattr(engine, "SEGMENT_ELEMS", 4093)
-    monkeypatch.setattr(engine, "nonzero_pays", lambda *a: True)
+    monkeypatch.setattr(engine, "nonzero_trial", lambda *a, **k: NonzeroTrial(True))
     buf = io.BytesIO()
     s4w_core.save({"x": sparse_rows(torch.bfloat16)}, buf)
     return buf.getvalue()
@@ -261,7 +262,7 @@ def test_nz_file_loads_to_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     monkeypatch.setattr(engine, "SEGMENT_ELEMS", 4093)
-    monkeypatch.setattr(engine, "nonzero_pays", lambda *a: True)
+    monkeypatch.setattr(engine, "nonzero_trial", lambda *a, **k: NonzeroTrial(True))
     x, d = sparse_rows(torch.bfloat16), torch.randn(5000)
     buf = io.BytesIO()
     s4w_core.save({"x": x, "d": d, "y": sparse_rows(torch.float32, seed=1)}, buf, profile="portable")
@@ -455,3 +456,48 @@ def test_gpu_nonzero_choices_the_same_in_bounded_groups() -> None:
     assert any(whole) and not all(whole)
     for work in (1, 5 << 20):
         assert _nonzero.nonzero_choices_device(items, torch.device("cpu"), work=work) == whole
+
+
+def test_a_small_storage_is_written_with_the_chunks_its_trial_coded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storage the nonzero trial codes whole (one segment, its own sample) is written with the
+    trial's chunks of the way chosen instead of being coded again: the container is byte for byte
+    the one a writer that codes every storage anew writes, and it decodes bit-exactly."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(7)
+    base = {f"t{i}": torch.randn(n, generator=g).to(dt) for i, (n, dt) in
+            enumerate([(64, torch.bfloat16), (1000, torch.bfloat16), (4096, torch.float32), (3000, torch.float16),
+                       (70000, torch.bfloat16)])}
+    state = {}
+    for i, (k, v) in enumerate(base.items()):
+        x = v.clone()
+        x[:: 2 + i] = (v[:: 2 + i].float() * 1.01).to(v.dtype)  # some elements unchanged: nonzero pays for some
+        state[k] = x
+    state["plain"] = torch.zeros(512, dtype=torch.bfloat16)
+    state["plain"][::7] = 1.5
+
+    def lookup(path: str, nbytes: int, dtype: Any) -> Any:
+        return (bits(base[path]), {"b": path}) if path in base else None
+
+    def written() -> bytes:
+        buf = io.BytesIO()
+        s4w_core.save(state, buf, profile="portable", _base_lookup=lookup)
+        return buf.getvalue()
+
+    reused = []
+    orig = engine.nonzero_trial
+
+    def counted(*a: Any, **k: Any) -> NonzeroTrial:
+        t = orig(*a, **k)
+        reused.append(t.chunks is not None)
+        return t
+
+    monkeypatch.setattr(engine, "nonzero_trial", counted)
+    once = written()
+    assert any(reused) and not all(reused), reused  # (the check covers both ways)
+    monkeypatch.setattr(engine, "nonzero_trial", lambda *a, **k: dataclasses.replace(orig(*a, **k), chunks=None))
+    assert written() == once
+    transforms = {s["transform"] for s in ContainerReader.from_bytes(once).manifest["storages"]}
+    assert any(t.startswith("nz-") for t in transforms) and any(not t.startswith("nz-") for t in transforms), transforms
+    back = s4w_core.load(once, _resolve_base=lambda ref, n: bits(base[ref["b"]]))
+    assert all(torch.equal(bits(back[k]), bits(v)) for k, v in state.items())
