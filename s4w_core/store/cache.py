@@ -53,7 +53,7 @@ class BaseCache(StoreCore):
                 continue
             ref = {"object": obj, "storage": i, "checksum": s["checksum"]}
             storages[s["path"]] = (t.view(-1), ref, s["dtype"])
-        return CachedBase(step, obj, storages, total, pooled, hosts, source)
+        return CachedBase(step, obj, storages, total, pooled, hosts, source, manifest)
 
     def _remember(
         self,

@@ -66,6 +66,8 @@ class CachedBase:
     #: step is re-encoded from as a delta (None: not kept, e.g. a step that was loaded; the
     #: re-encoding then decodes it)
     source: tuple[Any, builtins.list[dict[str, Any]], builtins.list[tuple[torch.dtype, str, str]]] | None = None
+    #: the manifest the step was committed with (what its re-encoding is checked against)
+    manifest: Mapping[str, Any] | None = None
 
     def collected(self, profile: str) -> pipeline.Collected | None:
         """The step as a collected state over the host copies (None without a source)."""

@@ -170,7 +170,8 @@ class Reencoder(Loads):
             if state is not None and job.old is not None:
                 raws = job.old.raws
                 devices = [d for _, _, d in job.old.source[2]] if job.old.source is not None else None
-                own = self._own_manifest_of(prev)
+                # the manifest the step was committed with (kept with its host copy; else read back)
+                own = job.old.manifest if job.old.manifest is not None else self._own_manifest_of(prev)
                 if own is None:
                     raise StoreError(f"cannot read the manifest of step {prev.step}")
             else:  # no host copy of it: decode it (one whole object)

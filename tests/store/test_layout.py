@@ -239,6 +239,23 @@ def test_a_resumed_run_reencodes_the_loaded_step_from_memory(store_url: str) -> 
         assert bits_equal(fresh.load(i), run[i])
 
 
+def test_the_reencoding_reads_nothing_of_the_step_it_kept(store_url: str) -> None:
+    """A store that saved a step keeps its bytes and the manifest it committed: the next save
+    re-encodes it as a delta, checked against that manifest, without reading its object."""
+    run = make_run(2)
+    spy = _Reads(open_backend(store_url))
+    st = CheckpointStore(store_url, profile="portable", _backend=spy)
+    st.save(run[0], 0)
+    st.wait()
+    zero = st.info(0).object
+    st.save(run[1], 1)
+    st.wait()
+    assert st.info(0).kind == "delta" and st.info(0).base_step == 1
+    assert zero not in spy.reads and zero not in spy.ranged, (spy.reads, spy.ranged)
+    fresh = CheckpointStore(store_url)
+    assert bits_equal(fresh.load(0), run[0]) and bits_equal(fresh.load(1), run[1])
+
+
 def test_keyframe_every_bounds_the_chains(store_url: str) -> None:
     run = make_run(9)
     st = CheckpointStore(store_url, profile="portable", keyframe_every=3)
