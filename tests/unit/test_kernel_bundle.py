@@ -125,12 +125,14 @@ def test_a_bundle_installs_into_an_empty_cache_and_triton_finds_it(tmp_path: Pat
 
 def test_processes_installing_at_once_leave_one_complete_copy(tmp_path: Path, built: Any) -> None:
     """Ranks of one node warm up together: four processes installing the same bundle into one empty
-    cache all succeed, and leave each file once, complete, and no temporary file."""
+    cache fail in none (a process that finds the record written already installs nothing: False),
+    and leave each file once, complete, and no temporary file."""
     out, entries = built
     fresh = tmp_path / "fresh"
     record = fresh / "s4w-warm-up-x.json"
     code = (
-        "import sys; from pathlib import Path; from s4w_core.gpu import bundle\n"
+        "import logging, sys; from pathlib import Path; from s4w_core.gpu import bundle\n"
+        "logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)\n"
         f"print(bundle.install({ARCH}, Path(sys.argv[1]), {KEYS!r}, where=Path(sys.argv[2])))\n"
     )
     env = dict(os.environ, TRITON_CACHE_DIR=str(fresh))
@@ -139,7 +141,8 @@ def test_processes_installing_at_once_leave_one_complete_copy(tmp_path: Path, bu
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
-    assert [r[0].strip() for r in results] == ["True"] * 4
+    assert "True" in [r[0].strip() for r in results]
+    assert not [r[1] for r in results if "not installed" in r[1] or "does not apply" in r[1]]  # no failure, no mismatch
     with zipfile.ZipFile(out) as zf:
         index = bundle.read_index(zf)
         want = {f"{e['dir']}/{name}": zf.read(f"cache/{e['dir']}/{name}") for e in index["entries"] for name in e["files"]}
