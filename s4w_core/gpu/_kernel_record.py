@@ -38,7 +38,7 @@ from triton.runtime.jit import JITFunction
 from s4w_core.gpu import kernels as _gpu_kernels
 from s4w_core.planes import triton_kernels as _plane_kernels
 
-__all__ = ["Recorder", "cache_dir", "kernels", "preload", "record_path"]
+__all__ = ["Recorder", "cache_dir", "kernels", "kernels_digest", "preload", "record_path"]
 
 _log = logging.getLogger("s4w_core.gpu")
 
@@ -67,13 +67,21 @@ def cache_dir() -> Path:
     return Path(where) if where else Path.home() / ".triton" / "cache"
 
 
+def kernels_digest() -> str:
+    """A digest of the codec's Triton kernels (each one's ``JITFunction.cache_key``: its source
+    and what it calls)."""
+    h = hashlib.sha256()
+    for (module, name), fn in sorted(kernels().items()):
+        h.update(f"{module}:{name}:{fn.cache_key}\n".encode())
+    return h.hexdigest()
+
+
 def record_path(device: torch.device, tag: str = "") -> Path:
     """The record for ``device`` under this Triton, CUDA and kernel sources; ``tag``: what else
     the warm-up's coverage depends on (the plane widths it warms)."""
     h = hashlib.sha256()
     h.update(repr((triton.__version__, torch.version.cuda, torch.cuda.get_device_capability(device), tag)).encode())
-    for (module, name), fn in sorted(kernels().items()):
-        h.update(f"{module}:{name}:{fn.cache_key}\n".encode())
+    h.update(kernels_digest().encode())
     return cache_dir() / f"s4w-warm-up-{h.hexdigest()[:32]}.json"
 
 

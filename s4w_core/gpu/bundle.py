@@ -44,6 +44,7 @@ from typing import Any, Iterable
 
 from s4w_core import config
 from s4w_core.gpu import _kernel_record
+from s4w_core.gpu._kernel_record import kernels_digest
 
 __all__ = ["BUNDLES", "FORMAT", "build", "bundle_path", "fingerprint", "install", "kernels_digest", "pack", "read_index",
            "sources_digest"]
@@ -81,15 +82,6 @@ def fingerprint(arch: int) -> str | None:
     except Exception as e:  # noqa: BLE001 - another Triton: no bundle applies
         _log.debug("s4w_core.gpu: no Triton fingerprint for sm%s: %s", arch, e)
         return None
-
-
-def kernels_digest() -> str:
-    """A digest of the codec's Triton kernels (each one's ``JITFunction.cache_key``: its source
-    and what it calls)."""
-    h = hashlib.sha256()
-    for (module, name), fn in sorted(_kernel_record.kernels().items()):
-        h.update(f"{module}:{name}:{fn.cache_key}\n".encode())
-    return h.hexdigest()
 
 
 def sources_digest() -> str:
