@@ -15,6 +15,7 @@ import torch
 
 from s4w_core import checksum as ck
 from s4w_core import engine, pipeline
+from s4w_core._fsutil import is_safe_name
 from s4w_core.codecs import get_codec
 from s4w_core.errors import (
     BackendUnavailableError,
@@ -26,7 +27,7 @@ from s4w_core.errors import (
 )
 from s4w_core.format.container import ContainerReader
 from s4w_core.jobs import row_lengths
-from s4w_core.store.records import StepInfo, step_of_object
+from s4w_core.store.records import DATA, StepInfo, step_of_object
 from s4w_core.workers import Pool
 
 __all__ = [
@@ -142,6 +143,7 @@ class Chain:
         self._depth = 0
         self.memo: dict[tuple[str, int], torch.Tensor] = {}
         self._checked: set[tuple[str, int, str]] = set()
+        self._gone: set[str] = set()  # objects a delta names that could not be read (see _made_against)
 
     def bases(self) -> builtins.list[str]:
         """The data objects this step's deltas may read (not its own)."""
@@ -198,6 +200,9 @@ class Chain:
                     f"step {step}: its delta base, step {bstep}, is no longer committed in {self.url}; "
                     f"step {step} cannot be restored"
                 )
+            found = self._made_against(obj, idx, ck, nbytes)
+            if found is not None:
+                return found
             obj, by_step = brec.object, True
         try:
             reader = self.reader(obj)
@@ -219,6 +224,25 @@ class Chain:
                 f"expected {ck} / {nbytes} bytes)"
             )
         return reader, entry, obj, idx, (ck if entry["checksum"] != ck else None)
+
+    def _made_against(self, obj: str, idx: int, want: str, nbytes: int) -> tuple[ContainerReader, dict[str, Any], str, int, None] | None:
+        """The base storage a reverse delta names, read from the object it was made against while
+        that object is still there -- its step's record may point elsewhere by now: the step was
+        re-encoded and its old object not yet removed, or (on S3, whose create-if-absent is a
+        HEAD then a PUT) another writer committed the same step over it.  None where the object
+        is gone, unreadable or holds another storage there: the step's current record is read."""
+        if not obj.startswith(DATA) or not is_safe_name(obj) or obj in self._gone:
+            return None
+        try:
+            reader = self.reader(obj)
+        except S4WError:
+            with self._lock:
+                self._gone.add(obj)
+            return None
+        entries = reader.manifest["storages"]
+        if not 0 <= idx < len(entries) or entries[idx]["checksum"] != want or entries[idx]["nbytes"] != nbytes:
+            return None
+        return reader, entries[idx], obj, idx, None
 
     def _checked_raw(self, raw: torch.Tensor, obj: str, idx: int, want: str | None) -> torch.Tensor:
         """``raw`` once it is known to be the bytes ``want`` (a raw checksum) names."""

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 import weakref
 from typing import IO, Any, Iterator
 
@@ -20,7 +21,8 @@ import pytest
 from s4w_core import obs
 from s4w_core.errors import BaseMismatchError, CheckpointNotFoundError, ManifestError
 from s4w_core.store import CheckpointStore, open_backend
-from s4w_core.store.records import DATA
+from s4w_core.store._memory import MemoryBackend
+from s4w_core.store.records import DATA, commit_key
 from tests.compat.make_golden import describe
 from tests.compat.make_golden_store import STORE as GOLDEN_STORE
 
@@ -57,7 +59,7 @@ def _events() -> Iterator[list[obs.OpEvent]]:
 
 class _Reads(FaultyBackend):
     """Records the data objects a load reads whole (``reads``) and those it opens for ranged
-    reads (``ranged``: a manifest)."""
+    reads (``ranged``: a manifest); not a look-up of an object that is not there."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner, lambda verb, key: False)
@@ -65,12 +67,14 @@ class _Reads(FaultyBackend):
         self.ranged: list[str] = []
 
     def fetch(self, key: str) -> Any:
+        got = super().fetch(key)
         self.reads.append(key)
-        return super().fetch(key)
+        return got
 
     def open_range(self, key: str) -> Any:
+        got = super().open_range(key)
         self.ranged.append(key)
-        return super().open_range(key)
+        return got
 
 
 class _Writes(FaultyBackend):
@@ -821,3 +825,37 @@ def test_an_adapters_rotation_cancels_the_reencoding_of_the_step_it_deletes(stor
     assert re == [(10, "cancelled"), (20, "written")]
     assert st.steps() == [20, 30] and _data(st) == _live(st)
     assert bits_equal(CheckpointStore(store_url).load(20), run[1])
+
+
+
+def test_a_delta_loads_from_its_base_object_after_another_writer_commits_that_step_over_it(store_url: str) -> None:
+    """Two writers on one store (a restarted job while the old one still runs): on S3 the commit
+    record's create-if-absent is a HEAD then a PUT, so both may commit step 10, the later PUT
+    winning -- after the first writer re-encoded its step 9 against its own step 10.  Step 9 still
+    loads bit for bit, from the object its delta was made against; step 10 loads as the other
+    writer saved it.  Once that object is gone too, step 9 is a clear error."""
+    run = make_run(3)
+    st = CheckpointStore(store_url, profile="portable")
+    st.save(run[0], 9)
+    st.save(run[1], 10)
+    st.wait()
+    assert st.info(9).kind == "delta" and st.info(9).base_step == 10
+    mine = st.info(10).object
+    other_url = f"memory://t-{uuid.uuid4().hex[:12]}"
+    try:
+        other = CheckpointStore(other_url, profile="portable")
+        other.save(run[2], 10)
+        other.wait()
+        theirs = other.info(10).object
+        st.backend.put(theirs, other.backend.get(theirs))
+        st.backend.put(commit_key(10), other.backend.get(commit_key(10)))  # the later PUT wins
+        other.close()
+    finally:
+        MemoryBackend.drop(other_url[len("memory://") :])
+    reader = CheckpointStore(store_url)
+    assert reader.info(10).object == theirs != mine
+    assert bits_equal(reader.load(9), run[0])
+    assert bits_equal(reader.load(10), run[2])
+    st.backend.delete(mine)
+    with pytest.raises(BaseMismatchError, match="step 9.*replaced"):
+        CheckpointStore(store_url).load(9)
