@@ -27,7 +27,7 @@ import torch
 
 from s4w_core import config
 
-__all__ = ["PinnedPool", "HostFill", "pinned_slab", "pinned_buffers", "host_copies", "copy_parallel", "pools_host_copies", "POOLED_HOST_COPY_BYTES"]
+__all__ = ["PinnedPool", "HostFill", "pinned_slab", "pinned_buffers", "host_copies", "pooled_sizes", "copy_parallel", "pools_host_copies", "POOLED_HOST_COPY_BYTES"]
 
 log = logging.getLogger("s4w_core.hostmem")
 
@@ -340,6 +340,13 @@ def pools_host_copies(raws: list[torch.Tensor]) -> bool:
     return cpu_bytes >= POOLED_HOST_COPY_BYTES and torch.cuda.is_initialized()
 
 
+def pooled_sizes(raws: list[torch.Tensor]) -> list[int]:
+    """The sizes of the pool's buffers :func:`host_copies` of ``raws`` takes, in order: one per
+    CUDA storage, and one per CPU storage where :func:`pools_host_copies`."""
+    pooled_cpu = pools_host_copies(raws)
+    return [r.numel() for r in raws if r.device.type == "cuda" or (pooled_cpu and r.device.type == "cpu")]
+
+
 def host_copies(raws: list[torch.Tensor], pool: PinnedPool, *, ahead: bool = True) -> list[torch.Tensor]:
     """Host copies of ``raws`` (1-D uint8): CUDA ones into pinned buffers from ``pool`` with
     ``non_blocking=True`` and one synchronize per device; CPU ones into the pool's buffers too
@@ -347,8 +354,7 @@ def host_copies(raws: list[torch.Tensor], pool: PinnedPool, *, ahead: bool = Tru
     faulted in already), else cloned.  ``ahead``: then start allocating the pool's next generation
     (:meth:`PinnedPool.ahead`)."""
     pooled_cpu = pools_host_copies(raws)
-    mine = [r for r in raws if r.device.type == "cuda" or (pooled_cpu and r.device.type == "cpu")]
-    sizes = [r.numel() for r in mine]
+    sizes = pooled_sizes(raws)
     cuda = [r for r in raws if r.device.type == "cuda"]
     device = cuda[0].device if cuda else None
     bufs = iter(pool.take(sizes, device))

@@ -52,6 +52,8 @@ DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 _SIZES = (5, 1000, 4096, (1 << 16) + 5, 1 << 18, (1 << 19) + 7)
 #: int64 element counts: 800 B (the writer's CPU path) and ~2 MiB (its GPU path)
 _INT_SIZES = (100, (1 << 18) + 3)
+#: the synthetic matrix with row and column scales (rows, cols)
+_RC_SHAPE = (128, 256)
 
 
 def synthetic_states(device: torch.device, dtypes: Iterable[torch.dtype], *, second: bool = True) -> tuple[dict, dict]:
@@ -81,6 +83,12 @@ def synthetic_states(device: torch.device, dtypes: Iterable[torch.dtype], *, sec
             z = torch.randn(n, generator=g)
             z[: n // 2] = 0
             put(s, f"{name}/z{n}", z.to(dt))
+        # a matrix's squared gradients, with row and column scales: the row/column probe and
+        # transform, whose torch kernels a first save (and a resume's first load) loaded otherwise
+        rows, cols = _RC_SHAPE
+        scale = torch.exp2(torch.randint(-12, 0, (rows, 1), generator=g) + torch.randint(-6, 0, (1, cols), generator=g))
+        for s in (s0, s1):
+            put(s, f"{name}/rc{rows}x{cols}", (scale * torch.rand(rows, cols, generator=g)).to(dt))
     for n in _INT_SIZES:
         put(s0, f"int/{n}", torch.arange(n))
         put(s1, f"int/{n}", torch.arange(n) + 1)
@@ -100,7 +108,8 @@ def _jobs(state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor] | None,
     for path, t in state.items():
         base = None if bases is None else _bytes(bases[path])
         ref = None if base is None else {"path": path}
-        jobs.append(engine.StorageJob(_bytes(t), t.dtype, path, device or str(t.device), base, ref))
+        cols = t.shape[-1] if t.dim() == 2 else None
+        jobs.append(engine.StorageJob(_bytes(t), t.dtype, path, device or str(t.device), base, ref, cols=cols))
     return jobs
 
 

@@ -497,6 +497,9 @@ class Writes(Retention):
                     # cache below (not a second walk of the tree after the save)
                     col = engine.Collector()
                     collected = pipeline.Collected(col, encode_tree(state, col.add))
+                    prev = self._reencode_target(step, recs) if reencode_out is not None else None
+                    keeps_old = prev is not None and self._cache is not None and (self._cache.step, self._cache.object) == (prev.step, prev.object)
+                    self._reserve_copies([j.raw for j in col.jobs], keeps_old)
                 base, provider = self._plan(step, recs, keyframe)
                 key = data_key(step)
                 t = time.perf_counter()

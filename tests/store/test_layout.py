@@ -538,6 +538,42 @@ def test_gpu_saves_reencode_from_the_pinned_copies(tmp_path: Any, profile: str, 
     assert bits_equal(again.load(3, map_location="cpu"), expected[3])
 
 
+@pytest.mark.gpu
+def test_gpu_blocking_saves_allocate_their_pinned_copies_while_encoding(tmp_path: Any) -> None:
+    """The pinned buffers a blocking save's host copy takes are allocated on a background thread
+    while the save encodes -- the first save's, and the second's (the first copy stays, the base
+    of the re-encoding) -- not in the caller after the encode; the third reuses the first's."""
+    import torch
+
+    from s4w_core import pipeline
+
+    if pipeline.gpu_backend() is None:
+        pytest.skip("the GPU backend (nvCOMP, Triton) is not installed")
+    run = [
+        {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in s["model"].items()} | {"step": s["step"]}
+        for s in make_run(3, n=200_000)
+    ]
+    st = CheckpointStore(str(tmp_path / "s"), profile="fast")
+    pool = st._pinned_pool  # noqa: SLF001 - the store's own pool, observed
+    where: list[str] = []
+    alloc = pool._alloc  # noqa: SLF001
+
+    def spy(sizes: list[int], device: Any) -> Any:
+        where.append(threading.current_thread().name)
+        return alloc(sizes, device)
+
+    pool._alloc = spy  # type: ignore[method-assign] # noqa: SLF001
+    for i, s in enumerate(run):
+        st.save(s, i)
+        st.wait()
+        assert len(where) == min(i + 1, 2), where
+    assert where == ["s4w-pin-ahead"] * 2
+    assert [r.kind for r in st.list()] == ["delta", "delta", "keyframe"]
+    fresh = CheckpointStore(str(tmp_path / "s"))
+    for i, s in enumerate(run):
+        assert bits_equal(fresh.load(i, map_location="cpu"), {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
+
+
 def test_checksums_of_other_algorithms_are_checked_on_the_bytes() -> None:
     """The GPU writer sums device data with fold64 and hashes host data with xxh3: a copy coded
     from the host stands for a step coded on the device when the step's checksum holds for the
