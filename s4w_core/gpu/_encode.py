@@ -238,7 +238,11 @@ def _delta_choices(
         off.append(pos)
         pos += c * w
     plane_len = torch.tensor([c for c, w in zip(counts, ws) for _ in range(w)], dtype=torch.int64)
-    seg = (torch.repeat_interleave(torch.arange(len(plane_len), dtype=torch.int32), plane_len) * 256).to(dev, non_blocking=True)
+    # each sample byte's histogram segment, made on the device (on the host: a pageable copy of
+    # 4 bytes per sample byte, ~60 MB for a re-encoding's samples)
+    seg = torch.repeat_interleave(
+        torch.arange(len(plane_len), dtype=torch.int32, device=dev), plane_len.to(dev), output_size=pos
+    ) * 256
     nplanes = len(plane_len)
     costs = []
     for op in (None, "xor", "sub"):
@@ -404,7 +408,7 @@ def encode_storages(
                 io.submit([(ji, ci, cid, data) for ci, (cid, data) in enumerate(zip(codecs, rec.chunks))])
                 entries.append(entry)
                 continue
-            raw = job.raw if job.raw.device == dev else job.raw.to(dev)
+            raw = _nvcomp.to_device(job.raw, dev)  # (a host copy: queued on the stream, not waited for)
             kind = "nnz" if nz_pick.get(jidx) else "rowcol" if rc_pick.get(jidx) else "batch"
             if raw is not job.raw:
                 while any(uploaded.values()) and sum(uploaded.values()) + nbytes > budget:

@@ -199,7 +199,7 @@ def encode_nonzero_many(
     one compaction and one count per segment for all of them, each segment's bitmap a slice of
     the group's (a storage padded to a whole byte, as a segment's bitmap is); else segment by
     segment (:func:`~s4w_core.planes.nonzero.split_nonzero_torch`)."""
-    words = [residual_words(raw, None if base is None else base.to(dev), op, dtype) for raw, base, op, dtype in items]
+    words = [residual_words(raw, None if base is None else _nvcomp.to_device(base, dev), op, dtype) for raw, base, op, dtype in items]
     per: list[list[tuple[torch.Tensor, list[torch.Tensor], int]]] = [[] for _ in items]  # (bitmap, planes, nnz) per segment
     if seg % 8:
         for k, ((_raw, _b, _op, dtype), wd) in enumerate(zip(items, words)):
@@ -271,8 +271,7 @@ def code_parts_device(
     slots = (lengths + _nvcomp.ALIGN - 1) // _nvcomp.ALIGN * _nvcomp.ALIGN
     src_off = np.cumsum(slots) - slots
     src = torch.empty(max(int(slots.sum()), 1), dtype=torch.uint8, device=dev)
-    for p, o, ln in zip(parts, src_off.tolist(), lengths.tolist()):
-        src[o : o + ln].copy_(p)
+    _cat_into(src, parts, (slots - lengths).tolist())
     todo = np.nonzero(lengths > 0)[0]
     coded = np.zeros(len(parts), dtype=bool)
     sizes = np.zeros(len(parts), dtype=np.int64)
@@ -290,16 +289,39 @@ def code_parts_device(
     out_len = np.where(coded, sizes, lengths)
     host_off = np.cumsum(out_len) - out_len
     host = _nvcomp.host_empty(max(int(out_len.sum()), 1))
-    for i in range(len(parts)):
-        if out_len[i]:
-            a, z = int(host_off[i]), int(host_off[i] + out_len[i])
-            srcb = comp[int(comp_off[i]) : int(comp_off[i]) + int(out_len[i])] if coded[i] else parts[i]
-            host[a:z].copy_(srcb, non_blocking=True)
+    # every chunk's bytes (coded, or its part) back to back on the device, then one copy to the host
+    outs = [
+        comp[int(comp_off[i]) : int(comp_off[i]) + int(out_len[i])] if coded[i] else parts[i]
+        for i in range(len(parts))
+        if out_len[i]
+    ]
+    if outs:
+        packed = torch.empty(int(out_len.sum()), dtype=torch.uint8, device=dev)
+        _cat_into(packed, outs)
+        host[: packed.numel()].copy_(packed, non_blocking=True)
     _nvcomp.synchronize(dev)
     mv = memoryview(host.numpy())
     views = [mv[int(host_off[i]) : int(host_off[i] + out_len[i])] for i in range(len(parts))]
     ids = [codec_id if c else RAW.id for c in coded.tolist()]
     return ids, views, host
+
+
+def _cat_into(out: torch.Tensor, parts: list[torch.Tensor], gaps: list[int] | None = None) -> None:
+    """``parts`` (uint8, on ``out``'s device) written back to back into ``out``, each followed by
+    ``gaps[k]`` bytes left as they are (zeros here): one batched copy kernel per many parts instead of
+    a copy each (a group's thousands of chunks)."""
+    seq: list[torch.Tensor] = []
+    if gaps is None:
+        seq = list(parts)
+    else:
+        pad = out.new_zeros(max(gaps, default=0))
+        for p, g in zip(parts, gaps):
+            seq.append(p)
+            if g:
+                seq.append(pad[:g])
+    n = sum(t.numel() for t in seq)
+    if n:
+        torch.cat(seq, out=out[:n])
 
 
 def _popcount_table(dev: torch.device) -> torch.Tensor:

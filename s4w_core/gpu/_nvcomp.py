@@ -33,6 +33,7 @@ __all__ = [
     "synchronize",
     "batch_bytes",
     "work_bytes",
+    "to_device",
     "max_compressed",
     "SLOT_CLASSES",
     "slot_classes",
@@ -121,6 +122,13 @@ def on_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
 def host_empty(nbytes: int) -> torch.Tensor:
     """Pinned host staging memory (torch's caching host allocator)."""
     return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+
+
+def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` on ``dev``: a pinned host tensor's copy queued on the current stream (the kernels after
+    it on that stream wait for it; the caller keeps ``t`` alive and unchanged meanwhile, as the
+    writer does a save's pinned copies), any other host tensor's copied at once."""
+    return t if t.device == dev else t.to(dev, non_blocking=t.device.type == "cpu" and t.is_pinned())
 
 
 def synchronize(device: torch.device) -> None:

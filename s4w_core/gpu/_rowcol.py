@@ -25,6 +25,7 @@ import torch
 
 from s4w_core import choice
 from s4w_core.format.manifest import RC_TRANSFORMS, ROTL1
+from s4w_core.gpu import _nvcomp
 from s4w_core.gpu._nonzero import code_parts_device, plane_bytes, residual_words
 from s4w_core.gpu._samples import gather_samples, runs_of
 from s4w_core.planes import rowcol
@@ -190,7 +191,7 @@ def encode_rowcol_many(
     for raw, base, op, dtype, cols in items:
         w = dtype.itemsize
         n = raw.numel() // w
-        words = residual_words(raw, None if base is None else base.to(dev), op, dtype)
+        words = residual_words(raw, None if base is None else _nvcomp.to_device(base, dev), op, dtype)
         planes = plane_bytes(words, w)  # the whole storage at once: a few kernels, not a few per segment
         row, col = rowcol.offsets_torch(planes[0], cols)
         planes[0] = planes[0] - rowcol.tile_torch(row, col, 0, n)  # uint8: modulo 256
