@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
+from s4w_core._fsutil import atomic_write
 from s4w_core.gpu import kernels as _gpu_kernels
 from s4w_core.planes import triton_kernels as _plane_kernels
 
@@ -130,15 +130,8 @@ class Recorder:
         if not entries:
             return False
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(entries, f)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            with atomic_write(path, prefix=f".{path.name}.", durable=False) as f:  # (as Triton's cache: no fsync)
+                f.write(json.dumps(entries).encode())
         except OSError as e:
             _log.debug("s4w_core.gpu: the warm-up record %s was not written: %s", path, e)
             return False

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from s4w_core import config
+from s4w_core._fsutil import atomic_write
 from s4w_core.gpu import _kernel_record
 from s4w_core.gpu._kernel_record import kernels_digest
 
@@ -191,14 +192,8 @@ def _write_new(path: Path, data: bytes) -> None:
     """``data`` at ``path`` unless something is there already: a temporary name, then a rename."""
     if path.exists():
         return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_write(path, prefix=f".{path.name}.", durable=False) as f:  # (as Triton's cache: no fsync)
+        f.write(data)
 
 
 def install(arch: int, record: Path, keys: Iterable[Any], where: Path = BUNDLES) -> bool:
