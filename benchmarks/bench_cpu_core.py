@@ -112,7 +112,7 @@ def stages(ts: dict[str, torch.Tensor], repeats: int) -> dict[str, dict[str, flo
     import collections
     import functools
 
-    from s4w_core import api, codecs, engine
+    from s4w_core import codecs, engine, jobs, pipeline
 
     acc: collections.Counter[str] = collections.Counter()
     undo: list[Callable[[], None]] = []
@@ -131,13 +131,15 @@ def stages(ts: dict[str, torch.Tensor], repeats: int) -> dict[str, dict[str, flo
         setattr(owner, name, g)
         undo.append(lambda: setattr(owner, name, f))
 
-    wrap(engine, "_encode_chunk", "zstd encode")
-    wrap(engine, "split_planes", "split")
+    wrap(engine, "encode_chunk", "chunk coder (zstd, deflate)")
+    wrap(engine, "rowcol_choice", "row/column probe")
+    wrap(engine, "nonzero_trial", "nonzero trial")
+    wrap(jobs, "split_planes", "split")
     wrap(engine, "merge_into", "merge")
     wrap(engine, "merge_hash_into", "merge+xxh3 (fused, storages >= 1 MiB)")
     wrap(engine.ck, "tensor_checksum", "xxh3 tensor")
     wrap(engine.ck, "verify_tensor_checksum", "xxh3 tensor")
-    wrap(api, "validate_manifest", "validate manifest")
+    wrap(pipeline, "validate_manifest", "validate manifest")
     for c in (codecs.ZSTD, codecs.RAW):
         dec = c.decode_cpu
         key = f"{c.id} decode"

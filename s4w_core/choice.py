@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from s4w_core import delta
+from s4w_core.codecs import zstd_encode_plane
 from s4w_core.codecs.chunk import (
     BITMAP,
     SAMPLE,
@@ -20,7 +21,6 @@ from s4w_core.codecs.chunk import (
     order0_counts_bytes,
 )
 from s4w_core.errors import BaseMismatchError
-from s4w_core.format.manifest import RC_TRANSFORMS
 from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
 from s4w_core.planes import nonzero as nzt
 from s4w_core.planes import plane_width, rowcol, split_planes
@@ -235,15 +235,17 @@ def rowcol_costs(
     if small:  # every plane, and plane 0 less its offsets, estimated order-0 (one histogram pass)
         *costs, rc0 = [order0_bytes(a) for a in (*planes, q)]
     else:
-        # plane 0 coded both ways; the other planes, the same both ways, coded too where ``coded``
-        # (the estimates of a delta's residual against the tensor alone), else estimated order-0
-        # (the denominator of the gain only: a fraction of the time of coding them)
-        costs = [float(len(encode_chunk(transform, 0, p0)[1]))]
+        # plane 0 coded both ways by the plane coder (a storage this large is coded in chunks past
+        # the sizes where the chunk coder also tries deflate or zstd's level 3: the sample's chunk is
+        # coded as they are); the other planes, the same both ways, coded too where ``coded`` (the
+        # estimates of a delta's residual against the tensor alone), else estimated order-0 (the
+        # denominator of the gain only: a fraction of the time of coding them)
+        costs = [float(min(len(zstd_encode_plane(memoryview(p0))), p0.size))]
         for j in range(1, w):
             costs.append(
                 len(encode_chunk(transform, j, planes[j])[1]) if coded else planes[j].size / entropy_ratio(planes[j])
             )
-        rc0 = len(encode_chunk(next(k for k, v in RC_TRANSFORMS.items() if v == transform), 0, q)[1])
+        rc0 = min(len(zstd_encode_plane(memoryview(q))), q.size)
     scale = n / p0.size
     return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
 
