@@ -15,7 +15,6 @@ from s4w_core.codecs.chunk import (
     BITMAP,
     SAMPLE,
     encode_chunk,
-    entropy_ratio,
     estimate_bytes,
     order0_bytes,
     order0_counts_bytes,
@@ -228,8 +227,11 @@ def rowcol_costs(
         b = None if base is None else torch.from_numpy(base.numpy().reshape(rows, cols * w)[pick].reshape(-1))
     words = nzt.residual_words(r, dtype, b, op)
     rot = plane_rot(transform)
-    planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
-    p0 = planes[0]
+    if small or coded:
+        planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
+        p0 = planes[0]
+    else:
+        p0 = rowcol.plane0_np(words, w, rot)  # plane 0 alone (the others: below)
     row, col = rowcol.offsets_np(p0, cols)
     q = p0 - rowcol.tile_np(row, col, 0, p0.size)
     if small:  # every plane, and plane 0 less its offsets, estimated order-0 (one histogram pass)
@@ -237,14 +239,16 @@ def rowcol_costs(
     else:
         # plane 0 coded both ways by the plane coder (a storage this large is coded in chunks past
         # the sizes where the chunk coder also tries deflate or zstd's level 3: the sample's chunk is
-        # coded as they are); the other planes, the same both ways, coded too where ``coded`` (the
-        # estimates of a delta's residual against the tensor alone), else estimated order-0 (the
-        # denominator of the gain only: a fraction of the time of coding them)
+        # coded as they are). The other planes, the same both ways, are coded too where ``coded``
+        # (the estimates of a delta's residual against the tensor alone); else they enter only the
+        # gain's denominator, counted at their raw size (a mantissa plane codes to 95-100 % of it:
+        # the variant must save a hair more than RC_MIN_GAIN; their split and entropy were 40-60 %
+        # of the probe's time)
         costs = [float(min(len(zstd_encode_plane(memoryview(p0))), p0.size))]
-        for j in range(1, w):
-            costs.append(
-                len(encode_chunk(transform, j, planes[j])[1]) if coded else planes[j].size / entropy_ratio(planes[j])
-            )
+        if coded:
+            costs += [float(len(encode_chunk(transform, j, planes[j])[1])) for j in range(1, w)]
+        else:
+            costs += [float(p0.size)] * (w - 1)
         rc0 = min(len(zstd_encode_plane(memoryview(q))), q.size)
     scale = n / p0.size
     return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
