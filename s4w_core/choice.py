@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from s4w_core import delta
-from s4w_core.codecs import zstd_encode_plane
 from s4w_core.codecs.chunk import (
     BITMAP,
     SAMPLE,
@@ -20,6 +19,7 @@ from s4w_core.codecs.chunk import (
     order0_counts_bytes,
 )
 from s4w_core.errors import BaseMismatchError
+from s4w_core.format.manifest import RC_TRANSFORMS
 from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
 from s4w_core.planes import nonzero as nzt
 from s4w_core.planes import plane_width, rowcol, split_planes
@@ -237,19 +237,19 @@ def rowcol_costs(
     if small:  # every plane, and plane 0 less its offsets, estimated order-0 (one histogram pass)
         *costs, rc0 = [order0_bytes(a) for a in (*planes, q)]
     else:
-        # plane 0 coded both ways by the plane coder (a storage this large is coded in chunks past
-        # the sizes where the chunk coder also tries deflate or zstd's level 3: the sample's chunk is
-        # coded as they are). The other planes, the same both ways, are coded too where ``coded``
-        # (the estimates of a delta's residual against the tensor alone); else they enter only the
-        # gain's denominator, counted at their raw size (a mantissa plane codes to 95-100 % of it:
-        # the variant must save a hair more than RC_MIN_GAIN; their split and entropy were 40-60 %
-        # of the probe's time)
-        costs = [float(min(len(zstd_encode_plane(memoryview(p0))), p0.size))]
+        # plane 0 coded both ways with the chunk coder. (Coding the sample with the plane coder
+        # alone, as the storage's own larger chunks are, was faster but chose the variant for fewer
+        # fp32 exp_avg storages, 0.2 % of that group on the gpt ratio series: not done.) The other
+        # planes, the same both ways, are coded too where ``coded`` (the estimates of a delta's
+        # residual against the tensor alone); else they enter only the gain's denominator, counted
+        # at their raw size (a mantissa plane codes to 95-100 % of it: the variant must save a hair
+        # more than RC_MIN_GAIN; their split and entropy were a third of an fp32 probe's time)
+        costs = [float(len(encode_chunk(transform, 0, p0)[1]))]
         if coded:
             costs += [float(len(encode_chunk(transform, j, planes[j])[1])) for j in range(1, w)]
         else:
             costs += [float(p0.size)] * (w - 1)
-        rc0 = min(len(zstd_encode_plane(memoryview(q))), q.size)
+        rc0 = len(encode_chunk(next(k for k, v in RC_TRANSFORMS.items() if v == transform), 0, q)[1])
     scale = n / p0.size
     return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
 

@@ -48,19 +48,17 @@ def sparse_delta(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Trials:
-    """Counts the coders' calls made by the choices (``choice.encode_chunk``, and the plane coder
-    ``choice.zstd_encode_plane`` that the row/column probe codes a large storage's sample with)."""
+    """Counts the chunk coder's calls made by the choices (``choice.encode_chunk``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        for name in ("encode_chunk", "zstd_encode_plane"):
-            real = getattr(choice, name)
+        real = choice.encode_chunk
 
-            def counting(*a: Any, real: Any = real) -> Any:
-                self.calls += 1
-                return real(*a)
+        def counting(*a: Any) -> Any:
+            self.calls += 1
+            return real(*a)
 
-            monkeypatch.setattr(choice, name, counting)
+        monkeypatch.setattr(choice, "encode_chunk", counting)
 
 
 def test_small_storages_choose_without_trial_coding(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +91,6 @@ def test_estimated_choices_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch)
         raise AssertionError("a small storage's choice coded a sample")
 
     monkeypatch.setattr(choice, "encode_chunk", no_trials)
-    monkeypatch.setattr(choice, "zstd_encode_plane", no_trials)
     g = torch.Generator().manual_seed(4)
     w0 = (0.02 * torch.randn(96, 384, generator=g)).to(torch.bfloat16)
     s0 = {"w": w0, "m": moments(96, 384, torch.bfloat16), "b": torch.randn(96, generator=g).to(torch.bfloat16)}
