@@ -308,8 +308,8 @@ def code_parts_device(
 
 def _cat_into(out: torch.Tensor, parts: list[torch.Tensor], gaps: list[int] | None = None) -> None:
     """``parts`` (uint8, on ``out``'s device) written back to back into ``out``, each followed by
-    ``gaps[k]`` bytes left as they are (zeros here): one batched copy kernel per many parts instead of
-    a copy each (a group's thousands of chunks)."""
+    ``gaps[k]`` zero bytes: one batched copy kernel per many parts instead of a copy each (a group's
+    thousands of chunks)."""
     seq: list[torch.Tensor] = []
     if gaps is None:
         seq = list(parts)

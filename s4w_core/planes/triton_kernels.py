@@ -389,16 +389,17 @@ def _merge_chunks_kernel(items_ptr, map_ptr, chunks_ptr, W: tl.constexpr, OP: tl
                         a2.to(tl.pointer_type(tl.uint8)), a3.to(tl.pointer_type(tl.uint8)), offs, offs < n, W, OP)
 
 
-#: tables up to this size go to the device straight from pageable memory (the driver stages so small
-#: a copy at once, without waiting for the stream); larger ones through pinned memory
+#: tables up to this size go to the device straight from pageable memory (the driver copies them
+#: into its own staging memory before the call returns; CUDA does not promise that it will not
+#: wait for the stream first); larger ones through pinned memory
 _PAGEABLE_TABLE_BYTES = 64 << 10
 
 
 def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """An int64 host table on ``device``: one non-blocking copy, through pinned memory when it is
-    large (a pinned block per small table cost ~0.3 ms of host allocator work each: a re-encoding's
-    hundred checksum launches); a view of the array itself on the CPU, where the interpreter runs
-    the kernels."""
+    """An int64 host table on ``device``: one copy, through pinned memory when it is large (a
+    sampling profile of a re-encoding put ~0.3 ms on each small table's pinned block, a hundred
+    checksum launches per re-encoding); a view of the array itself on the CPU, where the
+    interpreter runs the kernels."""
     t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     if device.type != "cuda":
         return t

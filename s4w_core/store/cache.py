@@ -106,8 +106,9 @@ class BaseCache(StoreCore):
         """Start allocating the pinned buffers that :meth:`_base_copies` of a GPU state being saved
         will take, on a background thread while the state is encoded, where the pool has none
         free for it: a store's first save, and its second when the first one's copy stays (the
-        base of the re-encoding behind it: ``keeps_old``) -- the caller waited ~0.1 s a GB for
-        each allocation after the encode.  Not where the current copy's buffers come back first."""
+        base of the re-encoding behind it: ``keeps_old``, the rule the save applies after its
+        commit) -- the caller waited ~0.1 s a GB for each allocation after the encode.  Not where
+        the current copy's buffers come back first."""
         if not any(r.device.type == "cuda" for r in raws):
             return
         if self.base_cache_bytes is not None and sum(r.numel() for r in raws) > self.base_cache_bytes:

@@ -78,6 +78,13 @@ class CountingWriter:
         return n
 
 
+def _base_of(cache: CachedBase | None, prev: StepInfo | None) -> bool:
+    """Is ``cache`` the host copy the re-encoding of ``prev`` (the step a save turns into a delta,
+    or None) codes from: the same step and object, with the state's source kept?  Else a save gives
+    its buffers back before it copies the new step."""
+    return cache is not None and prev is not None and (cache.step, cache.object) == (prev.step, prev.object) and cache.source is not None
+
+
 class Writes(Retention):
     """Blocking and non-blocking saves."""
 
@@ -497,9 +504,8 @@ class Writes(Retention):
                     # cache below (not a second walk of the tree after the save)
                     col = engine.Collector()
                     collected = pipeline.Collected(col, encode_tree(state, col.add))
-                    prev = self._reencode_target(step, recs) if reencode_out is not None else None
-                    keeps_old = prev is not None and self._cache is not None and (self._cache.step, self._cache.object) == (prev.step, prev.object)
-                    self._reserve_copies([j.raw for j in col.jobs], keeps_old)
+                    due = self._reencode_target(step, recs) if reencode_out is not None else None
+                    self._reserve_copies([j.raw for j in col.jobs], _base_of(self._cache, due))
                 base, provider = self._plan(step, recs, keyframe)
                 key = data_key(step)
                 t = time.perf_counter()
@@ -545,7 +551,7 @@ class Writes(Retention):
         # and the bytes of this step when the next save re-encodes it
         old, self._cache = self._cache, None
         prev = self._reencode_target(step, recs) if reencode_out is not None else None
-        if prev is None or old is None or old.step != prev.step or old.object != prev.object or old.source is None:
+        if not _base_of(old, prev):
             self._unpool(old)
             old = None
         if not self._caching() and isinstance(state, pipeline.Collected):  # its pinned buffers, for the next save
