@@ -3,6 +3,7 @@ the sampled estimates shared by the CPU and GPU writers."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -19,7 +20,6 @@ from s4w_core.codecs.chunk import (
     order0_counts_bytes,
 )
 from s4w_core.errors import BaseMismatchError
-from s4w_core.format.manifest import RC_TRANSFORMS
 from s4w_core.jobs import StorageJob, plane_rot, planes_of, transform_for
 from s4w_core.planes import nonzero as nzt
 from s4w_core.planes import plane_width, rowcol, split_planes
@@ -46,6 +46,7 @@ __all__ = [
     "RC_MIN_GAIN",
     "RC_SAMPLE_ELEMS",
     "rowcol_choice",
+    "RowcolCosts",
     "rowcol_costs",
     "rowcol_pays",
     "rowcol_sample_rows",
@@ -174,8 +175,10 @@ ESTIMATE_SAMPLE_ELEMS = 1 << 12
 
 #: storages of fewer elements never take the row/column transform (docs/FORMAT.md 4.5d)
 RC_MIN_ELEMS = 1 << 12
-#: ... which is used only where it makes the storage (the estimate of all its planes plus the
-#: offsets' ``R + C`` bytes) at least this fraction smaller
+#: ... which is used only where it makes plane 0 (the only plane it changes; estimated with the
+#: offsets' ``R + C`` bytes) at least this fraction smaller. (Weighed against all planes, the bar
+#: would be 4x higher for fp32 than for bf16: it missed the variant on most fp32 ``exp_avg``
+#: storages, which it makes 1-2 % smaller, 0.9 % of that group on the gpt ratio series.)
 RC_MIN_GAIN = 0.02
 #: about this many elements (whole rows, spread over the storage) are sampled for that choice
 RC_SAMPLE_ELEMS = 1 << 15
@@ -185,10 +188,37 @@ def rowcol_sample_rows(rows: int, cols: int, elems: int = RC_SAMPLE_ELEMS) -> li
     """The rows (indices, in order) that the row/column probe samples from an ``rows x cols``
     storage: all of them up to ``elems`` elements (:data:`RC_SAMPLE_ELEMS`), else evenly spread
     rows making about that many (at least 2)."""
+    return _sample_rows(rows, cols, elems).tolist()  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=1024)
+def _sample_rows(rows: int, cols: int, elems: int) -> np.ndarray:
+    """:func:`rowcol_sample_rows` as a read-only index array, kept per shape (a training state's
+    matrices have few shapes, and every save probes them all)."""
     k = max(2, min(rows, elems // cols))
     if k >= rows:
-        return list(range(rows))
-    return sorted({(rows - 1) * i // (k - 1) for i in range(k)})
+        out = np.arange(rows, dtype=np.int64)
+    else:
+        out = np.unique((rows - 1) * np.arange(k, dtype=np.int64) // (k - 1))
+    out.flags.writeable = False
+    return out
+
+
+@dataclass(frozen=True)
+class RowcolCosts:
+    """What :func:`rowcol_costs` estimates of a storage, in stored bytes: its plane 0 as the
+    byte-plane transform codes it (``plane0``), plane 0 less its row/column offsets with the
+    offsets' ``R + C`` bytes (``rowcol0``: the row/column variant, docs/FORMAT.md 4.5d), and its
+    other planes, the same both ways (``others``; 0 where not asked for)."""
+
+    plane0: float
+    rowcol0: float
+    others: float = 0.0
+
+    @property
+    def pays(self) -> bool:
+        """Whether the variant makes plane 0 :data:`RC_MIN_GAIN` smaller."""
+        return self.rowcol0 < (1.0 - RC_MIN_GAIN) * self.plane0
 
 
 def rowcol_costs(
@@ -199,24 +229,24 @@ def rowcol_costs(
     op: str | None,
     cols: int | None,
     *,
-    coded: bool = False,
-) -> tuple[float, float] | None:
-    """``(planes, rowcol)``: the estimated stored bytes of the CPU bytes ``raw`` (with ``base`` and
-    delta ``op``, or plain) under the byte-plane ``transform`` and under its row/column variant
-    (docs/FORMAT.md 4.5d) with rows of ``cols`` elements, the offsets' ``R + C`` bytes included; or
-    None where the variant does not apply (no row length, fewer than :data:`RC_MIN_ELEMS`
-    elements). On the rows of :func:`rowcol_sample_rows`, scaled to the storage: plane 0 coded
-    with the chunk coder as it is and less its offsets; the other planes (the same both ways) coded
-    once where ``coded``, else estimated by their order-0 entropy (:func:`entropy_ratio`). A
-    storage of at most :data:`ESTIMATE_MAX_BYTES` is estimated on rows making about
-    :data:`ESTIMATE_SAMPLE_ELEMS` elements, every plane order-0 (``coded`` aside)."""
+    others: bool = False,
+) -> RowcolCosts | None:
+    """:class:`RowcolCosts` of the CPU bytes ``raw`` (with ``base`` and delta ``op``, or plain)
+    under the byte-plane ``transform`` with rows of ``cols`` elements (the other planes estimated
+    where ``others``); or None where the variant does not apply (no row length, fewer than
+    :data:`RC_MIN_ELEMS` elements). Order-0 estimates (histograms) on the rows of
+    :func:`rowcol_sample_rows` -- about :data:`RC_SAMPLE_ELEMS` elements, or
+    :data:`ESTIMATE_SAMPLE_ELEMS` for a storage of at most :data:`ESTIMATE_MAX_BYTES` -- scaled to
+    the storage. (The writer codes plane 0 in chunks of up to 1 MiB with Huffman tables: an
+    estimate free of a small sample's coding overheads: coding the sample with the chunk coder
+    cost a third of a CPU save and chose no better on the gpt ratio series.)"""
     w = plane_width(dtype)
     n = raw.numel() // w
     if not cols or n < RC_MIN_ELEMS or n % cols or n // cols < 2 or cols < 2:
         return None
     rows = n // cols
     small = raw.numel() <= ESTIMATE_MAX_BYTES
-    pick = rowcol_sample_rows(rows, cols, ESTIMATE_SAMPLE_ELEMS if small else RC_SAMPLE_ELEMS)
+    pick = _sample_rows(rows, cols, ESTIMATE_SAMPLE_ELEMS if small else RC_SAMPLE_ELEMS)
     if base is None or op is None:
         base, op = None, None
     if len(pick) == rows:
@@ -227,31 +257,13 @@ def rowcol_costs(
         b = None if base is None else torch.from_numpy(base.numpy().reshape(rows, cols * w)[pick].reshape(-1))
     words = nzt.residual_words(r, dtype, b, op)
     rot = plane_rot(transform)
-    if small or coded:
+    rest = 0.0
+    if others:
         planes = split_planes(torch.from_numpy(words.view(np.uint8)), dtype, rot=rot).numpy()
-        p0 = planes[0]
-    else:
-        p0 = rowcol.plane0_np(words, w, rot)  # plane 0 alone (the others: below)
-    row, col = rowcol.offsets_np(p0, cols)
-    q = p0 - rowcol.tile_np(row, col, 0, p0.size)
-    if small:  # every plane, and plane 0 less its offsets, estimated order-0 (one histogram pass)
-        *costs, rc0 = [order0_bytes(a) for a in (*planes, q)]
-    else:
-        # plane 0 coded both ways with the chunk coder. (Coding the sample with the plane coder
-        # alone, as the storage's own larger chunks are, was faster but chose the variant for fewer
-        # fp32 exp_avg storages, 0.2 % of that group on the gpt ratio series: not done.) The other
-        # planes, the same both ways, are coded too where ``coded`` (the estimates of a delta's
-        # residual against the tensor alone); else they enter only the gain's denominator, counted
-        # at their raw size (a mantissa plane codes to 95-100 % of it: the variant must save a hair
-        # more than RC_MIN_GAIN; their split and entropy were a third of an fp32 probe's time)
-        costs = [float(len(encode_chunk(transform, 0, p0)[1]))]
-        if coded:
-            costs += [float(len(encode_chunk(transform, j, planes[j])[1])) for j in range(1, w)]
-        else:
-            costs += [float(p0.size)] * (w - 1)
-        rc0 = len(encode_chunk(next(k for k, v in RC_TRANSFORMS.items() if v == transform), 0, q)[1])
-    scale = n / p0.size
-    return sum(costs) * scale, (sum(costs[1:]) + rc0) * scale + rows + cols
+        rest = sum(order0_bytes(planes[j]) for j in range(1, w))
+    hp, hq = rowcol.probe_hists(words, w, rot, cols)
+    scale = n / words.size
+    return RowcolCosts(order0_counts_bytes(hp) * scale, order0_counts_bytes(hq) * scale + rows + cols, rest * scale)
 
 
 def rowcol_pays(
@@ -259,9 +271,9 @@ def rowcol_pays(
 ) -> bool:
     """Whether the row/column variant of the byte-plane ``transform`` (docs/FORMAT.md 4.5d) pays for
     the CPU bytes ``raw`` viewed as rows of ``cols`` elements (with ``base`` and delta ``op``, or
-    plain): :func:`rowcol_costs` says it is :data:`RC_MIN_GAIN` smaller."""
+    plain): :func:`rowcol_costs` says it makes plane 0 :data:`RC_MIN_GAIN` smaller."""
     c = rowcol_costs(raw, base, dtype, transform, op, cols)
-    return c is not None and c[1] < (1.0 - RC_MIN_GAIN) * c[0]
+    return c is not None and c.pays
 
 
 def rowcol_choice(
@@ -271,16 +283,16 @@ def rowcol_choice(
     delta op to keep (``op``, or None). Without a delta: :func:`rowcol_pays`. With one, the variant
     is never applied to the residual (a ``sub`` residual has its scales removed already; on the
     MiniLM chain the sample's estimate picked it for storages it made 1-2 % larger), but ``raw``
-    alone under the variant is weighed against the residual (:func:`rowcol_costs`, the same rows,
-    every plane coded): the delta is dropped where ``raw`` alone is :data:`RC_MIN_GAIN` smaller
-    (an ``exp_avg`` step, whose signs and exponents move more than its row and column scales)."""
+    alone under the variant, where it pays, is weighed against the residual (:func:`rowcol_costs`,
+    the same rows, every plane): the delta is dropped where ``raw`` alone is :data:`RC_MIN_GAIN`
+    smaller (an ``exp_avg`` step, whose signs and exponents move more than its row and column scales)."""
     if op is None or base is None:
         return rowcol_pays(raw, None, dtype, transform, None, cols), None
-    alone = rowcol_costs(raw, None, dtype, transform, None, cols, coded=True)
-    if alone is None or alone[1] >= (1.0 - RC_MIN_GAIN) * alone[0]:
+    alone = rowcol_costs(raw, None, dtype, transform, None, cols, others=True)
+    if alone is None or not alone.pays:
         return False, op
-    resid = rowcol_costs(raw, base, dtype, transform, op, cols, coded=True)
-    if resid is not None and alone[1] < (1.0 - RC_MIN_GAIN) * resid[0]:
+    resid = rowcol_costs(raw, base, dtype, transform, op, cols, others=True)
+    if resid is not None and alone.rowcol0 + alone.others < (1.0 - RC_MIN_GAIN) * (resid.plane0 + resid.others):
         return True, None
     return False, op
 

@@ -62,7 +62,11 @@ def order0_bytes(a: np.ndarray) -> float:
     """Order-0 estimate of the coded bytes of the uint8 array ``a``, all of it (no stride: meant
     for the small samples of the writers' cheap choices): its size times its entropy in bytes, at
     least 1e-3 bits a byte (as :func:`entropy_ratio`)."""
-    return order0_counts_bytes(np.bincount(a, minlength=256)) if a.size else 0.0
+    if not a.size:
+        return 0.0
+    if a.flags.writeable:  # torch's count of bytes: ~2x numpy's (which widens them to intp first)
+        return order0_counts_bytes(torch.bincount(torch.from_numpy(a), minlength=256).numpy())
+    return order0_counts_bytes(np.bincount(a, minlength=256))
 
 
 def order0_counts_bytes(counts: np.ndarray) -> float:

@@ -47,6 +47,7 @@ from s4w_core.errors import (
 from s4w_core.format.limits import ENV_VAR, get_limits
 
 __all__ = [
+    "in_memory_file",
     "MAGIC",
     "FLAG_MANIFEST_ZSTD",
     "TRAILER_MAGIC",
@@ -145,70 +146,82 @@ def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
 #: get it back while another thread runs Python -- per 512 KiB chunk that made an upload beside a
 #: busy thread 8x slower (``benchmarks/bench_s3_fetch.py --write``)
 _WRITE_BLOCK = 16 << 20
-#: the block starts this large and doubles as it fills, up to :data:`_WRITE_BLOCK`: a small
-#: container (a training state of a few MB) never allocates and touches 16 MiB (every save then
-#: left the block's pages resident: +16 MiB of peak RSS per saving thread)
-_FIRST_BLOCK = 256 << 10
 #: chunks handed over together (:meth:`ContainerWriter.add_chunks`) of at least this many bytes go to a
-#: file that takes ``writev`` where they lie; fewer are gathered into the write block
+#: file that takes ``writev`` where they lie; fewer are gathered
 _DIRECT_BYTES = 1 << 20
+
+
+def in_memory_file(fp: Any) -> bool:
+    """Whether ``fp`` is a plain in-memory file (an :class:`io.BytesIO` with its own ``write``): a
+    write there is a copy, with no system call and no GIL hand-off to gather for."""
+    return isinstance(fp, io.BytesIO) and type(fp).write is io.BytesIO.write
 
 
 class ContainerWriter:
     """Streams a container to a binary file object: ``add_chunk`` in order, then ``finish``.
 
-    Chunks are gathered into writes of up to 16 MiB (a larger chunk is written as it is); every
-    byte has been written to ``fp`` when :meth:`finish` returns, and a write error is raised by the
-    call that flushed it."""
+    Chunks are gathered into writes of up to 16 MiB (a larger chunk is written as it is): a chunk
+    that is an immutable ``bytes`` (what the coders return) is held where it lies, any other
+    buffer copied (its owner may reuse it at once); a gathered write is one ``writev`` where the
+    file takes it, else one joined buffer. A plain in-memory file takes each chunk as it comes.
+    Every byte has been written to ``fp`` when :meth:`finish` returns, and a write error is raised
+    by the call that flushed it."""
 
     def __init__(self, fp: IO[bytes]) -> None:
         self._fp = fp
-        self._buf: memoryview | None = None  # one block, allocated at the first small write, grown as it fills
-        self._fill = 0
-        #: header flags; ``None`` while the header is still in the first block (not yet written)
+        self._direct = in_memory_file(fp)
+        self._writev = getattr(fp, "writev", None)
+        self._pending: list[bytes | memoryview] = []  # gathered, not yet written
+        self._fill = 0  # their bytes
+        #: header flags; ``None`` while the header is still unwritten (the first piece gathered)
         self._flags: int | None = None
-        self._write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
         self._pos = HEADER_SIZE
         self.data_bytes = 0
+        if self._direct:  # the header's flags are fixed in place at the end
+            self._fp.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
+            self._start = fp.tell() - HEADER_SIZE
+        else:
+            self._write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0))
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         n = view.nbytes
-        if self._fill and self._fill + n > _WRITE_BLOCK:
-            self._flush()
-        if n >= _WRITE_BLOCK:
+        if self._direct:
             self._fp.write(view)
             return
-        if self._buf is None or self._fill + n > len(self._buf):
-            self._grow(self._fill + n)
-        assert self._buf is not None
-        self._buf[self._fill : self._fill + n] = view  # a copy holding the GIL: ``data`` may be reused at once
+        if self._fill and self._fill + n > _WRITE_BLOCK:
+            self._flush()
+        if n >= _WRITE_BLOCK:  # (the header went with the flush above: it is always gathered first)
+            self._fp.write(view)
+            return
+        # held where it lies only if nobody can change it: a ``bytes`` (or a view of one)
+        self._pending.append(view if isinstance(view.obj, bytes) else bytes(view))
         self._fill += n
 
-    def _grow(self, need: int) -> None:
-        """A block of at least ``need`` (<= :data:`_WRITE_BLOCK`) bytes, holding what was gathered."""
-        size = _FIRST_BLOCK if self._buf is None else 2 * len(self._buf)
-        while size < need:
-            size *= 2
-        buf = memoryview(bytearray(min(size, _WRITE_BLOCK)))
-        if self._buf is not None and self._fill:
-            buf[: self._fill] = self._buf[: self._fill]
-        self._buf = buf
-
     def _commit_header(self, flags: int) -> None:
-        """Fix the header's flags (before the header leaves the first block)."""
+        """Fix the header's flags (before the header is written: the first gathered piece; an
+        in-memory file's in place)."""
         if self._flags is None:
             self._flags = flags
-            assert self._buf is not None
-            _HEADER.pack_into(self._buf, 0, MAGIC, FORMAT_VERSION, flags, 0)
+            header = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, 0)
+            if self._direct:
+                self._fp.getbuffer()[self._start : self._start + HEADER_SIZE] = header  # type: ignore[attr-defined]
+            else:
+                self._pending[0] = header
 
     def _flush(self) -> None:
-        """Write the gathered bytes (a file object must not keep the buffer it was given, so the
-        block is reused). The first flush writes the header: the manifest will be compressed."""
-        if self._fill and self._buf is not None:
-            self._commit_header(FLAG_MANIFEST_ZSTD)
-            n, self._fill = self._fill, 0
-            self._fp.write(self._buf[:n])
+        """Write the gathered pieces. The first flush writes the header: the manifest will be
+        compressed."""
+        if not self._pending:
+            return
+        self._commit_header(FLAG_MANIFEST_ZSTD)
+        pieces, self._pending, self._fill = self._pending, [], 0
+        if len(pieces) == 1:
+            self._fp.write(pieces[0])
+        elif self._writev is not None:
+            self._writev([memoryview(p) for p in pieces])
+        else:
+            self._fp.write(b"".join(pieces))
 
     def add_chunk(self, data: bytes | bytearray | memoryview) -> tuple[int, int, str]:
         """Append one chunk; returns ``(offset, length, xxh3-64 hex)`` for the manifest."""

@@ -3,11 +3,11 @@ choice and coding of a storage.
 
 Writer, per storage the GPU codes that a tensor views whole as rows of ``C`` elements
 (:attr:`~s4w_core.jobs.StorageJob.cols`): on a sample of whole rows
-(:func:`~s4w_core.choice.rowcol_sample_rows`), the order-0 entropy of every plane, and of plane 0
-less its row/column offsets (what the GPU's order-0 coders get), scaled to the storage; the
-row/column variant is used where it saves :data:`~s4w_core.choice.RC_MIN_GAIN` with the offsets'
-``R + C`` bytes counted. Every candidate's estimate is computed on the device and read back once
-for all of them. A chosen storage is split on the device, its offsets taken by two reductions over
+(:func:`~s4w_core.choice.rowcol_sample_rows`), the order-0 entropy of plane 0 as it is and less
+its row/column offsets (what the GPU's order-0 coders get), scaled to the storage: the CPU writer's
+rule (:class:`~s4w_core.choice.RowcolCosts`), the variant used where it makes plane 0
+:data:`~s4w_core.choice.RC_MIN_GAIN` smaller with the offsets' ``R + C`` bytes counted. Every
+candidate's estimate is computed on the device and read back once for all of them. A chosen storage is split on the device, its offsets taken by two reductions over
 plane 0 (:func:`~s4w_core.planes.rowcol.offsets_torch`), plane 0 stored less them, and its chunks
 coded with those of the other row/column storages of its group (a batch budget of them) in one nvCOMP
 call and one read-back (:func:`encode_rowcol_many`), each kept coded only if smaller.
@@ -52,9 +52,8 @@ def rowcol_choices_device(
 ) -> list[bool]:
     """Per storage ``(raw bytes, base, delta op, dtype, row length)``: whether the GPU writer codes
     it with :data:`RC_TRANSFORM` -- where :func:`rowcol_estimates_device` says it saves
-    :data:`~s4w_core.choice.RC_MIN_GAIN`."""
-    return [e is not None and e[1] < (1.0 - choice.RC_MIN_GAIN) * e[0]
-            for e in rowcol_estimates_device(items, dev, work=work)]
+    :data:`~s4w_core.choice.RC_MIN_GAIN` on plane 0."""
+    return [e is not None and e.pays for e in rowcol_estimates_device(items, dev, work=work)]
 
 
 def rowcol_estimates_device(
@@ -62,15 +61,15 @@ def rowcol_estimates_device(
     dev: torch.device,
     *,
     work: int | None = None,
-) -> list[tuple[float, float] | None]:
-    """Per storage ``(raw bytes, base, delta op, dtype, row length)``: ``(plain, rowcol)``, the
-    order-0 estimates in bytes of its planes and of its :data:`RC_TRANSFORM` chunks plus offsets, on
-    a sample of rows (module docstring), or None where it is no candidate (no row length, too
-    small). The samples are taken, moved to the device (host samples in one copy per group, not a
+) -> list[choice.RowcolCosts | None]:
+    """Per storage ``(raw bytes, base, delta op, dtype, row length)``: its
+    :class:`~s4w_core.choice.RowcolCosts` (plane 0 and plane 0 less its offsets plus their bytes;
+    no other planes), order-0 estimates on a sample of rows (module docstring), or None where it is
+    no candidate (no row length, too small). The samples are taken, moved to the device (host samples in one copy per group, not a
     synchronizing copy per storage) and estimated a group at a time: at most ``_RC_GROUP_ELEMS``
     sample elements, or what ``work`` bytes of device memory hold
     (:func:`~s4w_core.gpu._nvcomp.work_bytes`); one read-back per group."""
-    out: list[tuple[float, float] | None] = [None] * len(items)
+    out: list[choice.RowcolCosts | None] = [None] * len(items)
     limit = _RC_GROUP_ELEMS if work is None else max(1 << 16, min(_RC_GROUP_ELEMS, work // _RC_BYTES_PER_ELEM))
     cands: list[tuple[int, int, int, int, list[int]]] = []
     sizes: list[int] = []
@@ -104,7 +103,7 @@ def rowcol_estimates_device(
             plain, rc = _estimate_group(run, w, dev)
             for (i, words, cols, n), pb, rb in zip(run, plain, rc):
                 scale = n / words.numel() / 8.0  # sample bits -> storage bytes
-                out[i] = (pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
+                out[i] = choice.RowcolCosts(pb * scale, rb * scale + n // cols + cols)  # with the offsets' bytes
     return out
 
 
@@ -124,8 +123,8 @@ def _rows(raw: torch.Tensor, rows: int, row_bytes: int, pick: list[int]) -> torc
 def _estimate_group(
     group: list[tuple[int, torch.Tensor, int, int]], w: int, dev: torch.device
 ) -> tuple[list[float], list[float]]:
-    """For samples of one width ``(item, words, cols, n)``: the order-0 bits of all planes of each,
-    and with plane 0 less its row/column offsets -- every sample at once (a fixed number of
+    """For samples of one width ``(item, words, cols, n)``: the order-0 bits of plane 0 of each, as
+    it is and less its row/column offsets -- every sample at once (a fixed number of
     kernels, whatever the number of storages: sums by ``index_add_``, histograms by one
     ``bincount``), one read-back; the caller bounds the group (:data:`_RC_GROUP_ELEMS`)."""
     sizes = [int(words.numel()) for _i, words, _c, _n in group]
@@ -133,8 +132,7 @@ def _estimate_group(
     krows = [m // c for m, c in zip(sizes, cols)]
     ns = len(group)
     words = torch.cat([wd for _i, wd, _c, _n in group]) if ns > 1 else group[0][1]
-    planes = plane_bytes(words, w)
-    p0 = planes[0].to(torch.int64)
+    p0 = plane_bytes(words, w)[0].to(torch.int64)
     total = p0.numel()
     # per element: its sample (sid), global row (rid) and global column (cid); per row / column its sample
     sizes_t = torch.tensor(sizes, dtype=torch.int64).to(dev)
@@ -160,14 +158,12 @@ def _estimate_group(
     kr = krows_t[col_sid]
     col = torch.div(csum - row_total[col_sid] + kr // 2, kr, rounding_mode="floor")
     q = (p0 - row[rid] - col[cid]) & 0xFF
-    keys = [(sid * (w + 1) + j) * 256 + (planes[j].to(torch.int64) if j else p0) for j in range(w)]
-    keys.append((sid * (w + 1) + w) * 256 + q)
-    hist = torch.bincount(torch.cat(keys), minlength=ns * (w + 1) * 256).view(ns, w + 1, 256).to(torch.float64)
+    keys = torch.cat([sid * 512 + p0, sid * 512 + 256 + q])
+    hist = torch.bincount(keys, minlength=ns * 512).view(ns, 2, 256).to(torch.float64)
     p = hist / sizes_t.to(torch.float64)[:, None, None]
     h = (-(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p))))).sum(2).clamp_min(1e-3)  # bits per byte
-    bits = (h * sizes_t.to(torch.float64)[:, None]).cpu().numpy()  # (ns, w + 1): one read-back
-    plain = bits[:, :w].sum(1)
-    return plain.tolist(), (plain - bits[:, 0] + bits[:, w]).tolist()
+    bits = (h * sizes_t.to(torch.float64)[:, None]).cpu().numpy()  # (ns, 2): one read-back
+    return bits[:, 0].tolist(), bits[:, 1].tolist()
 
 
 def encode_rowcol_many(

@@ -23,7 +23,7 @@ import numpy as np
 
 from s4w_core import config
 
-__all__ = ["enabled", "split_into", "merge_into", "merge_range"]
+__all__ = ["enabled", "split_into", "merge_into", "merge_range", "rowcol_hists"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Any] | None = None
@@ -75,7 +75,33 @@ def _build() -> dict[str, Any]:
                 x ^= base[i]
             out[i] = x
 
-    return {"split2": split2, "split4": split4, "merge2": merge2, "merge4": merge4}
+    @jit
+    def rowcol_hists(words, shift, cols, hp, hq):  # type: ignore[no-untyped-def]
+        # plane 0 of each word (its byte at ``shift``) counted in ``hp``; the row and column
+        # offsets of rowcol.offsets_np; plane 0 less them (mod 256) counted in ``hq``
+        rows = words.size // cols
+        rs = np.zeros(rows, np.int64)
+        cs = np.zeros(cols, np.int64)
+        for r in range(rows):
+            acc = np.int64(0)
+            for c in range(cols):
+                b = np.int64((words[r * cols + c] >> shift) & 0xFF)
+                acc += b
+                cs[c] += b
+                hp[b] += 1
+            rs[r] = acc
+        total = np.int64(0)
+        for r in range(rows):
+            rs[r] = (rs[r] + cols // 2) // cols
+            total += rs[r]
+        for c in range(cols):
+            cs[c] = (cs[c] - total + rows // 2) // rows  # floor division, as numpy's
+        for r in range(rows):
+            for c in range(cols):
+                b = np.int64((words[r * cols + c] >> shift) & 0xFF)
+                hq[(b - rs[r] - cs[c]) & 0xFF] += 1
+
+    return {"split2": split2, "split4": split4, "merge2": merge2, "merge4": merge4, "rowcol_hists": rowcol_hists}
 
 
 def _warm() -> None:
@@ -93,6 +119,7 @@ def _warm() -> None:
                 k[f"split{w}"](words, base, has, *planes)
                 for src in (planes, ro):
                     k[f"merge{w}"](*src, base, has, words)
+            k["rowcol_hists"](words, 8 * w - 9, 2, np.zeros(256, np.int64), np.zeros(256, np.int64))
         _kernels = k
     except Exception:  # noqa: BLE001 - numba missing or unusable here: numpy does the work
         pass
@@ -256,3 +283,19 @@ def merge_range(
         f(*[p[a:z] for p in ps], b[a:z] if has else b, has, o[a:z])
 
     return merge
+
+
+def rowcol_hists(words: np.ndarray, shift: int, cols: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The histograms (256 int64 counts each) of plane 0 of ``words`` (unsigned, contiguous, whole
+    rows of ``cols``; plane 0 is each word's byte at bit ``shift``) and of plane 0 less its
+    row/column offsets (:func:`s4w_core.planes.rowcol.offsets_np`, modulo 256), in two passes;
+    None when the kernels are not available."""
+    k = _kernels if _ready.is_set() and config.get_bool("S4W_NUMBA") else _get(nbytes=words.nbytes)
+    if k is None or words.dtype.itemsize not in _UINT or not words.flags.c_contiguous:
+        return None
+    if cols < 1 or words.size % cols or not 0 <= shift <= 8 * words.dtype.itemsize - 8:
+        raise ValueError(f"rowcol_hists: {words.size} words, rows of {cols}, shift {shift}")
+    hp = np.zeros(256, np.int64)
+    hq = np.zeros(256, np.int64)
+    k["rowcol_hists"](words, shift, cols, hp, hq)
+    return hp, hq

@@ -25,8 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from s4w_core.planes import _jit
+
 __all__ = [
     "key",
+    "probe_hists",
     "offsets_np",
     "offsets_torch",
     "SUM_BLOCK_ELEMS",
@@ -45,6 +48,22 @@ def plane0_np(words: np.ndarray, w: int, rot: bool) -> np.ndarray:
     out = np.empty(words.size, dtype=np.uint8)
     np.right_shift(words, shift, out=out, casting="unsafe")  # keeps the low byte
     return out
+
+
+def probe_hists(words: np.ndarray, w: int, rot: bool, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The histograms (256 counts each) of plane 0 of the unsigned ``w``-byte ``words`` (whole rows
+    of ``cols``) and of plane 0 less its row/column offsets (:func:`offsets_np`): what the writers'
+    row/column probe estimates. One compiled pass where numba is loaded
+    (:func:`s4w_core.planes._jit.rowcol_hists`), else numpy (:func:`plane0_np`, :func:`offsets_np`,
+    :func:`tile_np`): the same counts."""
+    words = np.ascontiguousarray(words)
+    got = _jit.rowcol_hists(words, 8 * w - (9 if rot else 8), cols)
+    if got is not None:
+        return got
+    p0 = plane0_np(words, w, rot)
+    row, col = offsets_np(p0, cols)
+    q = p0 - tile_np(row, col, 0, p0.size)
+    return np.bincount(p0, minlength=256), np.bincount(q, minlength=256)
 
 
 def plane0_torch(words: torch.Tensor, w: int, rot: bool) -> torch.Tensor:

@@ -71,6 +71,39 @@ def test_jit_split_and_merge_equal_numpy(w: int, n: int, seed: int, with_base: b
 
 
 @numba_only
+@settings(max_examples=60, deadline=None)
+@given(
+    w=st.sampled_from([2, 4]), rows=st.integers(1, 40), cols=st.integers(1, 300), seed=st.integers(0, 2**31),
+    rot=st.booleans(), scaled=st.booleans(),
+)
+def test_jit_rowcol_probe_equals_numpy(w: int, rows: int, cols: int, seed: int, rot: bool, scaled: bool) -> None:
+    """The row/column probe's compiled histograms (plane 0, and plane 0 less its offsets) are the
+    numpy oracle's counts (plane0_np, offsets_np, tile_np), for random and for row/column-scaled
+    words (offsets far from 0 and 255, where the rounding and the modulo matter)."""
+    from s4w_core.planes import rowcol
+
+    words = _special_words(w, rows * cols, seed).view(np.uint16 if w == 2 else np.uint32)
+    if scaled:
+        g = torch.Generator().manual_seed(seed % (1 << 31))
+        x = torch.exp(3 * torch.randn(rows, 1, generator=g)) * torch.exp(3 * torch.randn(1, cols, generator=g))
+        x = x * torch.randn(rows, cols, generator=g)
+        words = (x.to(torch.bfloat16) if w == 2 else x).reshape(-1).view(torch.uint16 if w == 2 else torch.uint32).numpy()
+    got = _jit.rowcol_hists(words, 8 * w - (9 if rot else 8), cols)
+    assert got is not None
+    p0 = rowcol.plane0_np(words, w, rot)
+    row, col = rowcol.offsets_np(p0, cols)
+    q = p0 - rowcol.tile_np(row, col, 0, p0.size)
+    assert np.array_equal(got[0], np.bincount(p0, minlength=256))
+    assert np.array_equal(got[1], np.bincount(q, minlength=256))
+    os.environ["S4W_NUMBA"] = "0"
+    try:  # the public entry's numpy path: the same counts
+        np_path = rowcol.probe_hists(words, w, rot, cols)
+    finally:
+        del os.environ["S4W_NUMBA"]
+    assert np.array_equal(np_path[0], got[0]) and np.array_equal(np_path[1], got[1])
+
+
+@numba_only
 def test_jit_refuses_mismatched_lengths() -> None:
     """The kernels run without bounds checks: every length is checked before they are called."""
     raw = np.zeros(64, dtype=np.uint8)
@@ -82,6 +115,10 @@ def test_jit_refuses_mismatched_lengths() -> None:
         _jit.merge_into([np.zeros(32, np.uint8), np.zeros(31, np.uint8)], 2, np.empty(64, np.uint8), None)
     with pytest.raises(ValueError):
         _jit.merge_into([np.zeros(16, np.uint8)] * 4, 4, np.empty(64, np.uint8), np.zeros(60, np.uint8))
+    with pytest.raises(ValueError):
+        _jit.rowcol_hists(np.zeros(10, np.uint16), 7, 3)  # not whole rows
+    with pytest.raises(ValueError):
+        _jit.rowcol_hists(np.zeros(10, np.uint16), 9, 5)  # past the word
 
 
 def test_numba_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,10 +76,13 @@ def test_small_storages_choose_without_trial_coding(monkeypatch: pytest.MonkeyPa
     assert not choice.nonzero_pays(bits(x), bits(base), dt, rot, "xor")
     assert not choice.rowcol_pays(bits((0.02 * torch.randn(128, 256)).to(dt)), None, dt, rot, None, 256)
     assert trials.calls == 0
-    # a storage above the bound keeps the trial codings
+    # a storage above the bound: the row/column probe estimates its (larger) sample too; the
+    # nonzero trial codes its sample both ways
     big = moments(512, 256, dt)
     assert big.numel() * 2 > choice.ESTIMATE_MAX_BYTES
-    assert choice.rowcol_pays(bits(big), None, dt, rot, None, 256) and trials.calls >= 2
+    assert choice.rowcol_pays(bits(big), None, dt, rot, None, 256) and trials.calls == 0
+    s, b = sparse_delta(1 << 17)
+    assert choice.nonzero_pays(bits(s), bits(b), dt, rot, "xor") and trials.calls >= 2
 
 
 def test_estimated_choices_round_trip_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
