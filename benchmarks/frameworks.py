@@ -403,8 +403,25 @@ def durable_run(name: str) -> bool:
 
 def _store_options(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The store settings a run adds to the README's: ``durable=False`` for the runs with the
-    default's durability (``s4w-nofsync-*``)."""
-    return None if spec.get("durable", True) else {"durable": False}
+    default's durability (``s4w-nofsync-*``), and those of ``--store-option`` (a diagnostic)."""
+    opts = dict(spec.get("store_options") or {})
+    if not spec.get("durable", True):
+        opts["durable"] = False
+    return opts or None
+
+
+def parse_store_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items (the value as JSON where it parses, else the text) as a dict."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--store-option {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def run_lightning(spec: dict[str, Any], ds: TextDataset, device: Any, timer: SaveTimer) -> dict[str, Any]:
@@ -824,6 +841,10 @@ def main(argv: list[str] | None = None) -> int:
                     "repeat's in FRAMEWORK_RUN_rN")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="write one table from the results of several calls (frameworks_*.json, on the same machine) into --out")
+    ap.add_argument("--store-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a CheckpointStore option (JSON value) for every Lightning and HF s4weights run, as a "
+                         "diagnostic against the README's settings, e.g. base_cache_bytes=0 (not for Accelerate, "
+                         "whose runs take the environment switch)")
     ap.add_argument("--only", default="", help="frameworks and/or runs: e.g. lightning,hf or dcp:s4w-warm")
     ap.add_argument("--model", choices=sorted(SIZES), default=None, help="model shape (default: the precision's)")
     ap.add_argument("--steps", type=int, default=60)
@@ -860,6 +881,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     work = a.work or tempfile.mkdtemp(prefix="s4w_fw_")
     only = [s for s in a.only.split(",") if s]
+    store_options = parse_store_options(a.store_option)
     plan = []
     for fw in FRAMEWORKS:
         for mode, cache in RUNS:
@@ -876,6 +898,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if not only or any(o in (fw, f"{fw}:{name}") for o in only):
                 plan.append((fw, "s4w", "warm", name))
+    if store_options and any(fw not in ("lightning", "hf") and mode == "s4w" for fw, mode, _c, _n in plan):
+        raise SystemExit("--store-option applies to Lightning's and HF's runs only: add --only lightning,hf")
     fsyncs = FsyncCounter() if a.smoke else None
     results: list[dict[str, Any]] = []
     throwaway: dict[str, Any] | None = None
@@ -890,7 +914,8 @@ def main(argv: list[str] | None = None) -> int:
                 "every": a.every, "keep": a.keep, "device": device, "run_dir": run_dir, "sample_ms": a.sample_ms,
                 "profile_resume": a.profile_resume, "resume_repeats": a.resume_repeats,
                 "torch_threads": a.torch_threads or (1 if device == "cpu" else None),
-                "async": name.endswith("async-warm"), "durable": durable_run(name)}
+                "async": name.endswith("async-warm"), "durable": durable_run(name),
+                "store_options": store_options}
 
     with open(log_path, "w") as log:
         if plan and (a.throwaway_run if a.throwaway_run is not None else (not a.smoke and device.startswith("cuda"))):
