@@ -93,7 +93,7 @@ _DECLARED = (
     Knob("S4W_DISABLE_GPU", "bool", False, "`1`: the CPU path on a GPU machine", "gpu"),
     Knob("S4W_WARM_UP", "bool", True, "`0`: no background compile of the GPU kernels when a store or adapter is created", "gpu"),
     Knob("S4W_KERNEL_BUNDLE", "bool", True, "`0`: a first warm-up on a machine compiles the GPU kernels instead of installing those the package ships compiled for its Triton and GPU", "gpu"),
-    Knob("S4W_GPU_BATCH_BYTES", "bytes", None, "raw bytes the GPU codes per batch (at least 1 MiB); a save's extra device memory is about 5x this", "gpu", low=1, auto="48 MiB, or free device memory / 8 if less; a save of host copies (non-blocking, re-encoding): at most 1/60 of the state (1/6 of its 10 % device-memory bound, which is at least 32 MiB)"),
+    Knob("S4W_GPU_BATCH_BYTES", "bytes", None, "raw bytes the GPU codes per batch (at least 1 MiB); a save's extra device memory is about 5x this", "gpu", low=1, auto="48 MiB, or free device memory / 8 if less; a save of host copies (non-blocking, re-encoding): at most 1/60 of the state (1/6 of its 10 % device-memory bound, which is at least 32 MiB) until a caller waits for it"),
     Knob("S4W_STAGE_AHEAD", "int", 4, "batches a GPU load reads and checks ahead of the one it decodes", "gpu", low=1),
     Knob("S4W_READ_BLOCK", "bytes", 32 * _MiB, "largest read a GPU load issues into its pinned staging buffer", "gpu", low=1),
     Knob("S4W_PROBE_MIN_GAIN", "float", None, "the saving a later-plane chunk must promise to be sent to nvCOMP ANS (0 to 1; 1: later planes raw)", "gpu", low=0, high=1, auto="0.05; 0.01 for a batch with delta residuals"),

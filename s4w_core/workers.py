@@ -1,14 +1,40 @@
 """The CPU path's thread pool and its ordered maps: segments coded or decoded by a pool, results
-taken in order, with bounded memory."""
+taken in order, with bounded memory; and whether a thread's work is waited for."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["DECODE_WINDOW_PER_THREAD", "Pool", "executor", "ordered", "ordered_window", "segments"]
+__all__ = [
+    "DECODE_WINDOW_PER_THREAD", "Pool", "executor", "foreground", "in_foreground", "ordered", "ordered_window", "segments",
+]
+
+_FOREGROUND: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("s4w_foreground", default=None)
+
+
+@contextlib.contextmanager
+def foreground(when: Callable[[], bool]) -> Iterator[None]:
+    """Within it (on this thread), background work is one that a caller waits for whenever
+    ``when()`` says so: a store's re-encoding while the training thread blocks in ``wait()`` or in
+    the next save. A GPU save of host copies then codes in a blocking save's batches instead of
+    keeping within the device-memory bound of work that runs beside training steps
+    (``s4w_core.gpu``: ``host_work``, asked again as the save goes)."""
+    token = _FOREGROUND.set(when)
+    try:
+        yield
+    finally:
+        _FOREGROUND.reset(token)
+
+
+def in_foreground() -> bool:
+    """Whether this thread's current work is waited for now (:func:`foreground`)."""
+    when = _FOREGROUND.get()
+    return when is not None and when()
 
 
 class Pool(ThreadPoolExecutor):

@@ -61,6 +61,7 @@ from s4w_core.gpu._rowcol import RC_TRANSFORM, encode_rowcol_many, rowcol_choice
 from s4w_core.gpu._samples import gather_samples, runs_of
 from s4w_core.gpu.kernels import fold64_batched, fold64_finish
 from s4w_core.planes.triton_kernels import split_planes_batched
+from s4w_core.workers import in_foreground
 
 __all__ = ["encode_storages", "encode_tensors_device", "host_work", "PreparedEncode", "PROFILES", "MIN_GAIN"]
 
@@ -397,6 +398,10 @@ def encode_storages(
                     raise RuntimeError(f"GPU writer: storage {sink.entries[ji]['path']!r} split with two layouts")
 
         for jidx, job in enumerate(jobs):
+            if work is not None and in_foreground():  # a caller now waits for this save: a blocking one's batches
+                work = None
+                budget = max(budget, _nvcomp.batch_bytes(dev))
+                rc_group.budget = nz_group.budget = budget
             nbytes = job.raw.numel()
             transform, w, cpu_path = plan[jidx]
             if cpu_path:
@@ -514,8 +519,13 @@ def host_work(jobs: list[engine.StorageJob], cpu_path: list[bool]) -> int | None
     state) where it moves host storages to the device to code them -- a non-blocking save's pinned
     copies, a store's re-encoding, DCP's staged copies (host tensors, whatever device they came
     from): such a save runs beside training steps. ``None`` where every storage it codes on the GPU
-    lives there already (a blocking save, between steps: the default batch). ``cpu_path``: per job,
-    whether the CPU path codes it (nothing moved)."""
+    lives there already (a blocking save, between steps: the default batch), and where a caller
+    waits for the save (:func:`~s4w_core.workers.in_foreground`: a store's re-encoding behind its
+    ``wait()``, at the end of training; no step runs beside it). ``cpu_path``: per job, whether the
+    CPU path codes it (nothing moved). (A save that a caller starts waiting for on its way takes
+    the blocking batch from its next storage on: :func:`encode_storages`.)"""
+    if in_foreground():
+        return None
     if any(not cpu and not _on_device(j.raw) for j, cpu in zip(jobs, cpu_path)):
         return _nvcomp.work_bytes(sum(j.raw.numel() for j in jobs))
     return None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import contextlib
 import copy
 import functools
 import logging
@@ -37,7 +38,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -251,7 +252,23 @@ class Pipeline:
         self._side_pending = 0
         self.pending_bytes = 0
         self.peak_pending_bytes = 0
+        self._waiters = 0  # callers blocked in begin() / wait() for the background work
         _PIPELINES.add(self)
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        with self._lock:
+            self._waiters += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+    def waited(self) -> bool:
+        """Whether a caller is blocked waiting for this store's background work (a save behind
+        it, :meth:`wait`): a job that starts now is the caller's critical path."""
+        return self._waiters > 0
 
     # -- foreground
     def begin(self, step: int | None = None) -> float:
@@ -266,18 +283,19 @@ class Pipeline:
             )
         t = time.perf_counter()
         busy = False
-        while True:  # the save in flight may queue a tail before it ends: look again after it
-            h = self.inflight
-            tail = self.cancel_tail(step)
-            self.release()  # a held tail runs now: to its end, or (cancelled) only to free what it holds
-            if h is not None and not h.done():
-                busy = True
-                h.wait_done()
-            elif tail is not None:
-                busy = True
-                tail.wait_done()
-            else:
-                break
+        with self._waiting():
+            while True:  # the save in flight may queue a tail before it ends: look again after it
+                h = self.inflight
+                tail = self.cancel_tail(step)
+                self.release()  # a held tail runs now: to its end, or (cancelled) only to free what it holds
+                if h is not None and not h.done():
+                    busy = True
+                    h.wait_done()
+                elif tail is not None:
+                    busy = True
+                    tail.wait_done()
+                else:
+                    break
         waited = time.perf_counter() - t if busy else 0.0
         self.raise_failed()
         return waited
@@ -329,14 +347,15 @@ class Pipeline:
         self.raise_failed()
 
     def _wait_both(self, timeout: float | None, held: bool = True) -> None:
-        for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail
-            h = getattr(self, which)
-            if which == "tail" and h is not None and self.holds(h):
-                if not held:
-                    continue
-                self.release()
-            if h is not None and not h.wait_done(timeout):
-                raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
+        with self._waiting():
+            for which in ("inflight", "tail"):  # read the tail after the save: it queues the tail
+                h = getattr(self, which)
+                if which == "tail" and h is not None and self.holds(h):
+                    if not held:
+                        continue
+                    self.release()
+                if h is not None and not h.wait_done(timeout):
+                    raise TimeoutError(f"{self.url}: the {h.what} of step {h.step} is still running after {timeout} s")
         if not self.wait_side(timeout):
             raise TimeoutError(f"{self.url}: deletes of unreferenced objects still running after {timeout} s")
 

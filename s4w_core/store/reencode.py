@@ -27,6 +27,7 @@ from s4w_core.store.chain import BaseProvider, CachedBase, source_of_manifest
 from s4w_core.store.loads import Loads
 from s4w_core.store.records import StepInfo, data_key, deltas_into, new_record, replace_record, retained, visible
 from s4w_core.store.reencode_check import same_storages
+from s4w_core.workers import foreground
 
 log = logging.getLogger("s4w_core.store")
 
@@ -184,13 +185,16 @@ class Reencoder(Loads):
             # a step small enough is coded into memory first and written only if the delta pays
             # (nothing written for nothing); a larger one is streamed to its object, removed if not
             buffered: io.BytesIO | None = io.BytesIO() if prev.object_bytes <= REENCODE_BUFFER_BYTES else None
-            if buffered is not None:
-                m, size, prof = self._encode_into(state, buffered, provider, prev.step, prev.extra)
-            else:
-                key = data_key(prev.step)
-                with backend.writer(key) as f:
-                    out = f if cancel is None else CancellableWriter(f, cancel)
-                    m, size, prof = self._encode_into(state, out, provider, prev.step, prev.extra)
+            # a caller blocked on the store (the end of training's wait, a save behind this job):
+            # no training step runs beside it, so the GPU codes in a blocking save's batches
+            with foreground(self._pipe.waited):
+                if buffered is not None:
+                    m, size, prof = self._encode_into(state, buffered, provider, prev.step, prev.extra)
+                else:
+                    key = data_key(prev.step)
+                    with backend.writer(key) as f:
+                        out = f if cancel is None else CancellableWriter(f, cancel)
+                        m, size, prof = self._encode_into(state, out, provider, prev.step, prev.extra)
             handle.stages["encode"] = time.perf_counter() - t
             del state
             t = time.perf_counter()

@@ -895,3 +895,60 @@ def test_a_delta_loads_from_its_base_object_after_another_writer_commits_that_st
     st.backend.delete(mine)
     with pytest.raises(BaseMismatchError, match="step 9.*replaced"):
         CheckpointStore(store_url).load(9)
+
+
+def test_a_reencoding_a_caller_waits_for_runs_in_the_foreground(store_url: str) -> None:
+    """The re-encoding behind a save runs beside training: not in the foreground (the GPU writer
+    keeps its device-memory bound) until a caller blocks on it -- wait() at the end of training, or
+    the next save -- from which point it is (the GPU writer then codes in a blocking save's batches)."""
+    from s4w_core.workers import in_foreground
+
+    run = make_run(3)
+    gated = _Gated(open_backend(store_url), "data/step_000000000000.")
+    st = CheckpointStore(store_url, profile="portable", _backend=gated)
+    seen: list[tuple[int, bool]] = []
+    real = st._encode_into  # noqa: SLF001 - the re-encoding's coding call, observed
+
+    def observed(state: Any, out: Any, provider: Any, step: int, extra: Any) -> Any:
+        seen.append((step, in_foreground()))
+        return real(state, out, provider, step, extra)
+
+    st._encode_into = observed  # type: ignore[method-assign]  # noqa: SLF001
+    st.save(run[0], 0)
+    st.save(run[1], 1)
+    assert gated.entered.wait(30), "the re-encoding of step 0 started"
+    assert (0, False) in seen and not in_foreground()  # nobody waits: beside training
+    waiter = threading.Thread(target=st.wait)
+    waiter.start()
+    flag = None
+    for _ in range(300):  # the job, blocked in its write, now has a caller waiting for it
+        flag = st._pipe.waited()  # noqa: SLF001
+        if flag:
+            break
+        time.sleep(0.01)
+    assert flag, "wait() counts as a caller blocked on the store"
+    gated.gate.set()
+    waiter.join(60)
+    assert not st._pipe.waited()  # noqa: SLF001 - the count falls back once the wait returns
+    st.save(run[2], 2)
+    st.wait()
+    assert [r.kind for r in st.list()] == ["delta", "delta", "keyframe"]
+    for i in range(3):
+        assert bits_equal(CheckpointStore(store_url).load(i), run[i])
+
+
+def test_foreground_is_asked_again_and_ends_with_its_block() -> None:
+    from s4w_core.workers import foreground, in_foreground
+
+    waiting = [False]
+    assert not in_foreground()
+    with foreground(lambda: waiting[0]):
+        assert not in_foreground()
+        waiting[0] = True
+        assert in_foreground()
+        box: list[bool] = []
+        t = threading.Thread(target=lambda: box.append(in_foreground()))
+        t.start()
+        t.join()
+        assert box == [False]  # another thread's work is not this one's
+    assert not in_foreground()
