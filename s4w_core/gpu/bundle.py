@@ -47,8 +47,7 @@ from s4w_core._fsutil import atomic_write
 from s4w_core.gpu import _kernel_record
 from s4w_core.gpu._kernel_record import kernels_digest
 
-__all__ = ["BUNDLES", "FORMAT", "build", "bundle_path", "fingerprint", "install", "kernels_digest", "pack", "read_index",
-           "sources_digest"]
+__all__ = ["BUNDLES", "FORMAT", "build", "bundle_path", "fingerprint", "install", "pack", "read_index", "sources_digest"]
 
 _log = logging.getLogger("s4w_core.gpu")
 
