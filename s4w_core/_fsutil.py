@@ -8,12 +8,12 @@ import os
 import re
 import secrets
 import tempfile
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 from s4w_core import config
 from s4w_core.errors import S4WError, StoreError, UnsafePathError
 
-__all__ = ["name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "write_vectors", "IOV_MAX", "NOFOLLOW_AT"]
+__all__ = ["WriteThrough", "name_parts", "is_safe_name", "store_error", "storage_errors", "atomic_write", "atomic_write_at", "open_dir_nofollow", "fsync_dir", "EarlyWriteback", "write_vectors", "IOV_MAX", "NOFOLLOW_AT"]
 
 #: bytes written between two writeback starts (``S4W_WRITEBACK_BYTES``; 0 turns it off)
 WRITEBACK_BYTES = config.get_int("S4W_WRITEBACK_BYTES")
@@ -276,3 +276,29 @@ def storage_errors(path: str, what: str = "write") -> Iterator[None]:
         raise
     except OSError as e:
         raise store_error(path, e, what) from e
+
+
+class WriteThrough:
+    """A write-only file object over ``f`` whose ``write`` -- and ``writev``, offered only where
+    ``f`` has it (a local file: a container's chunks written where they lie) -- go through
+    :meth:`through`, which a subclass overrides to count, time or stop them."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def write(self, data: Any) -> int:
+        return self.through(self._f.write, data)
+
+    @property
+    def writev(self) -> Callable[[Any], int] | None:
+        """``f``'s ``writev`` through :meth:`through`; ``None`` where it has none (the container
+        writer then joins what it gathered into one write)."""
+        return self._writev if callable(getattr(self._f, "writev", None)) else None
+
+    def _writev(self, views: Any) -> int:
+        return self.through(self._f.writev, views)
+
+    def through(self, fn: Callable[[Any], Any], data: Any) -> int:
+        """``fn(data)`` (a write of ``data``): its byte count (``len(data)`` where ``fn`` returns None)."""
+        n = fn(data)
+        return len(data) if n is None else int(n)

@@ -7,10 +7,10 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import IO, Any, Mapping
+from typing import IO, Any, Callable, Mapping
 
 from s4w_core import engine, obs, pipeline
-from s4w_core._fsutil import atomic_write, storage_errors
+from s4w_core._fsutil import WriteThrough, atomic_write, storage_errors
 from s4w_core.errors import CheckpointNotFoundError, S4WError
 from s4w_core.format.container import ContainerReader, in_memory_file
 from s4w_core.pipeline import PROFILES, Collected, GroupStats, MapLocation, PathLike, open_reader, summarize
@@ -152,27 +152,18 @@ def save(
 
 
 # ----------------------------------------------------------------------------- observability
-class _TimedWriter:
+class _TimedWriter(WriteThrough):
     """The file object :func:`save` writes through: counts the seconds spent in ``write`` (and in
     ``writev``, offered where the file has it: a local file takes a storage's chunks where they lie)."""
 
     def __init__(self, fp: IO[bytes]) -> None:
-        self._fp = fp
+        super().__init__(fp)
         self.seconds = 0.0
-        if hasattr(fp, "writev"):
-            self.writev = self._writev
 
-    def _writev(self, views: Any) -> int:
+    def through(self, fn: Callable[[Any], Any], data: Any) -> int:
         t = time.perf_counter()
         try:
-            return self._fp.writev(views)  # type: ignore[attr-defined, no-any-return]
-        finally:
-            self.seconds += time.perf_counter() - t
-
-    def write(self, data: Any) -> int | None:
-        t = time.perf_counter()
-        try:
-            return self._fp.write(data)
+            return super().through(fn, data)
         finally:
             self.seconds += time.perf_counter() - t
 

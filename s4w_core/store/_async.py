@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from s4w_core import engine, pipeline
+from s4w_core._fsutil import WriteThrough
 from s4w_core.errors import AsyncSaveError, SaveInProgressError
 from s4w_core.hostmem import HostFill, PinnedPool, host_copies, pinned_buffers, pinned_slab
 from s4w_core.skeleton import encode_tree
@@ -183,29 +184,18 @@ class Cancelled(Exception):
     """A tail job was cancelled by the next save (never leaves the store)."""
 
 
-class CancellableWriter:
+class CancellableWriter(WriteThrough):
     """A write-only file object that raises :class:`Cancelled` once ``cancel`` is set, so that a
     container being streamed out stops at its next write (the backend's writer then drops it)."""
 
     def __init__(self, f: Any, cancel: threading.Event) -> None:
-        self._f = f
+        super().__init__(f)
         self._cancel = cancel
 
-    def write(self, data: Any) -> int:
+    def through(self, fn: Callable[[Any], Any], data: Any) -> int:
         if self._cancel.is_set():
             raise Cancelled
-        return int(self._f.write(data))
-
-    @property
-    def writev(self) -> Callable[[Any], int] | None:
-        """The wrapped file's ``writev`` (a local file: chunks written where they lie), stopped once cancelled; ``None``
-        where it has none (the container writer then copies chunks into its write blocks)."""
-        return self._writev if callable(getattr(self._f, "writev", None)) else None
-
-    def _writev(self, views: Any) -> int:
-        if self._cancel.is_set():
-            raise Cancelled
-        return int(self._f.writev(views))
+        return super().through(fn, data)
 
     def flush(self) -> None:
         self._f.flush()

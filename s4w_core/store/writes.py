@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, Literal, Mapping, overload
 
 from s4w_core import engine, obs, pipeline
+from s4w_core._fsutil import WriteThrough
 from s4w_core.errors import BaseMismatchError, ConflictError, S4WError, StoreError
 from s4w_core.hostmem import host_copies
 from s4w_core.skeleton import encode_tree
@@ -42,37 +43,24 @@ class _PreEncoded:
     cache: CachedBase | None
 
 
-class CountingWriter:
+class CountingWriter(WriteThrough):
     """File-object wrapper that counts bytes (and drives a progress bar); a backend's write
     error (ENOSPC, EIO) becomes a :class:`StoreError` naming the object."""
 
     def __init__(self, f: IO[bytes], progress: Progress, where: str = "") -> None:
-        self._f = f
+        super().__init__(f)
         self._p = progress
         self._where = where
         self.n = 0
 
-    @property
-    def writev(self) -> Callable[[Any], int] | None:
-        """The wrapped file's ``writev`` (a local file: chunks written where they lie), counted; ``None``
-        where it has none (the container writer then copies chunks into its write blocks)."""
-        return self._writev if callable(getattr(self._f, "writev", None)) else None
-
-    def _writev(self, views: Any) -> int:
-        return self._counted(self._f.writev, views)  # type: ignore[attr-defined]
-
-    def write(self, data: Any) -> int:
-        return self._counted(self._f.write, data)
-
-    def _counted(self, fn: Callable[[Any], int | None], data: Any) -> int:
+    def through(self, fn: Callable[[Any], Any], data: Any) -> int:
         """``fn(data)`` (a write), its bytes counted; an OS error a :class:`StoreError` naming the object."""
         try:
-            n = fn(data)
+            n = super().through(fn, data)
         except OSError as e:
             if isinstance(e, S4WError):
                 raise
             raise StoreError(f"cannot write {self._where}: {e}") from e
-        n = len(data) if n is None else int(n)
         self.n += n
         self._p.update(n)
         return n
