@@ -160,9 +160,7 @@ def encode_storage_cpu(
     offsets = None
     if rc:  # the row/column variant of the transform (docs/FORMAT.md 4.5d)
         assert job.cols is not None
-        p0 = rowcol.plane0_np(nzt.residual_words(raw, job.dtype, base, op), w, plane_rot(transform))
-        offsets = rowcol.offsets_np(p0, job.cols)
-        del p0
+        offsets = rowcol.offsets_of_words(nzt.residual_words(raw, job.dtype, base, op), w, plane_rot(transform), job.cols)
         entry["transform"] = next(k for k, v in RC_TRANSFORMS.items() if v == transform)
         entry["rowcol"] = rowcol.key(job.cols, *offsets)
     trial = None

@@ -23,7 +23,7 @@ import numpy as np
 
 from s4w_core import config
 
-__all__ = ["enabled", "split_into", "merge_into", "merge_range", "rowcol_hists"]
+__all__ = ["enabled", "split_into", "merge_into", "merge_range", "rowcol_hists", "rowcol_offsets"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Any] | None = None
@@ -76,6 +76,24 @@ def _build() -> dict[str, Any]:
             out[i] = x
 
     @jit
+    def rowcol_offsets(words, shift, cols, row, col):  # type: ignore[no-untyped-def]
+        # rowcol.offsets_np of plane 0 (each word's byte at ``shift``), in one pass over the words
+        rows = words.size // cols
+        cs = np.zeros(cols, np.int64)
+        total = np.int64(0)
+        for r in range(rows):
+            acc = np.int64(0)
+            for c in range(cols):
+                b = np.int64((words[r * cols + c] >> shift) & 0xFF)
+                acc += b
+                cs[c] += b
+            m = (acc + cols // 2) // cols
+            row[r] = np.uint8(m)
+            total += m
+        for c in range(cols):
+            col[c] = np.uint8(((cs[c] - total + rows // 2) // rows) & 0xFF)
+
+    @jit
     def rowcol_hists(words, shift, cols, hp, hq):  # type: ignore[no-untyped-def]
         # plane 0 of each word (its byte at ``shift``) counted in ``hp``; the row and column
         # offsets of rowcol.offsets_np; plane 0 less them (mod 256) counted in ``hq``
@@ -101,7 +119,8 @@ def _build() -> dict[str, Any]:
                 b = np.int64((words[r * cols + c] >> shift) & 0xFF)
                 hq[(b - rs[r] - cs[c]) & 0xFF] += 1
 
-    return {"split2": split2, "split4": split4, "merge2": merge2, "merge4": merge4, "rowcol_hists": rowcol_hists}
+    return {"split2": split2, "split4": split4, "merge2": merge2, "merge4": merge4, "rowcol_hists": rowcol_hists,
+            "rowcol_offsets": rowcol_offsets}
 
 
 def _warm() -> None:
@@ -120,6 +139,7 @@ def _warm() -> None:
                 for src in (planes, ro):
                     k[f"merge{w}"](*src, base, has, words)
             k["rowcol_hists"](words, 8 * w - 9, 2, np.zeros(256, np.int64), np.zeros(256, np.int64))
+            k["rowcol_offsets"](words, 8 * w - 9, 2, np.zeros(2, np.uint8), np.zeros(2, np.uint8))
         _kernels = k
     except Exception:  # noqa: BLE001 - numba missing or unusable here: numpy does the work
         pass
@@ -299,3 +319,18 @@ def rowcol_hists(words: np.ndarray, shift: int, cols: int) -> tuple[np.ndarray, 
     hq = np.zeros(256, np.int64)
     k["rowcol_hists"](words, shift, cols, hp, hq)
     return hp, hq
+
+
+def rowcol_offsets(words: np.ndarray, shift: int, cols: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`s4w_core.planes.rowcol.offsets_np` of plane 0 of ``words`` (unsigned, contiguous,
+    whole rows of ``cols``; plane 0 is each word's byte at bit ``shift``) without making plane 0:
+    one compiled pass; None when the kernels are not available."""
+    k = _kernels if _ready.is_set() and config.get_bool("S4W_NUMBA") else _get(nbytes=words.nbytes)
+    if k is None or words.dtype.itemsize not in _UINT or not words.flags.c_contiguous:
+        return None
+    if cols < 1 or words.size % cols or not 0 <= shift <= 8 * words.dtype.itemsize - 8:
+        raise ValueError(f"rowcol_offsets: {words.size} words, rows of {cols}, shift {shift}")
+    row = np.empty(words.size // cols, np.uint8)
+    col = np.empty(cols, np.uint8)
+    k["rowcol_offsets"](words, shift, cols, row, col)
+    return row, col

@@ -29,6 +29,7 @@ from s4w_core.planes import _jit
 
 __all__ = [
     "key",
+    "offsets_of_words",
     "probe_hists",
     "offsets_np",
     "offsets_torch",
@@ -48,6 +49,17 @@ def plane0_np(words: np.ndarray, w: int, rot: bool) -> np.ndarray:
     out = np.empty(words.size, dtype=np.uint8)
     np.right_shift(words, shift, out=out, casting="unsafe")  # keeps the low byte
     return out
+
+
+def offsets_of_words(words: np.ndarray, w: int, rot: bool, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`offsets_np` of plane 0 of the unsigned ``w``-byte ``words`` (whole rows of ``cols``):
+    one compiled pass where numba is loaded (:func:`s4w_core.planes._jit.rowcol_offsets`, plane 0
+    never made), else numpy (:func:`plane0_np`, then :func:`offsets_np`): the same bytes."""
+    words = np.ascontiguousarray(words)
+    got = _jit.rowcol_offsets(words, 8 * w - (9 if rot else 8), cols)
+    if got is not None:
+        return got
+    return offsets_np(plane0_np(words, w, rot), cols)
 
 
 def probe_hists(words: np.ndarray, w: int, rot: bool, cols: int) -> tuple[np.ndarray, np.ndarray]:

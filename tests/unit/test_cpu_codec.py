@@ -76,9 +76,9 @@ def test_jit_split_and_merge_equal_numpy(w: int, n: int, seed: int, with_base: b
     w=st.sampled_from([2, 4]), rows=st.integers(1, 40), cols=st.integers(1, 300), seed=st.integers(0, 2**31),
     rot=st.booleans(), scaled=st.booleans(),
 )
-def test_jit_rowcol_probe_equals_numpy(w: int, rows: int, cols: int, seed: int, rot: bool, scaled: bool) -> None:
-    """The row/column probe's compiled histograms (plane 0, and plane 0 less its offsets) are the
-    numpy oracle's counts (plane0_np, offsets_np, tile_np), for random and for row/column-scaled
+def test_jit_rowcol_probe_and_offsets_equal_numpy(w: int, rows: int, cols: int, seed: int, rot: bool, scaled: bool) -> None:
+    """The row/column probe's compiled histograms (plane 0, and plane 0 less its offsets) and the
+    writer's compiled offsets are the numpy oracle's (plane0_np, offsets_np, tile_np), for random and for row/column-scaled
     words (offsets far from 0 and 255, where the rounding and the modulo matter)."""
     from s4w_core.planes import rowcol
 
@@ -95,12 +95,18 @@ def test_jit_rowcol_probe_equals_numpy(w: int, rows: int, cols: int, seed: int, 
     q = p0 - rowcol.tile_np(row, col, 0, p0.size)
     assert np.array_equal(got[0], np.bincount(p0, minlength=256))
     assert np.array_equal(got[1], np.bincount(q, minlength=256))
+    offsets = _jit.rowcol_offsets(words, 8 * w - (9 if rot else 8), cols)  # the writer's offsets, from the words
+    assert offsets is not None
+    assert np.array_equal(offsets[0], row) and np.array_equal(offsets[1], col)
+    assert offsets[0].dtype == row.dtype and offsets[1].dtype == col.dtype
     os.environ["S4W_NUMBA"] = "0"
-    try:  # the public entry's numpy path: the same counts
+    try:  # the public entries' numpy paths: the same counts and offsets
         np_path = rowcol.probe_hists(words, w, rot, cols)
+        np_offsets = rowcol.offsets_of_words(words, w, rot, cols)
     finally:
         del os.environ["S4W_NUMBA"]
     assert np.array_equal(np_path[0], got[0]) and np.array_equal(np_path[1], got[1])
+    assert np.array_equal(np_offsets[0], row) and np.array_equal(np_offsets[1], col)
 
 
 @numba_only
@@ -119,6 +125,8 @@ def test_jit_refuses_mismatched_lengths() -> None:
         _jit.rowcol_hists(np.zeros(10, np.uint16), 7, 3)  # not whole rows
     with pytest.raises(ValueError):
         _jit.rowcol_hists(np.zeros(10, np.uint16), 9, 5)  # past the word
+    with pytest.raises(ValueError):
+        _jit.rowcol_offsets(np.zeros(10, np.uint32), 7, 4)  # not whole rows
 
 
 def test_numba_switch(monkeypatch: pytest.MonkeyPatch) -> None:
