@@ -95,29 +95,18 @@ def _build() -> dict[str, Any]:
 
     @jit
     def rowcol_hists(words, shift, cols, hp, hq):  # type: ignore[no-untyped-def]
-        # plane 0 of each word (its byte at ``shift``) counted in ``hp``; the row and column
-        # offsets of rowcol.offsets_np; plane 0 less them (mod 256) counted in ``hq``
+        # plane 0 of each word (its byte at ``shift``) counted in ``hp``, and plane 0 less its
+        # row and column offsets (rowcol_offsets, modulo 256) in ``hq``
         rows = words.size // cols
-        rs = np.zeros(rows, np.int64)
-        cs = np.zeros(cols, np.int64)
+        row = np.empty(rows, np.uint8)
+        col = np.empty(cols, np.uint8)
+        rowcol_offsets(words, shift, cols, row, col)
         for r in range(rows):
-            acc = np.int64(0)
+            rv = np.int64(row[r])
             for c in range(cols):
                 b = np.int64((words[r * cols + c] >> shift) & 0xFF)
-                acc += b
-                cs[c] += b
                 hp[b] += 1
-            rs[r] = acc
-        total = np.int64(0)
-        for r in range(rows):
-            rs[r] = (rs[r] + cols // 2) // cols
-            total += rs[r]
-        for c in range(cols):
-            cs[c] = (cs[c] - total + rows // 2) // rows  # floor division, as numpy's
-        for r in range(rows):
-            for c in range(cols):
-                b = np.int64((words[r * cols + c] >> shift) & 0xFF)
-                hq[(b - rs[r] - cs[c]) & 0xFF] += 1
+                hq[(b - rv - np.int64(col[c])) & 0xFF] += 1
 
     return {"split2": split2, "split4": split4, "merge2": merge2, "merge4": merge4, "rowcol_hists": rowcol_hists,
             "rowcol_offsets": rowcol_offsets}
