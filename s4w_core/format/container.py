@@ -146,6 +146,10 @@ def copy_into(src: memoryview, offset: int, bufs: Sequence[memoryview]) -> int:
 #: get it back while another thread runs Python -- per 512 KiB chunk that made an upload beside a
 #: busy thread 8x slower (``benchmarks/bench_s3_fetch.py --write``)
 _WRITE_BLOCK = 16 << 20
+#: the block copies are gathered in starts this large and doubles as it fills, up to
+#: :data:`_WRITE_BLOCK`: a small container (a training state of a few MB) never allocates and
+#: touches 16 MiB (every save then left the block's pages resident: +16 MiB of peak RSS per thread)
+_FIRST_BLOCK = 256 << 10
 #: chunks handed over together (:meth:`ContainerWriter.add_chunks`) of at least this many bytes go to a
 #: file that takes ``writev`` where they lie; fewer are gathered
 _DIRECT_BYTES = 1 << 20
@@ -160,19 +164,22 @@ def in_memory_file(fp: Any) -> bool:
 class ContainerWriter:
     """Streams a container to a binary file object: ``add_chunk`` in order, then ``finish``.
 
-    Chunks are gathered into writes of up to 16 MiB (a larger chunk is written as it is): a chunk
-    that is an immutable ``bytes`` (what the coders return) is held where it lies, any other
-    buffer copied (its owner may reuse it at once); a gathered write is one ``writev`` where the
-    file takes it, else one joined buffer. A plain in-memory file takes each chunk as it comes.
-    Every byte has been written to ``fp`` when :meth:`finish` returns, and a write error is raised
-    by the call that flushed it."""
+    Chunks are gathered into writes of up to 16 MiB (a larger chunk is written as it is). A file
+    with ``writev`` (a local file) takes each gathered write as one vector write: an immutable
+    ``bytes`` chunk (what the CPU coders return) is held where it lies, any other buffer copied
+    into the writer's block (its owner may reuse it at once: the GPU writer's pinned read-back
+    buffers). Any other file (an S3 stream) gets every byte copied into the block, written in one
+    call. A plain in-memory file takes each chunk as it comes. Every byte has been written to
+    ``fp`` when :meth:`finish` returns, and a write error is raised by the call that flushed it."""
 
     def __init__(self, fp: IO[bytes]) -> None:
         self._fp = fp
         self._direct = in_memory_file(fp)
         self._writev = getattr(fp, "writev", None)
-        self._pending: list[bytes | memoryview] = []  # gathered, not yet written
-        self._fill = 0  # their bytes
+        self._pending: list[memoryview] = []  # with writev: the gathered pieces, in order
+        self._buf: memoryview | None = None  # the block copies go to, allocated at the first, grown as it fills
+        self._used = 0  # its bytes in use
+        self._fill = 0  # the bytes gathered, not yet written
         #: header flags; ``None`` while the header is still unwritten (the first piece gathered)
         self._flags: int | None = None
         self._pos = HEADER_SIZE
@@ -194,34 +201,64 @@ class ContainerWriter:
         if n >= _WRITE_BLOCK:  # (the header went with the flush above: it is always gathered first)
             self._fp.write(view)
             return
-        # held where it lies only if nobody can change it: a ``bytes`` (or a view of one)
-        self._pending.append(view if isinstance(view.obj, bytes) else bytes(view))
+        if self._writev is not None and isinstance(view.obj, bytes):
+            self._pending.append(view)  # nobody can change it: held where it lies
+        else:
+            if self._buf is None or self._used + n > len(self._buf):
+                self._grow(self._used + n)
+            assert self._buf is not None
+            region = self._buf[self._used : self._used + n]
+            region[:] = view  # a copy holding the GIL: ``data`` may be reused at once
+            self._used += n
+            if self._writev is not None:
+                self._pending.append(region)
         self._fill += n
 
+    def _grow(self, need: int) -> None:
+        """A block of at least ``need`` (<= :data:`_WRITE_BLOCK`) bytes. Without ``writev`` it holds
+        everything gathered (what the old one held is copied over); with it, the pieces gathered in
+        the old one stay there (their views keep it) and the new one starts empty."""
+        size = _FIRST_BLOCK if self._buf is None else 2 * len(self._buf)
+        while size < need:
+            size *= 2
+        buf = memoryview(bytearray(min(size, _WRITE_BLOCK)))
+        if self._writev is not None:
+            self._used = 0
+        elif self._buf is not None and self._used:
+            buf[: self._used] = self._buf[: self._used]
+        self._buf = buf
+
     def _commit_header(self, flags: int) -> None:
-        """Fix the header's flags (before the header is written: the first gathered piece; an
+        """Fix the header's flags before the header is written (the first piece gathered; an
         in-memory file's in place)."""
         if self._flags is None:
             self._flags = flags
             header = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, 0)
             if self._direct:
                 self._fp.getbuffer()[self._start : self._start + HEADER_SIZE] = header  # type: ignore[attr-defined]
+            elif self._writev is not None:
+                self._pending[0] = memoryview(header)
             else:
-                self._pending[0] = header
+                assert self._buf is not None
+                self._buf[:HEADER_SIZE] = header
 
     def _flush(self) -> None:
-        """Write the gathered pieces. The first flush writes the header: the manifest will be
-        compressed."""
-        if not self._pending:
+        """Write the gathered bytes (a file object must not keep the buffer it was given, so the
+        block is reused). The first flush writes the header: the manifest will be compressed."""
+        if not self._fill:
             return
         self._commit_header(FLAG_MANIFEST_ZSTD)
-        pieces, self._pending, self._fill = self._pending, [], 0
-        if len(pieces) == 1:
-            self._fp.write(pieces[0])
-        elif self._writev is not None:
-            self._writev([memoryview(p) for p in pieces])
+        n, self._fill = self._fill, 0
+        if self._writev is None:  # every gathered byte is in the block, in order
+            assert self._buf is not None
+            self._fp.write(self._buf[:n])
         else:
-            self._fp.write(b"".join(pieces))
+            pieces, self._pending = self._pending, []
+            if len(pieces) == 1:
+                self._fp.write(pieces[0])
+            else:
+                self._writev(pieces)
+        self._used = 0
 
     def add_chunk(self, data: bytes | bytearray | memoryview) -> tuple[int, int, str]:
         """Append one chunk; returns ``(offset, length, xxh3-64 hex)`` for the manifest."""

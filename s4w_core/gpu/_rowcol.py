@@ -7,9 +7,10 @@ Writer, per storage the GPU codes that a tensor views whole as rows of ``C`` ele
 its row/column offsets (what the GPU's order-0 coders get), scaled to the storage: the CPU writer's
 rule (:class:`~s4w_core.choice.RowcolCosts`), the variant used where it makes plane 0
 :data:`~s4w_core.choice.RC_MIN_GAIN` smaller with the offsets' ``R + C`` bytes counted. Every
-candidate's estimate is computed on the device and read back once for all of them. A chosen storage is split on the device, its offsets taken by two reductions over
-plane 0 (:func:`~s4w_core.planes.rowcol.offsets_torch`), plane 0 stored less them, and its chunks
-coded with those of the other row/column storages of its group (a batch budget of them) in one nvCOMP
+candidate's estimate is computed on the device and read back once for all of them. A chosen
+storage is split on the device, its offsets taken by two reductions over plane 0
+(:func:`~s4w_core.planes.rowcol.offsets_torch`), plane 0 stored less them, and its chunks coded
+with those of the other row/column storages of its group (a batch budget of them) in one nvCOMP
 call and one read-back (:func:`encode_rowcol_many`), each kept coded only if smaller.
 
 Reader: ``rc-`` storages are decoded in the GPU reader's batches like ``planes-rotl1`` /
@@ -65,9 +66,9 @@ def rowcol_estimates_device(
     """Per storage ``(raw bytes, base, delta op, dtype, row length)``: its
     :class:`~s4w_core.choice.RowcolCosts` (plane 0 and plane 0 less its offsets plus their bytes;
     no other planes), order-0 estimates on a sample of rows (module docstring), or None where it is
-    no candidate (no row length, too small). The samples are taken, moved to the device (host samples in one copy per group, not a
-    synchronizing copy per storage) and estimated a group at a time: at most ``_RC_GROUP_ELEMS``
-    sample elements, or what ``work`` bytes of device memory hold
+    no candidate (no row length, too small). The samples are taken, moved to the device (host
+    samples in one copy per group, not a synchronizing copy per storage) and estimated a group at a
+    time: at most ``_RC_GROUP_ELEMS`` sample elements, or what ``work`` bytes of device memory hold
     (:func:`~s4w_core.gpu._nvcomp.work_bytes`); one read-back per group."""
     out: list[choice.RowcolCosts | None] = [None] * len(items)
     limit = _RC_GROUP_ELEMS if work is None else max(1 << 16, min(_RC_GROUP_ELEMS, work // _RC_BYTES_PER_ELEM))

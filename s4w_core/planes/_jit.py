@@ -294,19 +294,29 @@ def merge_range(
     return merge
 
 
+def _rowcol_kernel(name: str, words: np.ndarray, shift: int, cols: int) -> Any:
+    """The compiled row/column kernel ``name`` for ``words`` (None when the kernels are not
+    available or the words are not a contiguous unsigned 2- or 4-byte array), every argument
+    checked first (the kernels do not check bounds)."""
+    k = _kernels if _ready.is_set() and config.get_bool("S4W_NUMBA") else _get(nbytes=words.nbytes)
+    if k is None or words.dtype.itemsize not in _UINT or not words.flags.c_contiguous:
+        return None
+    if cols < 1 or words.size % cols or not 0 <= shift <= 8 * words.dtype.itemsize - 8:
+        raise ValueError(f"{name}: {words.size} words, rows of {cols}, shift {shift}")
+    return k[name]
+
+
 def rowcol_hists(words: np.ndarray, shift: int, cols: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The histograms (256 int64 counts each) of plane 0 of ``words`` (unsigned, contiguous, whole
     rows of ``cols``; plane 0 is each word's byte at bit ``shift``) and of plane 0 less its
     row/column offsets (:func:`s4w_core.planes.rowcol.offsets_np`, modulo 256), in two passes;
     None when the kernels are not available."""
-    k = _kernels if _ready.is_set() and config.get_bool("S4W_NUMBA") else _get(nbytes=words.nbytes)
-    if k is None or words.dtype.itemsize not in _UINT or not words.flags.c_contiguous:
+    f = _rowcol_kernel("rowcol_hists", words, shift, cols)
+    if f is None:
         return None
-    if cols < 1 or words.size % cols or not 0 <= shift <= 8 * words.dtype.itemsize - 8:
-        raise ValueError(f"rowcol_hists: {words.size} words, rows of {cols}, shift {shift}")
     hp = np.zeros(256, np.int64)
     hq = np.zeros(256, np.int64)
-    k["rowcol_hists"](words, shift, cols, hp, hq)
+    f(words, shift, cols, hp, hq)
     return hp, hq
 
 
@@ -314,12 +324,10 @@ def rowcol_offsets(words: np.ndarray, shift: int, cols: int) -> tuple[np.ndarray
     """:func:`s4w_core.planes.rowcol.offsets_np` of plane 0 of ``words`` (unsigned, contiguous,
     whole rows of ``cols``; plane 0 is each word's byte at bit ``shift``) without making plane 0:
     one compiled pass; None when the kernels are not available."""
-    k = _kernels if _ready.is_set() and config.get_bool("S4W_NUMBA") else _get(nbytes=words.nbytes)
-    if k is None or words.dtype.itemsize not in _UINT or not words.flags.c_contiguous:
+    f = _rowcol_kernel("rowcol_offsets", words, shift, cols)
+    if f is None:
         return None
-    if cols < 1 or words.size % cols or not 0 <= shift <= 8 * words.dtype.itemsize - 8:
-        raise ValueError(f"rowcol_offsets: {words.size} words, rows of {cols}, shift {shift}")
     row = np.empty(words.size // cols, np.uint8)
     col = np.empty(cols, np.uint8)
-    k["rowcol_offsets"](words, shift, cols, row, col)
+    f(words, shift, cols, row, col)
     return row, col

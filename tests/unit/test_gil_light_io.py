@@ -189,3 +189,27 @@ def test_an_in_memory_file_takes_each_chunk_and_its_header_in_place(prefix: int)
     data = mem.getvalue()
     assert data[:prefix] == b"x" * prefix and data[prefix:] == gathered.getvalue()
     assert ContainerReader.from_bytes(data[prefix:]).manifest == manifest
+
+
+def test_a_local_file_gets_reused_buffers_copied_and_bytes_where_they_lie(tmp_path) -> None:
+    # a file with writev: a chunk in a buffer its owner reuses at once (the GPU writer's pinned
+    # read-back) is copied into the writer's block, a ``bytes`` chunk is held; both land as added
+    rng = np.random.default_rng(2)
+    chunks = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 700 << 10, 60)]
+    manifest = {"format": "test", "n": len(chunks)}
+    p = tmp_path / "c.s4w"
+    reuse = bytearray(700 << 10)
+    with open(p, "wb") as raw:
+        w = ContainerWriter(EarlyWriteback(raw, window=0))
+        got = []
+        for k, c in enumerate(chunks):
+            if k % 2:
+                got.append(w.add_chunk(c))
+            else:
+                reuse[: len(c)] = c
+                got.append(w.add_chunk(memoryview(reuse)[: len(c)]))
+                reuse[:16] = b"\xff" * 16  # changed right after: the container keeps what was added
+        size = w.finish(manifest)
+    data = p.read_bytes()
+    assert data == _unbuffered(chunks, manifest, compressed=True) and size == len(data)
+    assert got == _offsets(chunks)
