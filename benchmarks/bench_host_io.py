@@ -16,7 +16,8 @@ Pinned allocation of a training state's storage sizes, then one device-to-host c
     nothing (``cudaHostRegister`` faults them in as it pins them)
 Buffered writes of ``--file-gb`` bytes into the page cache (no fsync), by pattern, ``--reps``
 times round-robin (median): one file sequentially in 256 KiB or 16 MiB writes, one file from 4
-threads (pwrite), 2/4/8 files on as many threads; and the unlink of what was written (``--writes-only``: these alone, no GPU needed).
+threads (pwrite), 2/4/8 files on as many threads, one file through a shared mapping copied by 1/4/8 threads
+(sized by ftruncate, its pages faulted in by the copy or by MADV_POPULATE_WRITE, or by fallocate); and the unlink of what was written (``--writes-only``: these alone, no GPU needed).
 Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
   * 512 KiB preads from 8 threads in chunk order (the loader before this change)
   * 16 MiB sequential preads, 1 thread; 4 threads on interleaved 16 MiB blocks; each into
@@ -38,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -314,6 +316,34 @@ def writes(dirname: str, size: int, reps: int = 3) -> list[dict[str, Any]]:
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(lambda o: os.pwrite(fds[0], mv[o : o + blk], o), range(0, size, blk)))
 
+    def mapped(fds: list[int], threads: int, how: str = "truncate", blk: int = 16 << 20) -> None:
+        """One file written through a shared mapping: sized first (``ftruncate``, or ``fallocate``
+        for blocks allocated ahead), then ``threads`` threads copy 16 MiB blocks into it (numpy's
+        copy releases the GIL; the page faults take no inode lock), each block's pages faulted in
+        first by ``MADV_POPULATE_WRITE`` when ``how`` ends in ``+populate``."""
+        fd = fds[0]
+        if how.startswith("fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            views = {"dst": np.frombuffer(mm, dtype=np.uint8)}  # dropped before the mapping closes
+            s_np = src.numpy()
+            populate = how.endswith("+populate") and hasattr(mmap, "MADV_POPULATE_WRITE")
+
+            def one(o: int) -> None:
+                e = min(size, o + blk)
+                if populate:
+                    mm.madvise(mmap.MADV_POPULATE_WRITE, o, e - o)
+                np.copyto(views["dst"][o:e], s_np[o:e])
+
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(one, range(0, size, blk)))
+            views.clear()
+        finally:
+            mm.close()
+
     patterns: list[tuple[str, int, Callable[[list[int]], None]]] = [
         ("256KiB sequential, one file", 1, lambda fds: seq(fds, 256 << 10)),
         ("16MiB sequential, one file", 1, lambda fds: seq(fds, 16 << 20)),
@@ -321,6 +351,11 @@ def writes(dirname: str, size: int, reps: int = 3) -> list[dict[str, Any]]:
         ("16MiB, 2 files on 2 threads", 2, files),
         ("16MiB, 4 files on 4 threads", 4, files),
         ("16MiB, 8 files on 8 threads", 8, files),
+        ("mmap one file, 1 thread", 1, lambda fds: mapped(fds, 1)),
+        ("mmap one file, 4 threads", 1, lambda fds: mapped(fds, 4)),
+        ("mmap one file, 8 threads", 1, lambda fds: mapped(fds, 8)),
+        ("mmap one file, 8 threads, populate", 1, lambda fds: mapped(fds, 8, "truncate+populate")),
+        ("mmap one file fallocated, 8 threads", 1, lambda fds: mapped(fds, 8, "fallocate")),
     ]
     times: dict[str, list[float]] = {name: [] for name, _, _ in patterns}
     unlinks: dict[str, list[float]] = {name: [] for name, _, _ in patterns}
