@@ -17,7 +17,7 @@ Pinned allocation of a training state's storage sizes, then one device-to-host c
 Buffered writes of ``--file-gb`` bytes into the page cache (no fsync), by pattern, ``--reps``
 times round-robin (median): one file sequentially in 256 KiB or 16 MiB writes, one file from 4
 threads (pwrite), 2/4/8 files on as many threads, one file through a shared mapping copied by 1/4/8 threads
-(sized by ftruncate, its pages faulted in by the copy or by MADV_POPULATE_WRITE, or by fallocate); and the unlink of what was written (``--writes-only``: these alone, no GPU needed).
+(sized by ftruncate, its pages faulted in by the copy or by MADV_POPULATE_WRITE, or by fallocate), one file\nsequentially with the kernel's writeback started every 64 MiB on the writing thread or a helper (as the store's\nwriter), with and without an fsync after; and the unlink of what was written (``--writes-only``: these alone, no GPU needed).
 Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
   * 512 KiB preads from 8 threads in chunk order (the loader before this change)
   * 16 MiB sequential preads, 1 thread; 4 threads on interleaved 16 MiB blocks; each into
@@ -344,6 +344,28 @@ def writes(dirname: str, size: int, reps: int = 3) -> list[dict[str, Any]]:
         finally:
             mm.close()
 
+    def early(fds: list[int], how: str, sync: bool, blk: int = 16 << 20, window: int = 64 << 20) -> None:
+        """16 MiB sequential writes of one file, the kernel's writeback of each written 64 MiB
+        started by ``posix_fadvise(DONTNEED)`` (what the store's local writer does,
+        ``S4W_WRITEBACK_BYTES``): on the writing thread (``how="inline"``), on a helper thread
+        (``"helper"``), or not at all (``"none"``); then an fsync when ``sync`` (a durable commit)."""
+        fd = fds[0]
+        helper = ThreadPoolExecutor(1) if how == "helper" else None
+        started = 0
+        for o in range(0, size, blk):
+            os.write(fd, mv[o : o + blk])
+            end = min(size, o + blk)
+            if how != "none" and end - started >= window:
+                if helper is not None:
+                    helper.submit(os.posix_fadvise, fd, started, end - started, os.POSIX_FADV_DONTNEED)
+                else:
+                    os.posix_fadvise(fd, started, end - started, os.POSIX_FADV_DONTNEED)
+                started = end
+        if helper is not None:
+            helper.shutdown(wait=True)
+        if sync:
+            os.fsync(fd)
+
     patterns: list[tuple[str, int, Callable[[list[int]], None]]] = [
         ("256KiB sequential, one file", 1, lambda fds: seq(fds, 256 << 10)),
         ("16MiB sequential, one file", 1, lambda fds: seq(fds, 16 << 20)),
@@ -351,6 +373,11 @@ def writes(dirname: str, size: int, reps: int = 3) -> list[dict[str, Any]]:
         ("16MiB, 2 files on 2 threads", 2, files),
         ("16MiB, 4 files on 4 threads", 4, files),
         ("16MiB, 8 files on 8 threads", 8, files),
+        ("16MiB sequential, one file, fsync", 1, lambda fds: early(fds, "none", True)),
+        ("16MiB sequential, writeback started inline", 1, lambda fds: early(fds, "inline", False)),
+        ("16MiB sequential, writeback started inline, fsync", 1, lambda fds: early(fds, "inline", True)),
+        ("16MiB sequential, writeback started on a helper", 1, lambda fds: early(fds, "helper", False)),
+        ("16MiB sequential, writeback started on a helper, fsync", 1, lambda fds: early(fds, "helper", True)),
         ("mmap one file, 1 thread", 1, lambda fds: mapped(fds, 1)),
         ("mmap one file, 4 threads", 1, lambda fds: mapped(fds, 4)),
         ("mmap one file, 8 threads", 1, lambda fds: mapped(fds, 8)),
