@@ -36,7 +36,8 @@ _SEEDS: list[bytes] | None = None
 
 
 def seeds() -> list[bytes]:
-    """Small valid containers covering every transform and codec the CPU writes."""
+    """Small valid containers covering every transform and codec the CPU writes (the row/column and
+    nonzero variants included: ``test_fuzz_short`` checks that they are chosen)."""
     global _SEEDS
     if _SEEDS is None:
         g = torch.Generator().manual_seed(0)
@@ -53,6 +54,13 @@ def seeds() -> list[bytes]:
                     "misc": (None, True, -0.0, float("nan"), b"xy", {1, 2}, torch.bfloat16, torch.Size([2, 3])),
                 },
                 {"view": torch.randn(8, 8, generator=g)[:, 2:5].t(), "empty": torch.empty(0, 4), "scalar": torch.tensor(1.5)},
+                # appended, so that the regressions' inputs still pick the seeds they picked
+                # a matrix with row and column scales: the row/column variant (rc-, FORMAT.md 4.5d)
+                {"scaled": (torch.randn(64, 96, generator=g) * 2.0 ** torch.randint(-6, 7, (64, 1), generator=g)
+                            * 2.0 ** torch.randint(-6, 7, (1, 96), generator=g)).to(torch.bfloat16)},
+                # Adam moments with untouched (zero) rows: the nonzero variant (nz-, FORMAT.md 4.5c)
+                {"exp_avg": torch.randn(64, 96, generator=g) * (torch.rand(64, 1, generator=g) > 0.5),
+                 "exp_avg_sq": (torch.rand(64, 96, generator=g) * (torch.rand(64, 1, generator=g) > 0.5)).to(torch.bfloat16)},
             ]
             out = []
             for o in objs:

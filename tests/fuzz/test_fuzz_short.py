@@ -23,8 +23,19 @@ def test_seeds_decode_ok() -> None:
         assert harness.check_input(blob) == "ok"
 
 
+def test_seeds_cover_every_transform_family() -> None:
+    """The seeds hold storages of the plain, row/column (``rc-``) and nonzero (``nz-``) byte-plane
+    transforms and of ``bytes``, so that mutations reach each family's decode and checks."""
+    seen = set()
+    for blob in harness.seeds():
+        _prefix, manifest = harness.split(blob)
+        seen |= {st.get("transform") for st in manifest["storages"]}
+    assert {"bytes", "planes-rotl1", "rc-planes-rotl1"} <= seen, seen
+    assert any(t.startswith("nz-") for t in seen if t), seen
+
+
 @settings(max_examples=scaled(150, 4000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2), st.integers(1, 3), st.binary(min_size=1, max_size=16))
+@given(st.integers(0, len(harness.seeds()) - 1), st.integers(1, 3), st.binary(min_size=1, max_size=16))
 def test_mutated_containers_fail_cleanly(seed_idx: int, rounds: int, salt: bytes) -> None:
     rng = random.Random(salt)
     blob = harness.seeds()[seed_idx]
