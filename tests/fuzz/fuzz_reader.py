@@ -1,6 +1,6 @@
 """Coverage-guided fuzz target (atheris / libFuzzer) for the s4weights reader.
 
-Run (long run, results in benchmarks/results/fuzz_reader.txt)::
+Run (long run, results in benchmarks/results/fuzz_reader_1M.txt)::
 
     python tests/fuzz/fuzz_reader.py -runs=1000000 -rss_limit_mb=3072 -timeout=20 -max_len=8192
 
