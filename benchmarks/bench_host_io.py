@@ -14,10 +14,12 @@ Pinned allocation of a training state's storage sizes, then one device-to-host c
     also advised ``MADV_HUGEPAGE`` since 4f78952), ``MAP_POPULATE``
     (within ``mmap``), ``MADV_POPULATE_WRITE`` (with or without ``MADV_HUGEPAGE`` first), or
     nothing (``cudaHostRegister`` faults them in as it pins them)
-Buffered writes of ``--file-gb`` bytes into the page cache (no fsync), by pattern, ``--reps``
+Buffered writes of ``--file-gb`` bytes into the page cache (no fsync but where a pattern names one), by pattern, ``--reps``
 times round-robin (median): one file sequentially in 256 KiB or 16 MiB writes, one file from 4
 threads (pwrite), 2/4/8 files on as many threads, one file through a shared mapping copied by 1/4/8 threads
-(sized by ftruncate, its pages faulted in by the copy or by MADV_POPULATE_WRITE, or by fallocate), one file\nsequentially with the kernel's writeback started every 64 MiB on the writing thread or a helper (as the store's\nwriter), with and without an fsync after; and the unlink of what was written (``--writes-only``: these alone, no GPU needed).
+(sized by ftruncate, its pages faulted in by the copy or by MADV_POPULATE_WRITE, or by fallocate), one file
+sequentially with the kernel's writeback started every 64 MiB on the writing thread or a helper (as the store's
+writer), with and without an fsync after; and the unlink of what was written (``--writes-only``: these alone, no GPU needed).
 Reads of a ``--file-gb`` file written and fsynced here, the page cache dropped before each:
   * 512 KiB preads from 8 threads in chunk order (the loader before this change)
   * 16 MiB sequential preads, 1 thread; 4 threads on interleaved 16 MiB blocks; each into
@@ -288,7 +290,7 @@ def reads(path: str, size: int) -> list[dict[str, Any]]:
 
 
 def writes(dirname: str, size: int, reps: int = 3) -> list[dict[str, Any]]:
-    """Buffered writes of ``size`` bytes into the page cache (no fsync: what a framework's default
+    """Buffered writes of ``size`` bytes into the page cache (no fsync but where a pattern names one: what a framework's default
     save pays), by pattern, each pattern ``reps`` times in round-robin order (the first writes of
     a process can run slower: the median is reported), then the unlink of the files: the floor
     under any save that writes that many bytes on this machine."""

@@ -54,7 +54,8 @@ def seeds() -> list[bytes]:
                     "misc": (None, True, -0.0, float("nan"), b"xy", {1, 2}, torch.bfloat16, torch.Size([2, 3])),
                 },
                 {"view": torch.randn(8, 8, generator=g)[:, 2:5].t(), "empty": torch.empty(0, 4), "scalar": torch.tensor(1.5)},
-                # appended, so that the regressions' inputs still pick the seeds they picked
+                # appended (run_one picks seed data[0] % len(seeds()): the one regression input, first byte 1,
+                # still picks seed 1)
                 # a matrix with row and column scales: the row/column variant (rc-, FORMAT.md 4.5d)
                 {"scaled": (torch.randn(64, 96, generator=g) * 2.0 ** torch.randint(-6, 7, (64, 1), generator=g)
                             * 2.0 ** torch.randint(-6, 7, (1, 96), generator=g)).to(torch.bfloat16)},
